@@ -1,0 +1,210 @@
+"""Per-request block tables on top of the block pool: allocate on demand, free at once,
+reuse cached prefixes, and keep the books for swapping to host memory."""
+
+from __future__ import annotations
+
+from everystop.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from everystop.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.02) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_gpu_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        # New admissions must leave this many blocks free, so running sequences can always grow
+        # (or at least a preemption can complete) without the pool hitting zero.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Hashes of the request's full blocks (prompt and output), computed once each.
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # How many leading blocks of the request are registered in the prefix cache.
+        self._num_registered: dict[str, int] = {}
+        # Host swap space: a plain free list of host block ids.
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.swapped_blocks: dict[str, list[int]] = {}
+        # Host blocks released by a swap-in are reusable only from the next step: the executor
+        # performs this step's swap-outs before its swap-ins.
+        self._cpu_release_next_step: list[int] = []
+        # Counters.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
+        hashes = self._req_hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tuple(req.token_slice(i * bs, (i + 1) * bs))))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The longest run of cached blocks matching the start of the request's tokens.
+
+        NOTE: at least one token is always left to compute, since sampling needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.num_prefix_queries += 1
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hashes = self._block_hashes(req, max_blocks)
+        hit: list[KVBlock] = []
+        for i in range(max_blocks):
+            parent = hashes[i - 1] if i else None
+            block = self.pool.lookup(hashes[i], parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            if block is None:
+                break
+            hit.append(block)
+        if hit:
+            self.num_prefix_hits += 1
+        return hit
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's blocks that are now full and computed, so others can reuse
+        them (called after each step that advanced the request)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(req, num_full)
+        bs = self.block_size
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], hashes[i], parent,
+                                  tuple(req.token_slice(i * bs, (i + 1) * bs)))
+        self._num_registered[req.request_id] = num_full
+
+    # -- allocation -----------------------------------------------------------------------------
+    def num_new_blocks_needed(self, req: Request, num_new_tokens: int,
+                              computed: list[KVBlock] = ()) -> int:  # type: ignore[assignment]
+        held = len(self.req_blocks.get(req.request_id, ())) + len(computed)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        return max(0, self.blocks_needed(total) - held)
+
+    def can_allocate(self, req: Request, num_new_tokens: int,
+                     computed: list[KVBlock] = (),  # type: ignore[assignment]
+                     reserve_watermark: bool = False) -> bool:
+        need = self.num_new_blocks_needed(req, num_new_tokens, computed)
+        # Reusing a cached block that is currently free takes it out of the free pool.
+        need += sum(1 for b in computed if b.ref_cnt == 0)
+        reserve = self.watermark_blocks if reserve_watermark else 0
+        return need <= self.pool.num_free_blocks - reserve
+
+    def allocate(self, req: Request, num_new_tokens: int,
+                 computed: list[KVBlock] = (),  # type: ignore[assignment]
+                 reserve_watermark: bool = False) -> bool:
+        """Grow the request's table to hold num_new_tokens more tokens (after `computed`, the
+        cached prefix blocks it adopts). Returns False, changing nothing, if the pool is short."""
+        if not self.can_allocate(req, num_new_tokens, computed, reserve_watermark):
+            return False
+        need = self.num_new_blocks_needed(req, num_new_tokens, computed)
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if computed:
+            self.pool.touch(list(computed))
+            blocks.extend(computed)
+            self._num_registered[req.request_id] = len(blocks)
+        if need:
+            blocks.extend(self.pool.get_new_blocks(need))
+        return True
+
+    def free(self, req: Request) -> None:
+        """Return the request's device blocks now (tail first, so shared prefixes stay cached
+        longest). Also forgets its host copy, if it had one."""
+        blocks = self.req_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(blocks[::-1])
+        self._num_registered.pop(req.request_id, None)
+        host = self.swapped_blocks.pop(req.request_id, None)
+        if host:
+            self._cpu_free.extend(host)
+
+    def forget(self, req: Request) -> None:
+        """Drop everything kept for a finished request."""
+        self.free(req)
+        self._req_hashes.pop(req.request_id, None)
+
+    # -- swap -----------------------------------------------------------------------------------
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return sum(len(h) for h in self.swapped_blocks.values())
+
+    def can_swap_out(self, req: Request) -> bool:
+        return len(self.req_blocks.get(req.request_id, ())) <= len(self._cpu_free)
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host space: returns (device, host) copies to perform
+        before the next forward pass; the device blocks are free from now on."""
+        blocks = self.req_blocks.pop(req.request_id)
+        host = [self._cpu_free.pop() for _ in blocks]
+        self.swapped_blocks[req.request_id] = host
+        mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
+        self.pool.free_blocks(blocks[::-1])
+        self._num_registered.pop(req.request_id, None)
+        return mapping
+
+    def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        host = self.swapped_blocks[req.request_id]
+        total = req.num_computed_tokens + num_new_tokens
+        need = max(len(host), self.blocks_needed(total))
+        return need <= self.pool.num_free_blocks - self.watermark_blocks
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Bring a swapped request back: returns (host, device) copies, and room for
+        num_new_tokens more tokens."""
+        host = self.swapped_blocks.pop(req.request_id)
+        total = req.num_computed_tokens + num_new_tokens
+        blocks = self.pool.get_new_blocks(max(len(host), self.blocks_needed(total)))
+        self.req_blocks[req.request_id] = blocks
+        self._cpu_release_next_step.extend(host)
+        return [(h, b.block_id) for h, b in zip(host, blocks)]
+
+    def begin_step(self) -> None:
+        """Called at the start of each schedule(): host blocks read by last step's swap-ins
+        may be reused now."""
+        if self._cpu_release_next_step:
+            self._cpu_free.extend(self._cpu_release_next_step)
+            self._cpu_release_next_step.clear()
+
+    # -- invariants -----------------------------------------------------------------------------
+    def check_integrity(self, live_request_ids: set[str] | None = None) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if refs.get(block.block_id, 0) != block.ref_cnt:
+                raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                                     f"{refs.get(block.block_id, 0)} tables hold it")
+        host = [h for hs in self.swapped_blocks.values() for h in hs]
+        all_host = host + self._cpu_free + self._cpu_release_next_step
+        if len(all_host) != len(set(all_host)) or len(all_host) != self.num_cpu_blocks:
+            raise AssertionError("host swap blocks leaked or owned twice")
+        if live_request_ids is not None:
+            stale = (set(self.req_blocks) | set(self.swapped_blocks)) - live_request_ids
+            if stale:
+                raise AssertionError(f"blocks held by finished or unknown requests: {stale}")

@@ -1,0 +1,77 @@
+"""Builders shared by the scheduler tests: a scheduler over a toy executor and a fake clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from everystop.config import SchedulerConfig
+from everystop.core.kv_cache_manager import KVCacheManager
+from everystop.core.outputs import RequestUpdate, SchedulerOutput
+from everystop.core.request import Request
+from everystop.core.scheduler import Scheduler
+from everystop.sampling_params import SamplingParams
+
+from .toy_executor import ToyExecutor
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    executor: ToyExecutor
+    clock: FakeClock
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    history: list[SchedulerOutput] = field(default_factory=list)
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 1,
+            tenant: str = "t", eos: int | None = None) -> Request:
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                        ignore_eos=eos is None),
+                      eos_token_id=eos, priority=priority, tenant=tenant)
+        self.scheduler.add_request(req)
+        self.outputs[rid] = []
+        return req
+
+    def step(self, dt: float = 0.01) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(sched)
+        updates = self.scheduler.update_from_output(sched, result)
+        for u in updates:
+            self.outputs[u.request_id].extend(u.new_token_ids)
+            if u.finish_reason:
+                self.finish[u.request_id] = u.finish_reason
+        self.clock.now += dt
+        self.history.append(sched)
+        self.scheduler.check_integrity()
+        return sched, updates
+
+    def run(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.scheduler.has_unfinished:
+            self.step()
+            steps += 1
+            if steps > max_steps:
+                raise AssertionError("the engine made no progress (deadlock or livelock)")
+        return steps
+
+
+def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int = 0,
+                 prefix_caching: bool = True, watermark: float = 0.0,
+                 **sched_kwargs: object) -> Harness:
+    defaults: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=16,
+                                       max_model_len=4096)
+    defaults.update(sched_kwargs)
+    config = SchedulerConfig(**defaults)  # type: ignore[arg-type]
+    kv = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                        enable_prefix_caching=prefix_caching, watermark=watermark)
+    clock = FakeClock()
+    return Harness(Scheduler(config, kv, clock=clock),
+                   ToyExecutor(num_blocks, block_size, num_cpu_blocks), clock)

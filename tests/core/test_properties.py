@@ -1,0 +1,102 @@
+"""Property-based tests: random arrivals, lengths, pool sizes and aborts; invariants every step."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from everystop.core.block_pool import BlockPool
+
+from .helpers import make_harness
+from .toy_executor import reference_output
+
+request_st = st.tuples(
+    st.integers(min_value=0, max_value=40),  # arrival step
+    st.lists(st.integers(min_value=3, max_value=60), min_size=1, max_size=40),  # prompt
+    st.integers(min_value=1, max_value=25),  # max_tokens
+    st.integers(min_value=0, max_value=2),  # priority
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=14),
+    num_blocks=st.integers(min_value=20, max_value=80),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    max_num_seqs=st.integers(min_value=1, max_value=8),
+    extra_budget=st.integers(min_value=0, max_value=40),
+    chunk_size=st.integers(min_value=1, max_value=32),
+    mode=st.sampled_from(["recompute", "swap", "auto"]),
+    prefix_caching=st.booleans(),
+    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 13)), max_size=3),
+)
+def test_invariants_hold_and_everything_finishes(requests, num_blocks, block_size, max_num_seqs,
+                                                 extra_budget, chunk_size, mode, prefix_caching,
+                                                 aborts) -> None:
+    h = make_harness(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_seqs + extra_budget,
+                     chunk_size=chunk_size, preemption_mode=mode, prefix_caching=prefix_caching,
+                     recompute_threshold_tokens=4, watermark=0.05)
+    pool = h.scheduler.kv.pool
+    accepted: dict[str, tuple[list[int], int]] = {}
+    aborted: set[str] = set()
+    step = 0
+    pending = sorted(enumerate(requests), key=lambda x: x[1][0])
+    while pending or h.scheduler.has_unfinished:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, max_tokens, prio) = pending.pop(0)
+            try:
+                h.add(f"r{i}", prompt, max_tokens, priority=prio)
+                accepted[f"r{i}"] = (prompt, max_tokens)
+            except ValueError:  # RequestRejected: too big for this pool
+                needed = h.scheduler.kv.blocks_needed(len(prompt) + max_tokens)
+                assert needed > num_blocks - h.scheduler.kv.watermark_blocks
+        for at, idx in aborts:
+            if at == step and f"r{idx}" in h.scheduler.requests:
+                h.scheduler.abort_requests([f"r{idx}"])
+                aborted.add(f"r{idx}")
+        sched, _ = h.step()
+        step += 1
+        assert step < 3000, "no progress: deadlock or livelock"
+        # free + used == total, and cached blocks are a subset of the free ones
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        assert pool.num_cached_free_blocks <= pool.num_free_blocks
+        assert sched.num_scheduled_tokens <= max(max_num_seqs + extra_budget,
+                                                 max((e.num_tokens for e in sched.scheduled),
+                                                     default=0))
+        assert len(sched.scheduled) <= max_num_seqs
+        owners: dict[int, str] = {}
+        for e in sched.scheduled:  # no block is written by two sequences in one pass
+            for pos in range(e.start_pos, e.seq_len):
+                b = e.block_ids[pos // block_size]
+                assert owners.setdefault(b, e.request_id) == e.request_id
+    for rid, (prompt, max_tokens) in accepted.items():
+        if rid in aborted:
+            continue
+        assert h.outputs[rid] == reference_output(prompt, max_tokens), rid
+    assert pool.num_used_blocks == 0
+    assert h.scheduler.kv.num_swapped_blocks == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "touch"]),
+                              st.integers(0, 5)), max_size=60))
+def test_block_pool_ref_counts_never_negative(ops) -> None:
+    pool = BlockPool(16)
+    held: list = []
+    for op, n in ops:
+        if op == "alloc" and n <= pool.num_free_blocks:
+            blocks = pool.get_new_blocks(n)
+            for b in blocks:
+                pool.cache_block(b, hash((b.block_id, len(held))), None, (b.block_id,))
+            held.extend(blocks)
+        elif op == "free" and held:
+            pool.free_blocks([held.pop(n % len(held))])
+        elif op == "touch" and held:
+            b = held[n % len(held)]
+            pool.touch([b])
+            held.append(b)
+        pool.check_integrity()
+        assert all(b.ref_cnt >= 0 for b in pool.blocks)
+        assert pool.num_used_blocks == len({id(b) for b in held})

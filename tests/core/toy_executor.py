@@ -1,0 +1,69 @@
+"""A model-free executor that checks the KV cache is used correctly.
+
+It keeps a fake KV pool holding, per slot, the token and position written there. Each step it
+writes the scheduled tokens through the block table, then "attends": it reads back the whole
+context through the block table and checks it is exactly the sequence's tokens. The next token is
+a deterministic function of that context, so a wrong block table, a bad prefix-cache hit or a
+broken swap shows up as a different output from the request run alone.
+"""
+
+from __future__ import annotations
+
+from everystop.core.outputs import ModelOutput, SchedulerOutput
+
+
+class KVCorruption(AssertionError):
+    pass
+
+
+def next_token(context: list[int], vocab: int = 1000) -> int:
+    h = 0
+    for t in context[-8:]:
+        h = (h * 131 + t) % 1_000_003
+    return 3 + (h + len(context)) % (vocab - 3)
+
+
+class ToyExecutor:
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.gpu: list[list[tuple[int, int] | None]] = [[None] * block_size
+                                                         for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[tuple[int, int] | None]] = [[None] * block_size
+                                                         for _ in range(num_cpu_blocks)]
+        self.num_steps = 0
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.num_steps += 1
+        for dev, host in sched.blocks_to_swap_out:
+            self.cpu[host] = list(self.gpu[dev])
+        for host, dev in sched.blocks_to_swap_in:
+            self.gpu[dev] = list(self.cpu[host])
+        bs = self.block_size
+        for e in sched.scheduled:  # every layer writes all new K/V before attention reads
+            for i, tok in enumerate(e.token_ids):
+                pos = e.start_pos + i
+                self.gpu[e.block_ids[pos // bs]][pos % bs] = (tok, pos)
+        out = ModelOutput()
+        for e in sched.scheduled:
+            context = []
+            for pos in range(e.seq_len):
+                cell = self.gpu[e.block_ids[pos // bs]][pos % bs]
+                if cell is None or cell[1] != pos:
+                    raise KVCorruption(f"{e.request_id}: slot for position {pos} holds {cell}")
+                context.append(cell[0])
+            if e.sample:
+                out.sampled_token_ids[e.request_id] = next_token(context)
+        return out
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """What the toy model generates for a prompt run alone (ignore_eos)."""
+    ctx = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(ctx)
+        out.append(t)
+        ctx.append(t)
+    return out
