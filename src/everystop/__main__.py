@@ -1,0 +1,5 @@
+import sys
+
+from everystop.cli import main
+
+sys.exit(main())
