@@ -34,6 +34,9 @@ class ToyExecutor:
                                                          for _ in range(num_cpu_blocks)]
         self.num_steps = 0
 
+    def shutdown(self) -> None:
+        pass
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.num_steps += 1
         for dev, host in sched.blocks_to_swap_out:

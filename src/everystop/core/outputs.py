@@ -97,3 +97,62 @@ class RequestUpdate:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    preemption_count: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        if self.admitted_time is None:
+            return None
+        return self.admitted_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What a consumer receives after each step that gave its request new tokens (or ended it).
+
+    `new_text` / `new_token_ids` are this step's delta; `text` / `token_ids` are cumulative.
+    Text that might be the start of a stop string is held back until it is known not to be.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class IterationRecord:
+    """One engine step, for telemetry, guardrails and simulator calibration."""
+
+    step: int
+    time: float
+    num_seqs: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    context_tokens: int  # sum of context lengths attended over (KV read)
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    latency_s: float

@@ -1,0 +1,187 @@
+"""Runs the engine loop on its own thread and streams each request's outputs to asyncio.
+
+Why a thread, not a process: the forward pass spends its time in torch kernels that release the
+GIL, so the HTTP event loop stays responsive, while outputs reach consumers with no
+serialization or process hop. The lock guards scheduler state only around schedule() and
+update(); the forward pass itself runs unlocked, so adds and aborts never wait for it.
+
+NOTE: an abort during a forward pass is safe: freed blocks are handed out again only by the next
+schedule(), which runs after the pass, and update_from_output skips finished requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from everystop.core.outputs import RequestOutput
+from everystop.core.request import Request
+from everystop.engine.llm_engine import LLMEngine
+from everystop.sampling_params import SamplingParams
+
+logger = logging.getLogger("everystop.engine")
+
+
+class EngineDraining(RuntimeError):
+    """The engine is shutting down and admits nothing new (the server answers 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop crashed; nothing more will be produced."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    last_read: float
+    closed: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, watchdog_interval_s: float = 1.0) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self.draining = False
+        self.error: BaseException | None = None
+        self.watchdog_interval_s = watchdog_interval_s
+        self.num_watchdog_aborts = 0
+        self._thread = threading.Thread(target=self._run, name="everystop-engine", daemon=True)
+        self._thread.start()
+
+    # -- consumer side (event-loop thread) ------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams, **kw: Any) -> Request:
+        return self.engine.make_request(prompt, params, **kw)
+
+    def submit(self, req: Request) -> None:
+        """Admit a request for streaming. Raises RequestRejected, QueueFull, EngineDraining,
+        EngineDead. Must be called from the event loop that will read the stream."""
+        if self.error is not None:
+            raise EngineDead(f"engine stopped: {self.error}")
+        if self.draining:
+            raise EngineDraining("the server is shutting down")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        with self._lock:
+            self.engine.add_request(req)
+            self._streams[req.request_id] = stream
+        self._wake.set()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted request as they are produced. Leaving the iteration early
+        (client gone, task cancelled) aborts the request and frees its blocks."""
+        stream = self._streams[request_id]
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                stream.last_read = time.monotonic()
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"engine stopped: {item}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            stream.closed = True
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       **kw: Any) -> AsyncIterator[RequestOutput]:
+        req = self.make_request(prompt, params, **kw)
+        self.submit(req)
+        async for out in self.stream(req.request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            if request_id in self.engine.scheduler.requests:
+                self.engine.abort_request(request_id)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_watchdog = time.monotonic()
+        try:
+            while not self._stop:
+                with self._lock:
+                    busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                outputs = self._step()
+                self._deliver(outputs)
+                if not outputs and self.engine.scheduler.config.scheduling == "static":
+                    time.sleep(0.001)
+                if time.monotonic() - last_watchdog > self.watchdog_interval_s:
+                    self._watchdog()
+                    last_watchdog = time.monotonic()
+        except BaseException as exc:  # surface the crash to every consumer, never hang them
+            logger.exception("engine loop crashed")
+            self.error = exc
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _step(self) -> list[RequestOutput]:
+        eng = self.engine
+        with self._lock:
+            outputs, eng._pending_outputs = eng._pending_outputs, []
+            start = eng.clock()
+            sched = eng.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = eng.executor.execute(sched)  # unlocked: adds and aborts proceed meanwhile
+        with self._lock:
+            outputs.extend(eng.finish_step(sched, result, start))
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            except RuntimeError:  # its event loop is gone: nobody will ever read this
+                self.abort(out.request_id)
+
+    def _watchdog(self) -> None:
+        """Free sequences whose consumer is gone (stream closed or its loop stopped) without an
+        abort reaching us."""
+        with self._lock:
+            gone = [rid for rid, s in self._streams.items() if s.closed or s.loop.is_closed()]
+            orphans = [rid for rid in self.engine.scheduler.requests if rid not in self._streams]
+        for rid in gone + orphans:
+            self.num_watchdog_aborts += 1
+            self.abort(rid)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()

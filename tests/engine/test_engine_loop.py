@@ -1,0 +1,104 @@
+"""The engine loop with a toy model: stop strings, aborts, listeners, the async front."""
+
+from __future__ import annotations
+
+import asyncio
+
+from everystop.sampling_params import SamplingParams
+from tests.core.toy_executor import reference_output
+
+from .toy_engine import make_toy_engine
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def test_outputs_stream_as_deltas_that_add_up() -> None:
+    eng = make_toy_engine()
+    req = eng.add_request("hello", SamplingParams(max_tokens=12, ignore_eos=True))
+    deltas, final = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            deltas.append(out.new_text)
+            final = out
+    expected = reference_output(req.prompt_token_ids, 12)
+    assert final is not None and final.finished and final.finish_reason == "length"
+    assert final.token_ids == expected
+    assert "".join(deltas) == final.text == _text(expected)
+
+
+def test_stop_string_spanning_tokens_ends_request_and_is_not_returned() -> None:
+    eng = make_toy_engine()
+    prompt = "abc"
+    full = _text(reference_output([ord(c) for c in prompt], 30))
+    stop = full[10:13]  # three tokens long, so it spans several steps
+    if stop in full[:10]:
+        stop = full[10:14]
+    eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+    deltas, final = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            deltas.append(out.new_text)
+            final = out
+    assert final.finish_reason == "stop"
+    assert final.text == full[:full.index(stop)]
+    assert "".join(deltas) == final.text  # held-back text never leaked the stop string
+    assert eng.kv.pool.num_used_blocks == 0
+
+
+def test_abort_yields_final_output_and_frees_blocks() -> None:
+    eng = make_toy_engine()
+    a = eng.add_request("aaaa", SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("bbbb", SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.step()
+    eng.abort_request(a.request_id)
+    outs = eng.step()
+    aborted = [o for o in outs if o.request_id == a.request_id]
+    assert aborted and aborted[0].finish_reason == "abort"
+    assert a.request_id not in eng.kv.req_blocks
+
+
+def test_iteration_listener_sees_every_step() -> None:
+    eng = make_toy_engine()
+    records = []
+    eng.iteration_listeners.append(lambda rec, sched: records.append(rec))
+    eng.add_request("xyz", SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.run_until_done()
+    assert len(records) == eng.num_steps == 4
+    assert records[0].num_prefill_tokens == 3 and records[1].num_decode_tokens == 1
+
+
+def test_async_engine_streams_and_aborts_on_early_exit() -> None:
+    from everystop.engine.async_engine import AsyncEngine
+
+    eng = make_toy_engine()
+    front = AsyncEngine(eng)
+
+    async def consume(prompt: str, n: int, stop_after: int | None = None) -> list[int]:
+        got: list[int] = []
+        async for out in front.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+            got.extend(out.new_token_ids)
+            if stop_after is not None and len(got) >= stop_after:
+                break
+        return got
+
+    async def main() -> tuple[list[list[int]], list[int]]:
+        full = await asyncio.gather(*(consume(f"p{i}", 20) for i in range(5)))
+        partial = await consume("quit early", 200, stop_after=3)
+        return full, partial
+
+    try:
+        full, partial = asyncio.run(main())
+        for i, toks in enumerate(full):
+            assert toks == reference_output([ord(c) for c in f"p{i}"], 20)
+        assert len(partial) >= 3
+        for _ in range(100):
+            if not eng.has_unfinished_requests():
+                break
+            import time
+            time.sleep(0.01)
+        assert not eng.has_unfinished_requests()
+        assert eng.kv.pool.num_used_blocks == 0
+    finally:
+        front.shutdown()

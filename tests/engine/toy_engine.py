@@ -1,0 +1,43 @@
+"""An LLMEngine over the toy executor and a character tokenizer: engine logic without a model."""
+
+from __future__ import annotations
+
+from everystop.config import CacheConfig, EngineConfig, SchedulerConfig
+from everystop.engine.llm_engine import LLMEngine
+from tests.core.toy_executor import ToyExecutor
+
+
+class CharDetokenizer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        new = "".join(chr(t) for t in token_ids)
+        self.text += new
+        return new
+
+
+class CharTokenizer:
+    """Token id = code point; id 2 is EOS."""
+
+    eos_token_id = 2
+    eos_token_ids = {2}
+    vocab_size = 1000
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def make_detokenizer(self) -> CharDetokenizer:
+        return CharDetokenizer()
+
+
+def make_toy_engine(num_blocks: int = 256, block_size: int = 4, **sched: object) -> LLMEngine:
+    defaults: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=16,
+                                       max_model_len=4096)
+    defaults.update(sched)
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, watermark=0.0),
+                          scheduler=SchedulerConfig(**defaults))  # type: ignore[arg-type]
+    return LLMEngine(config, ToyExecutor(num_blocks, block_size), CharTokenizer())
