@@ -135,8 +135,9 @@ def test_default_backend_on_cpu_is_the_kernel(monkeypatch):
     assert select_backend(q, kc) == "cpp"
 
 
-def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
+def test_build_failure_falls_back_to_torch(monkeypatch, caplog, tmp_path):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(attention_cpu, "_state", {})
     monkeypatch.setattr(attention_cpu, "_SOURCE", attention_cpu._SOURCE.with_name("missing.cpp"))
     monkeypatch.setattr(attention_cpu, "_EXTENSION_NAME", "everystop_missing_for_test")

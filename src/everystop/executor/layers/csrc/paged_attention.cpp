@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -29,13 +30,89 @@ struct WorkItem {
   int64_t cost;  // rows x context, used to start the heaviest items first
 };
 
+// 16 floats: one AVX-512 register (two AVX2 ones); GCC lowers it to whatever -march offers.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+// Load n <= 16 elements as fp32, zero-filling the tail (head_dim need not be a multiple of 16).
 template <typename cache_t>
-inline void load_row(const cache_t* src, float* dst, int64_t n) {
+inline v16 load16(const cache_t* src, int64_t n) {
+  float tmp[kLanes];
+  if (n == kLanes) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
+  } else {
+    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = i < n ? static_cast<float>(src[i]) : 0.f;
+  }
+  v16 out;
+  std::memcpy(&out, tmp, sizeof(out));
+  return out;
 }
 
-template <typename cache_t>
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// Full 16-wide loads of 16-bit floats convert as whole vectors (the scalar c10 conversion
+// does not vectorize well). bf16 is the top half of an fp32.
+template <>
+inline v16 load16<c10::BFloat16>(const c10::BFloat16* src, int64_t n) {
+  if (n != kLanes) {
+    float tmp[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = i < n ? static_cast<float>(src[i]) : 0.f;
+    v16 out;
+    std::memcpy(&out, tmp, sizeof(out));
+    return out;
+  }
+  v16h h;
+  std::memcpy(&h, src, sizeof(h));
+  const v16u bits = __builtin_convertvector(h, v16u) << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline float hsum(v16 v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 16 at a time: 2^n * p(r) with
+// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (rel. error ~1e-7).
+// Inputs below -87 (including -inf) give 0.
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.f;
+  const v16i underflow = x < lo;
+  x = x < lo ? lo : x;
+  const v16 fn = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), v16i), v16);
+  const v16 r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+  v16 p = v16{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16i scale_bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &scale_bits, sizeof(two_n));
+  const v16 res = p * two_n;
+  v16i res_bits;
+  std::memcpy(&res_bits, &res, sizeof(res));
+  res_bits &= ~underflow;
+  v16 out;
+  std::memcpy(&out, &res_bits, sizeof(out));
+  return out;
+}
+
+// kNV: head_dim / 16 fixed at compile time (4 for 64, 8 for 128) so the per-row vectors live in
+// registers; 0 means "read it at run time" for other head sizes.
+template <typename cache_t, int kNV>
 void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
               const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
               int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
@@ -43,17 +120,20 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = w.q_count * group;
   const int64_t D = head_dim;
+  const int64_t nv = kNV > 0 ? kNV : (D + kLanes - 1) / kLanes;
   const int64_t T = block_size;
-  // Row r = (token t = r / group, head h = kv_head * group + r % group).
-  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, -INFINITY), l(rows, 0.f);
-  std::vector<float> kt(D * T), vbuf(T * D), s(T);
+  // Row r = (token r / group, head kv_head * group + r % group): every query head of the kv
+  // group for every token of the tile, so one load of a K/V block serves them all.
+  std::vector<v16> qbuf(rows * nv), acc(rows * nv, v16{}), kbuf(T * nv), vbuf(T * nv);
+  std::vector<float> m(rows, -INFINITY), l(rows, 0.f), s(T + kLanes);
   std::vector<int64_t> last_pos(rows);  // highest key position row r may attend to
   const int64_t first_pos = seq_len - qlen;  // position of the sequence's first query token
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_token0 + w.q_begin + r / group;
     const int64_t h = w.kv_head * group + r % group;
     const float* src = q + (tok * num_heads + h) * D;
-    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
+    for (int64_t j = 0; j < nv; ++j)
+      qbuf[r * nv + j] = load16(src + j * kLanes, std::min(kLanes, D - j * kLanes)) * scale;
     last_pos[r] = first_pos + w.q_begin + r / group;
   }
   const int64_t ctx = first_pos + w.q_begin + w.q_count;  // keys the tile's last row sees
@@ -63,45 +143,49 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
     const int64_t base = (block_table[b] * T * num_kv_heads + w.kv_head) * D;
-    // K transposed to [D, T] so scores for the whole block are one vector FMA per d,
-    // with no horizontal reductions; V converted to fp32 rows.
     for (int64_t t = 0; t < n_tok; ++t) {
-      const cache_t* ks = k_cache + base + t * row_stride;
-      for (int64_t d = 0; d < D; ++d) kt[d * T + t] = static_cast<float>(ks[d]);
-      load_row(v_cache + base + t * row_stride, vbuf.data() + t * D, D);
+      for (int64_t j = 0; j < nv; ++j) {
+        const int64_t off = base + t * row_stride + j * kLanes, n = std::min(kLanes, D - j * kLanes);
+        kbuf[t * nv + j] = load16(k_cache + off, n);
+        vbuf[t * nv + j] = load16(v_cache + off, n);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(n_tok, last_pos[r] - pos0 + 1);
       if (visible <= 0) continue;
-      const float* qr = qbuf.data() + r * D;
-      float* sp = s.data();
-      std::fill(sp, sp + T, 0.f);
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qr[d];
-        const float* kd = kt.data() + d * T;
-#pragma omp simd
-        for (int64_t t = 0; t < T; ++t) sp[t] += qd * kd[t];
-      }
+      const v16* qsrc = qbuf.data() + r * nv;
       float block_max = -INFINITY;
-      for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, sp[t]);
-      const float m_new = std::max(m[r], block_max);
-      float* ar = acc.data() + r * D;
-      if (m_new > m[r]) {
-        const float corr = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first block
-        l[r] *= corr;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-        m[r] = m_new;
-      }
-      float sum = 0.f;
       for (int64_t t = 0; t < visible; ++t) {
-        const float p = std::exp(sp[t] - m_new);
-        sum += p;
-        const float* vt = vbuf.data() + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+        v16 dot = qsrc[0] * kbuf[t * nv];
+        for (int64_t j = 1; j < nv; ++j) dot += qsrc[j] * kbuf[t * nv + j];
+        s[t] = hsum(dot);
+        block_max = std::max(block_max, s[t]);
+      }
+      const float m_new = std::max(m[r], block_max);
+      v16* acc_r = acc.data() + r * nv;
+      const float corr = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
+      l[r] *= corr;
+      m[r] = m_new;
+      float sum = 0.f;
+      for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
+        v16 x;
+        for (int64_t i = 0; i < kLanes; ++i) x[i] = t0 + i < visible ? s[t0 + i] - m_new : -INFINITY;
+        const v16 e = exp16(x);
+        for (int64_t i = 0; i < kLanes && t0 + i < visible; ++i) s[t0 + i] = e[i];
+        sum += hsum(e);
       }
       l[r] += sum;
+      if constexpr (kNV > 0) {
+        v16 ar[kNV > 0 ? kNV : 1];  // the row's output accumulator, kept in registers
+        for (int64_t j = 0; j < nv; ++j) ar[j] = acc_r[j] * corr;
+        for (int64_t t = 0; t < visible; ++t)
+          for (int64_t j = 0; j < nv; ++j) ar[j] += s[t] * vbuf[t * nv + j];
+        for (int64_t j = 0; j < nv; ++j) acc_r[j] = ar[j];
+      } else {
+        for (int64_t j = 0; j < nv; ++j) acc_r[j] *= corr;
+        for (int64_t t = 0; t < visible; ++t)
+          for (int64_t j = 0; j < nv; ++j) acc_r[j] += s[t] * vbuf[t * nv + j];
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -109,7 +193,12 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
     const int64_t h = w.kv_head * group + r % group;
     float* dst = out + (tok * num_heads + h) * D;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+    float tmp[kLanes];
+    for (int64_t j = 0; j < nv; ++j) {
+      const v16 o = acc[r * nv + j] * inv;
+      std::memcpy(tmp, &o, sizeof(o));
+      for (int64_t i = 0; i < std::min(kLanes, D - j * kLanes); ++i) dst[j * kLanes + i] = tmp[i];
+    }
   }
 }
 
@@ -146,12 +235,14 @@ void run_all(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
   const cache_t* vp = value_cache.data_ptr<cache_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t n_items = static_cast<int64_t>(items.size());
+  auto item_fn = D == 64 ? &run_item<cache_t, 4> : D == 128 ? &run_item<cache_t, 8>
+                                                              : &run_item<cache_t, 0>;
   const int n_threads = std::max(1, std::min<int>(at::get_num_threads(), (int)n_items));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
   for (int64_t j = 0; j < n_items; ++j) {
     const WorkItem& w = items[j];
     const int64_t i = w.seq;
-    run_item<cache_t>(w, qp, op, kp, vp, bt + i * max_blocks, qsl[i], lens[i],
+    item_fn(w, qp, op, kp, vp, bt + i * max_blocks, qsl[i], lens[i],
                       qsl[i + 1] - qsl[i], num_heads, num_kv_heads, D, block_size,
                       static_cast<float>(scale));
   }
