@@ -1,0 +1,54 @@
+"""Shared fixtures for executor tests: a small driver that plays the scheduler by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from everystop.core.outputs import ScheduledSequence, SchedulerOutput
+from everystop.sampling_params import SamplingParams
+
+# The test machine is small and shared: more threads than cores makes torch far slower.
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def blocks_for(index: int, per_seq: int) -> list[int]:
+    """Disjoint block table for the index-th sequence of a hand-built batch."""
+    return list(range(index * per_seq, (index + 1) * per_seq))
+
+
+def greedy_generate(runner, prompts: list[list[int]], num_new: int, per_seq: int,
+                    ) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy-decode all prompts together (one packed prefill, then packed decode steps).
+
+    Returns the new tokens per prompt and the first-step logits [len(prompts), vocab].
+    """
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    first_logits = None
+    for step in range(num_new):
+        seqs = [ScheduledSequence(str(i), tokens[i][computed[i]:], computed[i],
+                                  blocks_for(i, per_seq), True, GREEDY, output_index=step)
+                for i in range(len(prompts))]
+        sampled, logits = runner.forward_logits(seqs)
+        if first_logits is None:
+            first_logits = logits.clone()
+        out = runner.sampler(logits, [s.sampling_params for s in sampled], [step] * len(sampled))
+        for i, tok in enumerate(out.token_ids):
+            computed[i] = len(tokens[i])
+            tokens[i].append(tok)
+    assert first_logits is not None
+    return [t[len(p):] for t, p in zip(tokens, prompts)], first_logits
+
+
+def step(runner, seqs: list[ScheduledSequence]) -> dict[str, int]:
+    return runner.execute(SchedulerOutput(scheduled=seqs)).sampled_token_ids
+
+
+@pytest.fixture(scope="session")
+def drive() -> Callable[..., tuple[list[list[int]], torch.Tensor]]:
+    return greedy_generate
