@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -50,5 +48,13 @@ def step(runner, seqs: list[ScheduledSequence]) -> dict[str, int]:
 
 
 @pytest.fixture(scope="session")
-def drive() -> Callable[..., tuple[list[list[int]], torch.Tensor]]:
-    return greedy_generate
+def default_runner():
+    """The default model (SmolLM2-135M, float32, CPU) with 384 device and 64 host blocks,
+    loaded once for the whole session."""
+    from everystop.config import CacheConfig, ModelConfig
+    from everystop.executor.model_runner import ModelRunner
+
+    swap_gib = 64 * 46080 * 16 / 2**30  # 64 host blocks of 16 tokens at 46080 B/token
+    return ModelRunner(ModelConfig(), CacheConfig(num_gpu_blocks_override=384,
+                                                  swap_space_gib=swap_gib), max_model_len=2048)
+
