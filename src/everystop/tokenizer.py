@@ -60,7 +60,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._tok.convert_ids_to_tokens(list(ids)))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
         """The chat template applied to `messages`, as text."""
         if not getattr(self._tok, "chat_template", None):
             # No template shipped: a plain transcript the model can at least continue.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from everystop.core.outputs import ScheduledSequence, SchedulerOutput
+from everystop.core.outputs import ScheduledSequence
 from everystop.sampling_params import SamplingParams
 
 # The test machine is small and shared: more threads than cores makes torch far slower.
@@ -41,10 +41,6 @@ def greedy_generate(runner, prompts: list[list[int]], num_new: int, per_seq: int
             tokens[i].append(tok)
     assert first_logits is not None
     return [t[len(p):] for t, p in zip(tokens, prompts)], first_logits
-
-
-def step(runner, seqs: list[ScheduledSequence]) -> dict[str, int]:
-    return runner.execute(SchedulerOutput(scheduled=seqs)).sampled_token_ids
 
 
 @pytest.fixture(scope="session")

@@ -73,3 +73,23 @@ def test_sharded_checkpoint_loads(tiny_dir, tmp_path):
     ref = load_model(tiny_dir[0])
     for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_max_model_len_beyond_context_is_rejected(tiny_dir):
+    from everystop.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        ModelRunner(ModelConfig(model=tiny_dir[0]), CacheConfig(num_gpu_blocks_override=4), 4096)
+
+
+def test_gguf_rope_unpermute_matches_transformers():
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from everystop.executor.models.loader import _unpermute_rope
+
+    w = np.random.default_rng(0).standard_normal((4 * 16, 24)).astype(np.float32)
+    proc = LlamaTensorProcessor(config={"num_attention_heads": 8, "num_key_value_heads": 4})
+    for name, heads in (("blk.0.attn_q.weight", 8), ("blk.0.attn_k.weight", 4)):
+        x = w if heads == 4 else np.concatenate([w, w[::-1]])
+        assert np.array_equal(_unpermute_rope(x, heads), proc.process(x, name).weights)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from everystop.config import CacheConfig, ModelConfig
+from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
@@ -32,6 +32,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(model_config.model, model_config.dtype,
                                                   model_config.device)
         args = self.model.args
+        if max_model_len > args.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
+                              f"length {args.max_position_embeddings}")
         elem = torch.tensor([], dtype=self.dtype).element_size()
         # K and V, every layer, every KV head.
         self.bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * elem
@@ -52,9 +55,10 @@ class ModelRunner:
     def describe_capacity(self, tokens_per_seq: int = 2048) -> str:
         """One line on KV capacity, for startup logs."""
         blocks_per_seq = -(-tokens_per_seq // self.block_size)
+        mib = self.num_gpu_blocks * self.bytes_per_block / 2**20
         return (f"KV cache: {self.bytes_per_token} B/token, {self.num_gpu_blocks} device blocks "
-                f"x {self.block_size} tokens ({self.num_gpu_blocks * self.bytes_per_block / 2**20:.0f}"
-                f" MiB), {self.num_cpu_blocks} host swap blocks; fits "
+                f"x {self.block_size} tokens ({mib:.0f} MiB), {self.num_cpu_blocks} host swap "
+                f"blocks; fits "
                 f"{self.num_gpu_blocks // blocks_per_seq} sequences of {tokens_per_seq} tokens")
 
     # --- sizing ----------------------------------------------------------------------------

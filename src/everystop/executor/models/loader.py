@@ -76,10 +76,9 @@ def load_model(path: str | None = None, dtype: str = "float32",
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     try:
-        state = fuse_hf_state_dict(_LazyState(get), args)
+        state = fuse_hf_state_dict(_LazyState(get, torch_dtype, device), args)
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing tensor {e.args[0]}") from None
-    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     for name, param in model.state_dict().items():
         if name in state and tuple(state[name].shape) != tuple(param.shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, "
@@ -90,14 +89,16 @@ def load_model(path: str | None = None, dtype: str = "float32",
 
 
 class _LazyState(dict):  # type: ignore[type-arg]
-    """A read-only mapping that fetches tensors on demand (KeyError when absent)."""
+    """A read-only mapping that fetches tensors on demand (KeyError when absent), converted to
+    the target dtype and device one at a time so host memory never holds the whole model."""
 
-    def __init__(self, get: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, get: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                 device: str) -> None:
         super().__init__()
-        self._get = get
+        self._get, self._dtype, self._device = get, dtype, device
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._get(name)
+        return self._get(name).to(device=self._device, dtype=self._dtype)
 
 
 # --- GGUF ----------------------------------------------------------------------------------
