@@ -83,7 +83,8 @@ def test_admin_key_is_required_when_set() -> None:
             return [(await c.get("/admin/scheduler_config")).status_code,
                     (await c.get("/admin/scheduler_config",
                                  headers={"Authorization": "Bearer wrong"})).status_code,
-                    (await c.patch("/admin/scheduler_config", json={"max_num_seqs": 2})).status_code,
+                    (await c.patch("/admin/scheduler_config",
+                                   json={"max_num_seqs": 2})).status_code,
                     (await c.get("/admin/scheduler_config", headers=KEY)).status_code,
                     (await c.get("/admin/scheduler_config",
                                  headers={"X-Admin-Key": "s3cret"})).status_code]

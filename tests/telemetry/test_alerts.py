@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from everystop.telemetry.alerts import GuardrailConfig
 from everystop.telemetry.rows import AlertRow

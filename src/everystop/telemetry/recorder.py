@@ -62,7 +62,8 @@ class TelemetryRecorder:
         max_queue: telemetry items held before new ones are dropped.
     """
 
-    def __init__(self, store: Store, *, block_size: int, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, store: Store, *, block_size: int,
+                 clock: Callable[[], float] = time.monotonic,
                  guardrails: Guardrails | None = None, model_version: str = "unknown",
                  max_queue: int = 10_000) -> None:
         self.block_size = block_size
