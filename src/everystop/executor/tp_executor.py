@@ -29,7 +29,7 @@ from everystop.config import ConfigError, EngineConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.preemption import PreemptionCostModel
 from everystop.executor.model_runner import ModelRunner
-from everystop.executor.models.loader import resolve_model_path
+from everystop.executor.models.loader import ModelLoadError, resolve_model_path
 from everystop.executor.tp_group import abort, connect, create_store, encode_plan, send_message
 from everystop.executor.tp_worker import WorkerSpec, rank_device, worker_main
 
@@ -148,6 +148,10 @@ class TensorParallelExecutor:
             raise TensorParallelError(self.failure)
         try:
             return fn()
+        except (ConfigError, ModelLoadError):
+            # The user's mistake, raised by rank 0 itself (every rank hits the same one).
+            self.failure = "tensor-parallel start-up failed"
+            raise
         except Exception as exc:
             # The collective may notice a dead peer before the supervisor does: give it a moment
             # to name the rank and exit code.
@@ -185,6 +189,19 @@ class TensorParallelExecutor:
         def step() -> ModelOutput:
             self.last_message_bytes = send_message(self.ctx, ("execute", encode_plan(sched)))
             return runner.execute(sched)
+
+        return self._guarded(step)
+
+    def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Float32 logits [N, vocab] of the sampled rows of one forward pass, no sampling (for
+        checks against a single-process run). Writes K/V into the given blocks."""
+        runner = self._live_runner()
+
+        def step() -> torch.Tensor:
+            send_message(self.ctx, ("logits", encode_plan(sched)))
+            logits = runner.forward_logits(sched.scheduled)[1]
+            assert logits is not None  # rank 0 always gathers
+            return logits
 
         return self._guarded(step)
 

@@ -67,6 +67,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             return
         if kind == "execute":
             runner.execute(decode_plan(payload[0]))
+        elif kind == "logits":
+            runner.forward_logits(decode_plan(payload[0]).scheduled)
         elif kind == "measure_prefill":
             runner.measure_prefill_tokens_per_s(payload[0])
         else:
