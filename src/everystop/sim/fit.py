@@ -83,3 +83,18 @@ def fit_coefficients(model: ModelSpec, records: list[dict], tp: int = 1,
              "r2": float(1 - sse / float(((y - y.mean()) ** 2).sum() or 1.0)),
              "fraction_compute_bound": float(np.mean(coef[0] * flops >= coef[1] * nbytes))}
     return coeffs, stats
+
+
+def profile_shapes() -> list[IterationShape]:
+    """A handful of iteration shapes worth measuring on a real engine: pure decodes across batch
+    sizes and contexts, lone prefill chunks, and mixed passes."""
+    shapes = []
+    for batch in (1, 4, 16, 32, 64):
+        for ctx in (64, 512):
+            shapes.append(IterationShape(batch, batch, 0, batch * ctx, batch * ctx, batch))
+    for chunk in (32, 128, 512):
+        shapes.append(IterationShape(1, 0, chunk, chunk, chunk * (chunk + 1) // 2, 1))
+    for batch, chunk in ((16, 256), (32, 512)):
+        shapes.append(IterationShape(batch + 1, batch, chunk, batch * 256 + chunk,
+                                     batch * 256 + chunk * (chunk + 1) // 2, batch + 1))
+    return shapes
