@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--records", type=Path, help="measured iterations JSON")
     p.add_argument("--measured", type=Path, help="measured summary JSON of --workload")
-    p.add_argument("--workload", default="n=32,prompt=uniform:16:256,output=uniform:8:64,"
-                                         "rate=0.5,seed=11")
+    p.add_argument("--workload", default="n=80,prompt=uniform:16:256,output=uniform:8:64,"
+                                         "rate=0.25,seed=11")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=float(1 << 30))

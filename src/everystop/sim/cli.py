@@ -16,7 +16,8 @@ from everystop.sim.workload import resolve_workload
 WORKLOAD_HELP = ("workload JSON file, or a synthetic spec such as "
                  "'n=512,prompt=uniform:128:1024,output=uniform:20:800,rate=4,seed=0' "
                  "(keys: n, prompt, output, rate, priority=F0:F1:F2, prefix=FRAC:TOKENS, "
-                 "tenants, seed; distributions const:V, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX])")
+                 "tenants, seed; distributions const:V, uniform:LO:HI, "
+                 "lognormal:MEDIAN:SIGMA[:MAX])")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

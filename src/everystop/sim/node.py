@@ -22,7 +22,8 @@ class Node:
 
     def describe(self) -> dict:
         s = self.setup.scheduler
-        return {"model": self.cost.model.key, "hardware": self.cost.hw.key if self.cost.hw else None,
+        hw = self.cost.hw.key if self.cost.hw else None
+        return {"model": self.cost.model.key, "hardware": hw,
                 "tp": self.cost.tp, "num_gpu_blocks": self.setup.num_gpu_blocks,
                 "num_cpu_blocks": self.setup.num_cpu_blocks, "block_size": self.setup.block_size,
                 "scheduling": s.scheduling, "enable_chunked_prefill": s.enable_chunked_prefill,
@@ -36,8 +37,9 @@ def scheduler_config(scheduling: str, **options: object) -> SchedulerConfig:
     if scheduling not in SCHEDULING_MODES:
         raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, not {scheduling!r}")
     opts = {k: v for k, v in options.items() if v is not None}
-    return SchedulerConfig(scheduling="static" if scheduling == "static" else "continuous",
-                           enable_chunked_prefill=scheduling == "chunked", **opts)  # type: ignore[arg-type]
+    return SchedulerConfig(  # type: ignore[arg-type]
+        scheduling="static" if scheduling == "static" else "continuous",
+        enable_chunked_prefill=scheduling == "chunked", **opts)
 
 
 def build_node(model: str = "llama-3-70b", hardware: str = "a100-80gb", tp: int = 4,
