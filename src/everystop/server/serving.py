@@ -45,6 +45,7 @@ class ServingContext:
 class _Choice:
     index: int
     req: Request
+    prompt_index: int
     text: str = ""
     logprobs: list[Any] = dataclasses.field(default_factory=list)
     out: RequestOutput | None = None
@@ -84,7 +85,7 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     tenant = tenant_of(http, body)
     max_len = ctx.engine.engine.config.scheduler.max_model_len
     choices: list[_Choice] = []
-    for prompt in prompts:
+    for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
             params = dataclasses.replace(base, stop=list(base.stop),
                                          stop_token_ids=list(base.stop_token_ids),
@@ -98,7 +99,7 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
                     body, "max_completion_tokens", None) is None:
                 # Chat without a limit: up to the context window, as OpenAI does.
                 params.max_tokens = max(1, max_len - req.num_prompt_tokens)
-            choices.append(_Choice(len(choices), req))
+            choices.append(_Choice(len(choices), req, prompt_index))
     _admit(ctx, choices, body.priority)
     if body.stream:
         return SSEResponse(_stream_events(ctx, body, fmt, choices))
@@ -198,9 +199,8 @@ def _usage(choices: list[_Choice]) -> dict[str, Any]:
     for c in choices:
         out = c.out
         completion += len(out.token_ids) if out else 0
-        key = id(c.req.prompt_token_ids)
-        if key not in seen_prompts:  # n choices of one prompt count its tokens once
-            seen_prompts.add(key)
+        if c.prompt_index not in seen_prompts:  # n choices of one prompt count it once
+            seen_prompts.add(c.prompt_index)
             prompt += c.req.num_prompt_tokens
             cached += out.num_cached_tokens if out else 0
     return usage_dict(prompt, completion, cached)
