@@ -124,6 +124,8 @@ def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 3
     server = _DrainingServer(config, front, grace_s)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises a captured Ctrl-C after its own shutdown
+        pass
     finally:
         front.shutdown()
     return 0
