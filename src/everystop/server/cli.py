@@ -67,7 +67,8 @@ def serve(args: argparse.Namespace) -> int:
 
     engine = LLMEngine.from_config(config)
     front = AsyncEngine(engine)
-    name = args.served_model_name or _model_name(getattr(engine.executor, "model_path", None))
+    name = args.served_model_name or _model_name(
+        getattr(engine.executor, "model_path", None) or config.model.model)
     app = build_app(front, name, api_key=args.api_key, max_n=args.max_n,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s))
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
@@ -76,9 +77,10 @@ def serve(args: argparse.Namespace) -> int:
 
 def _model_name(path: Any) -> str:
     if not path:
-        return "everystop"
+        return "SmolLM2-135M-Instruct"  # the default model
     import pathlib
-    return pathlib.Path(str(path)).name.removesuffix(".gguf")
+    p = pathlib.Path(str(path))
+    return p.stem if p.suffix == ".gguf" else p.name
 
 
 class _DrainingServer(uvicorn.Server):
