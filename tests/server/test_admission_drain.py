@@ -57,7 +57,12 @@ def test_tenant_queue_cap_and_tier_wait_threshold_answer_429(tmp_path: Path) -> 
             warm = await post("warm", max_tokens=1)  # one completion: a rate to estimate from
             assert warm.status_code == 200
             # Tenant A: one running and two queued fill its queue.
-            tasks = [asyncio.ensure_future(post("A")) for _ in range(3)]
+            tasks = [asyncio.ensure_future(post("A"))]
+            for _ in range(200):  # (submitted together, the third could meet two queued)
+                if server.metric("everystop:num_requests_running") == 1:
+                    break
+                await asyncio.sleep(0.02)
+            tasks += [asyncio.ensure_future(post("A")) for _ in range(2)]
             for _ in range(200):
                 if server.metric("everystop:num_requests_waiting") == 2:
                     break
