@@ -231,3 +231,23 @@ def test_metrics_are_prometheus_text_with_vllm_style_names(toy_server: ServerPro
         assert (f"# TYPE {name} " in r.text
                 or f"# TYPE {name.removesuffix('_total')} " in r.text), name
     assert 'everystop:time_to_first_token_seconds_count{priority="1",tenant="default"}' in r.text
+
+
+def test_stalled_reader_does_not_hold_up_the_engine_or_others(toy_server: ServerProcess) -> None:
+    # Large frames (logprobs) so the unread stream overflows the socket buffers.
+    body = {"model": "toy", "prompt": "stall", "max_tokens": 240, "stream": True,
+            "logprobs": 20}
+    with httpx.stream("POST", toy_server.url + "/v1/completions", json=body, timeout=60) as r:
+        # Not reading: meanwhile another client is served in full ...
+        other = client(toy_server).completions.create(model="toy", prompt="other",
+                                                      max_tokens=30)
+        assert other.choices[0].text == toy_text("other", 30)
+        # ... and the engine finishes the stalled request without waiting for its reader.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+                toy_server.metric("everystop:num_requests_running") != 0):
+            time.sleep(0.05)
+        assert toy_server.metric("everystop:num_requests_running") == 0
+        assert toy_server.metric("everystop:kv_cache_used_blocks") == 0
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(f["choices"][0]["text"] for f in frames) == toy_text("stall", 240)

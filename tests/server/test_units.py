@@ -112,3 +112,10 @@ def test_sse_frames() -> None:
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert json.loads(frame[6:]) == {"x": "é"}
     assert DONE == b"data: [DONE]\n\n"
+
+
+def test_sse_frame_is_one_line_for_any_text() -> None:
+    text = "".join(chr(c) for c in range(1, 0x3000))
+    frame = sse({"t": text})
+    assert len(frame[:-2].decode().splitlines()) == 1
+    assert json.loads(frame[6:])["t"] == text

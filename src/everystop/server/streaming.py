@@ -21,8 +21,14 @@ from starlette.types import Receive, Scope, Send
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters str.splitlines() treats as line breaks that JSON leaves raw: escaped, so clients
+# that split SSE lines the Python way do not cut a frame in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):
