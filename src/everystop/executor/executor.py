@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from everystop.config import CacheConfig, ModelConfig
+from everystop.config import CacheConfig, EngineConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
+from everystop.core.preemption import PreemptionCostModel
 
 
 class Executor(Protocol):
@@ -38,7 +39,9 @@ class LocalExecutor:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
                  max_num_batched_tokens: int = 2048) -> None:
         from everystop.executor.model_runner import ModelRunner  # imports torch
+        from everystop.executor.models.loader import resolve_model_path
 
+        self.model_path = resolve_model_path(model_config.model)
         self.runner: ModelRunner | None = ModelRunner(model_config, cache_config, max_model_len,
                                                       max_num_batched_tokens)
         self._num_gpu_blocks = self.runner.num_gpu_blocks
@@ -65,5 +68,22 @@ class LocalExecutor:
     def describe_capacity(self) -> str:
         return self.runner.describe_capacity() if self.runner else "executor shut down"
 
+    def preemption_cost_model(self) -> PreemptionCostModel:
+        """Recompute vs swap costs measured on this model and device, now."""
+        assert self.runner is not None
+        return PreemptionCostModel(
+            prefill_tokens_per_s=self.runner.measure_prefill_tokens_per_s(),
+            swap_bytes_per_s=self.runner.measure_swap_bytes_per_s(),
+            bytes_per_block=self.runner.bytes_per_block)
+
     def shutdown(self) -> None:
         self.runner = None
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor for this configuration: in-process, or one worker per tensor-parallel rank."""
+    if config.parallel.tensor_parallel_size > 1:
+        from everystop.executor.tp_executor import TensorParallelExecutor
+        return TensorParallelExecutor(config)
+    return LocalExecutor(config.model, config.cache, config.scheduler.max_model_len,
+                         config.scheduler.max_num_batched_tokens)
