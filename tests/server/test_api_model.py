@@ -68,9 +68,8 @@ def test_chat_streaming_and_not(client: openai.OpenAI, model_name: str) -> None:
 
 
 def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI, model_name: str) -> None:
-    from everystop.tokenizer import load_tokenizer
-
-    ids = load_tokenizer().encode(PROMPT)
+    ids = httpx.post(str(client.base_url.join("/tokenize")), json={"prompt": PROMPT},
+                     timeout=10).json()["tokens"]
     by_text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8,
                                         temperature=0)
     by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=8,
@@ -156,11 +155,10 @@ def test_disconnect_frees_blocks_within_a_second(server: ServerProcess, model_na
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 200, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # NOTE: kept open; leaving a for-loop over it would close it
         frames = 0
-        for line in r.iter_lines():
-            frames += line.startswith("data: {")
-            if frames >= 3:
-                break
+        while frames < 3:
+            frames += next(lines).startswith("data: {")
         assert server.metric("everystop:kv_cache_used_blocks") > before
     closed_at = time.monotonic()
     while time.monotonic() - closed_at < 1.0:

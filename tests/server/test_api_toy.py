@@ -44,6 +44,8 @@ def test_completion_and_chat_non_streaming(toy_server: ServerProcess) -> None:
     assert chat.choices[0].message.content == toy_text(chat_prompt("hi"), 5)
     assert chat.usage.completion_tokens == 5
     assert [m.id for m in c.models.list().data] == ["toy"]
+    tok = httpx.post(toy_server.url + "/tokenize", json={"prompt": "héllo"}, timeout=10).json()
+    assert tok["tokens"] == [ord(ch) for ch in "héllo"] and tok["count"] == 5
 
 
 def test_streaming_equals_non_streaming_with_usage(toy_server: ServerProcess) -> None:

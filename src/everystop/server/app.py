@@ -19,8 +19,8 @@ from everystop.server.admission import AdmissionConfig, AdmissionController
 from everystop.server.errors import APIError, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.protocol import (ChatCompletionRequest, CompletionRequest, model_list,
-                                       parse_body)
+from everystop.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                       TokenizeRequest, model_list, parse_body)
 from everystop.server.serving import ServingContext, generate
 
 Extension = Callable[[FastAPI, AsyncEngine], Any]
@@ -83,6 +83,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str
     async def models(http: Request) -> JSONResponse:
         check_auth(http)
         return JSONResponse(model_list(served_model_name, max_model_len))
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> JSONResponse:
+        """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
+        check_auth(http)
+        body = parse_body(await http.body(), TokenizeRequest)
+        check_model(body.model)
+        ids = tokenizer.encode(body.prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     @app.get("/health")
     async def health() -> Response:

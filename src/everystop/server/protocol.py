@@ -99,7 +99,13 @@ class ChatCompletionRequest(_GenerationRequest):
                 for m in self.messages]
 
 
-def parse_body(raw: bytes, model: type[_GenerationRequest]) -> Any:
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Bytes -> a validated request, or an APIError(400) naming the offending field."""
     try:
         data = json.loads(raw)
@@ -121,7 +127,7 @@ def parse_body(raw: bytes, model: type[_GenerationRequest]) -> Any:
         raise APIError(400, f"{'.'.join(loc) or 'body'}: {detail}", param=param,
                        code=code) from None
     for field in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, field):
+        if getattr(req, field, None):
             raise bad_request(f"{field} is not supported", field, code="unsupported_parameter")
     if isinstance(req, CompletionRequest) and req.echo:
         raise bad_request("echo is not supported", "echo", code="unsupported_parameter")
