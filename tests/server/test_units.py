@@ -119,3 +119,12 @@ def test_sse_frame_is_one_line_for_any_text() -> None:
     frame = sse({"t": text})
     assert len(frame[:-2].decode().splitlines()) == 1
     assert json.loads(frame[6:])["t"] == text
+
+
+def test_missing_model_file_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-m", "everystop", "serve", "--model",
+                           str(tmp_path / "nope.gguf")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "nope.gguf" in proc.stderr

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
@@ -65,7 +66,13 @@ def serve(args: argparse.Namespace) -> int:
     from everystop.engine.llm_engine import LLMEngine
     from everystop.server.app import build_app
 
-    engine = LLMEngine.from_config(config)
+    try:
+        engine = LLMEngine.from_config(config)
+    except Exception as exc:  # a bad model path or config: one line, not a traceback
+        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
+            raise
+        print(f"everystop: cannot start: {exc}", file=sys.stderr)
+        return 2
     front = AsyncEngine(engine)
     name = args.served_model_name or _model_name(
         getattr(engine.executor, "model_path", None) or config.model.model)
