@@ -47,6 +47,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--telemetry-db", default=None,
+                   help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
+    g.add_argument("--admin-key", default=None,
+                   help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
 
 
 def register(subparsers: Any) -> None:
@@ -64,7 +68,9 @@ def serve(args: argparse.Namespace) -> int:
     config = config_or_exit(args)
     from everystop.engine.async_engine import AsyncEngine
     from everystop.engine.llm_engine import LLMEngine
+    from everystop.server.admin import install_admin_routes, install_telemetry
     from everystop.server.app import build_app
+    from everystop.server.metrics import ServerMetrics
 
     try:
         engine = LLMEngine.from_config(config)
@@ -76,8 +82,16 @@ def serve(args: argparse.Namespace) -> int:
     front = AsyncEngine(engine)
     name = args.served_model_name or _model_name(
         getattr(engine.executor, "model_path", None) or config.model.model)
-    app = build_app(front, name, api_key=args.api_key, max_n=args.max_n,
-                    admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s))
+    metrics = ServerMetrics()
+
+    def observability(app: Any, front: Any) -> None:
+        telemetry = install_telemetry(app, front, db=args.telemetry_db,
+                                      registry=metrics.registry, model_version=name)
+        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store)
+
+    app = build_app(front, name, api_key=args.api_key, max_n=args.max_n, metrics=metrics,
+                    admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
+                    extensions=[observability])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level)
 
