@@ -9,6 +9,7 @@ and samples.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -25,6 +26,24 @@ from everystop.sampling_params import SamplingParams
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+# Loaded weights by (path, dtype, device). Inference never writes to them, so engines in one
+# process (tests, benchmarks comparing modes) share one copy instead of reloading each time.
+_MODELS: "OrderedDict[tuple[str | None, str, str], LlamaForCausalLM]" = OrderedDict()
+_MAX_SHARED_MODELS = 2
+
+
+def _shared_model(path: str | None, dtype: str, device: str) -> LlamaForCausalLM:
+    key = (path, dtype, device)
+    model = _MODELS.get(key)
+    if model is None:
+        model = load_model(path, dtype, device)
+        _MODELS[key] = model
+        while len(_MODELS) > _MAX_SHARED_MODELS:
+            _MODELS.popitem(last=False)
+    _MODELS.move_to_end(key)
+    return model
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
                  max_num_batched_tokens: int = 2048, parallel: ParallelContext = SINGLE) -> None:
@@ -35,8 +54,11 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
-        self.model: LlamaForCausalLM = load_model(model_config.model, model_config.dtype,
-                                                  model_config.device, parallel)
+        # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
+        self.model: LlamaForCausalLM = (
+            _shared_model(model_config.model, model_config.dtype, model_config.device)
+            if parallel.world_size == 1 else
+            load_model(model_config.model, model_config.dtype, model_config.device, parallel))
         args = self.model.args
         if max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
