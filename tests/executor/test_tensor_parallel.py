@@ -182,3 +182,27 @@ def test_killed_worker_stops_the_engine_within_seconds(tiny_gqa):
     engine.shutdown()
     assert not worker.is_alive()
     assert isinstance(llm.engine, LLMEngine)
+
+
+def test_idle_engine_notices_a_dead_executor():
+    """No request in flight: the async loop's health check still stops the engine (the server's
+    /health then answers 503)."""
+    from everystop.engine.async_engine import AsyncEngine
+    from tests.engine.toy_engine import make_toy_engine
+
+    engine = make_toy_engine()
+    dead = threading.Event()
+
+    def check_health() -> None:
+        if dead.is_set():
+            raise TensorParallelError("tensor-parallel worker rank 1 exited with code -9")
+
+    engine.executor.check_health = check_health
+    front = AsyncEngine(engine)
+    try:
+        dead.set()
+        front._thread.join(timeout=10)
+        assert not front._thread.is_alive()
+        assert isinstance(front.error, TensorParallelError)
+    finally:
+        front.shutdown()

@@ -78,7 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=None)
     g.add_argument("--swap-space", dest="swap_space_gib", type=float, default=None,
                    help="host swap space in GiB")
-    g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="shards (worker processes; one GPU each on CUDA, gloo on CPU)")
     return parser
 
 

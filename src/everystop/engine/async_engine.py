@@ -128,6 +128,11 @@ class AsyncEngine:
                 if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
+                    # An idle engine learns of a dead tensor-parallel worker here, so /health
+                    # turns 503 without waiting for the next request to fail.
+                    check = getattr(self.engine.executor, "check_health", None)
+                    if check is not None:
+                        check()
                     continue
                 outputs = self._step()
                 self._deliver(outputs)
