@@ -206,3 +206,49 @@ def test_idle_engine_notices_a_dead_executor():
         assert isinstance(front.error, TensorParallelError)
     finally:
         front.shutdown()
+
+
+class _CountingGroup:
+    """Stands in for a process group: counts collectives and their bytes (values unchanged)."""
+
+    def __init__(self) -> None:
+        self.allreduce_bytes: list[int] = []
+        self.gathers = 0
+
+    def allreduce(self, tensors, opts=None):
+        self.allreduce_bytes.append(tensors[0].numel() * tensors[0].element_size())
+        return self
+
+    def gather(self, outputs, inputs, opts=None):
+        self.gathers += 1
+        for out in (outputs[0] if outputs else []):
+            out.copy_(inputs[0])
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def test_one_all_reduce_per_row_parallel_layer():
+    """Per forward pass: 2 all-reduces per layer (o_proj, down_proj) + 1 (embedding), each of
+    [tokens, hidden] activations; one gather of the sampled rows' logits."""
+    from everystop.executor.inputs import build_inputs
+    from everystop.executor.kv_pool import KVPool
+    from everystop.executor.layers.parallel import ParallelContext
+    from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM
+
+    args = LlamaArgs(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8)
+    group = _CountingGroup()
+    model = LlamaForCausalLM(args, ParallelContext(0, 2, group, group))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (4 * 8, 32)  # [q2; k1; v1]
+    pool = KVPool(3, model.num_local_kv_heads, 8, 4, 8, 0, torch.float32, torch.device("cpu"))
+    seqs = [ScheduledSequence("a", [1, 2, 3, 4, 5], 0, [0, 1], True, GREEDY),
+            ScheduledSequence("b", [7], 3, [2], True, GREEDY)]
+    inputs = build_inputs(seqs, 4, torch.device("cpu"))
+    hidden = model(inputs.input_ids, inputs.positions, pool.kv_caches, inputs.meta)
+    logits = model.compute_logits(hidden[inputs.sample_indices])
+    assert group.allreduce_bytes == [6 * 32 * 4] * (2 * args.num_layers + 1)
+    assert group.gathers == 1 and logits.shape == (2, 100)

@@ -69,6 +69,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             runner.execute(decode_plan(payload[0]))
         elif kind == "logits":
             runner.forward_logits(decode_plan(payload[0]).scheduled)
+        elif kind == "ping":  # round trip for overhead measurements (payload ignored)
+            ctx.all_min(0)
         elif kind == "measure_prefill":
             runner.measure_prefill_tokens_per_s(payload[0])
         else:
