@@ -134,6 +134,7 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--modes", default="static,continuous,chunked,prefix")
     p.add_argument("--loads", default="0.7", help="online loads, fractions of capacity ('' = none)")
+    p.add_argument("--online-modes", default=None, help="modes to run online (default: --modes)")
     p.add_argument("--capacity-from", default="chunked",
                    help="mode whose offline capacity sets the online rate, or 'self'")
     p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
@@ -167,6 +168,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     opts = CompareOptions(
         modes=[m for m in args.modes.split(",") if m],
         loads=[float(x) for x in args.loads.split(",") if x], capacity_from=args.capacity_from,
+        online_modes=(None if args.online_modes is None
+                      else [m for m in args.online_modes.split(",") if m]),
         static_batch_size=args.static_batch_size, chunk_budget=args.chunk_budget,
         dollars_per_hour=args.dollars_per_hour, seed=args.seed, burstiness=args.burstiness,
         hf_requests=args.hf_requests, gate_delay_ms=args.gate_delay_ms, slo=_slo(args),

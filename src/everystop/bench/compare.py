@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ EngineFactory = Callable[[dict[str, Any]], Any]
 class CompareOptions:
     modes: list[str] = field(default_factory=lambda: list(ENGINE_MODES))
     loads: list[float] = field(default_factory=lambda: [0.7])  # fractions of capacity; [] = none
+    online_modes: list[str] | None = None  # None: the same as `modes`
     capacity_from: str = "chunked"  # a mode name, or "self" (each mode at its own capacity)
     static_batch_size: int = 32
     chunk_budget: int = 256  # max_num_batched_tokens (= chunk_size) for the chunked modes
@@ -110,9 +112,12 @@ def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions
             step_delay_s: float = 0.0) -> EngineRun:
         engine = factory(mode_options(mode, opts, max_model_len))
         warm_up(engine)
+        load_before = _loadavg()
         run = run_engine(engine, workload, arrivals, step_delay_s=step_delay_s,
                          progress=opts.progress, desc=name)
-        rec.add(name, run, opts, {"mode": mode, **extra})
+        # The machine may be shared: keep its load next to the numbers it affected.
+        rec.add(name, run, opts, {"mode": mode, **extra,
+                                  "loadavg_1m": [load_before, _loadavg()]})
         s = rec.data["runs"][name]["summary"]
         log(f"{name:<22} {s['output_throughput']:8.1f} out tok/s  TTFT p99 "
             f"{s['ttft_ms']['p99']:9.1f} ms  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms  "
@@ -131,7 +136,7 @@ def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions
             f"{rec.data['runs']['offline/hf']['summary']['output_throughput']:.1f} out tok/s")
 
     for load in opts.loads:
-        for mode in opts.modes:
+        for mode in opts.online_modes if opts.online_modes is not None else opts.modes:
             basis = mode if opts.capacity_from == "self" else opts.capacity_from
             rate = load * rec.data["capacity"][basis]
             arrivals = arrival_offsets(len(workload.requests), rate, opts.burstiness,
@@ -169,6 +174,13 @@ def _gate_check(rec: CompareRecorder, opts: CompareOptions, workload: Workload,
         result = gate(base, rec.data["runs"][cand_name])
         rec.data["gate"][f"{base_name} vs {cand_name}"] = {**result,
                                                            "verdict": verdict_line(result)}
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _options_json(opts: CompareOptions) -> dict[str, Any]:

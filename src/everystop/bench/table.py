@@ -45,7 +45,8 @@ def _fmt(x: float | None, digits: int = 0) -> str:
 def _row(label: str, s: dict[str, Any], dollars: float, base_tps: float | None) -> str:
     tps = s["output_throughput"]
     speedup = f"{tps / base_tps:.2f}x" if base_tps else ""
-    return (f"| {label} | {_fmt(tps, 1)} | {speedup} | ${_fmt(cost_per_million(tps, dollars), 2)} "
+    cost = cost_per_million(tps, dollars)
+    return (f"| {label} | {_fmt(tps, 1)} | {speedup} | ${cost:.3g} "
             f"| {_fmt(s['ttft_ms']['p99'])} ms | {_fmt(s['tpot_ms']['p50'], 1)} ms |")
 
 
@@ -95,6 +96,12 @@ def markdown_report(data: dict[str, Any], command: str = "") -> str:
                      f"steps ran with more than half the batch already finished (mean seat "
                      f"occupancy {static['mean_occupancy']:.0%} over "
                      f"{static['decode_steps']} decode steps).")
+        lines.append("")
+    loads = [x for r in data["runs"].values() for x in r["meta"].get("loadavg_1m", []) if x]
+    if loads:
+        lines.append(f"Machine load average (1 min) during the runs: {min(loads):.1f} to "
+                     f"{max(loads):.1f} on {os.cpu_count()} cores (a shared machine: the ratios "
+                     f"between modes are the robust numbers).")
         lines.append("")
     for name, g in data.get("gate", {}).items():
         lines.append(f"- Gate, {name}: `{g['verdict']}`")
