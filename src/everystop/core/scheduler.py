@@ -282,6 +282,8 @@ class Scheduler:
         if the pool is short. If nothing ranks below it, the request itself is preempted
         (False). NOTE: the ranking is a total order, so the top-ranked sequence always makes
         progress - the engine cannot deadlock on KV memory."""
+        if self.kv.allocate(req, n):
+            return True
         rank = victim_rank(req, self.config, now)
         while not self.kv.allocate(req, n):
             victims = [r for r in self.running if r is not req

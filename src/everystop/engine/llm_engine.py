@@ -55,7 +55,7 @@ class LLMEngine:
         from everystop.tokenizer import load_tokenizer
 
         executor = create_executor(config)
-        tokenizer = load_tokenizer(executor.model_path, config.model.tokenizer)
+        tokenizer = load_tokenizer(config.model.tokenizer or executor.model_path)
         cost_model = executor.preemption_cost_model()
         logger.info("KV cache: %s", executor.describe_capacity())
         logger.info("preemption costs: %s", cost_model)

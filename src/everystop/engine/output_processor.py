@@ -60,6 +60,8 @@ class OutputProcessor:
             text_ids = upd.new_token_ids[:-1] if upd.stop_token_id is not None else upd.new_token_ids
             if text_ids:
                 state.text += state.detok.push(text_ids)
+            if finish_reason is not None and hasattr(state.detok, "flush"):
+                state.text += state.detok.flush()  # bytes held back for a char that never ended
             if state.params.stop and finish_reason != "abort":
                 cut = self._find_stop(state)
                 if cut is not None:

@@ -19,9 +19,17 @@ Token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+from everystop.executor.layers import attention_cpu
+from everystop.executor.layers.attention_torch import paged_attention_torch
+
+# Forces one implementation: "reference", "torch" or "cpp" (an error if the kernel is missing).
+BACKEND_ENV = "EVERYSTOP_ATTENTION"
+BACKENDS = ("reference", "torch", "cpp")
 
 
 @dataclass
@@ -85,8 +93,33 @@ def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
     return out
 
 
+def select_backend(q: torch.Tensor, key_cache: torch.Tensor) -> str:
+    """Which implementation paged_attention uses for these inputs: $EVERYSTOP_ATTENTION if set,
+    else the C++ kernel on CPU when it builds, else the pure-torch path."""
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}; expected one of {BACKENDS}")
+        if forced == "cpp" and not (attention_cpu.supports(q, key_cache)
+                                    and attention_cpu.kernel_available()):
+            raise RuntimeError(f"{BACKEND_ENV}=cpp but the CPU kernel cannot run these inputs "
+                               f"(device {q.device}, dtype {key_cache.dtype})")
+        return forced
+    if attention_cpu.supports(q, key_cache) and attention_cpu.kernel_available():
+        return "cpp"
+    return "torch"
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a packed batch through the block tables. Dispatches to the fastest
-    available implementation for the device."""
+    available implementation for the device (see select_backend); returns q's dtype."""
+    backend = select_backend(q, key_cache)
+    if backend == "cpp":
+        return attention_cpu.paged_attention_cpu(q, key_cache, value_cache, meta.block_tables,
+                                                 meta.query_start_loc, meta.seq_lens, scale)
+    if backend == "torch":
+        return paged_attention_torch(q, key_cache, value_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc_list,
+                                     meta.seq_lens_list, scale)
     return paged_attention_reference(q, key_cache, value_cache, meta, scale)

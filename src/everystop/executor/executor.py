@@ -1,0 +1,89 @@
+"""The executor interface the engine drives, and the in-process implementation.
+
+Tensor-parallel (multi-process) executors and the simulator implement the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from everystop.config import CacheConfig, EngineConfig, ModelConfig
+from everystop.core.outputs import ModelOutput, SchedulerOutput
+from everystop.core.preemption import PreemptionCostModel
+
+
+class Executor(Protocol):
+    """Runs scheduled steps. Block counts are fixed once constructed."""
+
+    @property
+    def num_gpu_blocks(self) -> int: ...
+
+    @property
+    def num_cpu_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Do the step's swaps, run its tokens, and return one token per sampled sequence."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release devices and memory; the executor is unusable afterwards."""
+        ...
+
+
+class LocalExecutor:
+    """A ModelRunner in this process, on one device."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int = 2048) -> None:
+        from everystop.executor.model_runner import ModelRunner  # imports torch
+        from everystop.executor.models.loader import resolve_model_path
+
+        self.model_path = resolve_model_path(model_config.model)
+        self.runner: ModelRunner | None = ModelRunner(model_config, cache_config, max_model_len,
+                                                      max_num_batched_tokens)
+        self._num_gpu_blocks = self.runner.num_gpu_blocks
+        self._num_cpu_blocks = self.runner.num_cpu_blocks
+        self._block_size = cache_config.block_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._num_gpu_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._num_cpu_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        if self.runner is None:
+            raise RuntimeError("executor was shut down")
+        return self.runner.execute(sched)
+
+    def describe_capacity(self) -> str:
+        return self.runner.describe_capacity() if self.runner else "executor shut down"
+
+    def preemption_cost_model(self) -> PreemptionCostModel:
+        """Recompute vs swap costs measured on this model and device, now."""
+        assert self.runner is not None
+        return PreemptionCostModel(
+            prefill_tokens_per_s=self.runner.measure_prefill_tokens_per_s(),
+            swap_bytes_per_s=self.runner.measure_swap_bytes_per_s(),
+            bytes_per_block=self.runner.bytes_per_block)
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor for this configuration: in-process, or one worker per tensor-parallel rank."""
+    if config.parallel.tensor_parallel_size > 1:
+        from everystop.executor.tp_executor import TensorParallelExecutor
+        return TensorParallelExecutor(config)
+    return LocalExecutor(config.model, config.cache, config.scheduler.max_model_len,
+                         config.scheduler.max_num_batched_tokens)

@@ -1,0 +1,76 @@
+"""Turn the scheduled sequences of one step into the flat packed tensors the model consumes.
+
+All index arithmetic is numpy over whole arrays (no per-token Python loops)::
+
+    seq:        |--- s0: 5 tokens ---|- s1: 1 -|------ s2: 3 ------|
+    query_start_loc: 0               5         6                   9
+    positions:  start0 .. start0+4    start1    start2 .. start2+2
+    slot(t) = block_table[seq(t)][pos(t) // block_size] * block_size + pos(t) % block_size
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from everystop.core.outputs import ScheduledSequence
+from everystop.executor.layers.attention import AttentionMetadata
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    # Row of the hidden states to sample for each sequence with `sample` set, in order.
+    sample_indices: torch.Tensor  # [N] int64
+    sample_seq_indices: list[int]  # index into the scheduled list for each of those rows
+
+
+def build_inputs(seqs: Sequence[ScheduledSequence], block_size: int,
+                 device: torch.device) -> ModelInputs:
+    """Pack `seqs` (non-empty) into model inputs on `device`."""
+    lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+    num_tokens = int(lens.sum())
+    qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+                            dtype=np.int64, count=num_tokens)
+    seq_of_token = np.repeat(np.arange(len(seqs)), lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[
+        seq_of_token]
+    seq_lens = starts + lens
+
+    n_blocks = np.fromiter((len(s.block_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+    needed = (seq_lens + block_size - 1) // block_size
+    if (n_blocks < needed).any():
+        bad = int(np.argmax(n_blocks < needed))
+        raise ValueError(f"sequence {seqs[bad].request_id} needs {needed[bad]} blocks for "
+                         f"{seq_lens[bad]} tokens but its block table has {n_blocks[bad]}")
+    table = np.zeros((len(seqs), max(int(n_blocks.max()), 1)), dtype=np.int64)
+    flat_blocks = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in seqs),
+                              dtype=np.int64, count=int(n_blocks.sum()))
+    # Row-major fill of the ragged tables: column index of each block within its row.
+    rows = np.repeat(np.arange(len(seqs)), n_blocks)
+    cols = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+    table[rows, cols] = flat_blocks
+    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    sample_seq = [i for i, s in enumerate(seqs) if s.sample]
+    sample_rows = qsl[1:][sample_seq] - 1
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl), seq_lens=to_dev(seq_lens),
+        block_tables=to_dev(table), block_size=block_size, max_query_len=int(lens.max()),
+        max_seq_len=int(seq_lens.max()), query_start_loc_list=qsl.tolist(),
+        seq_lens_list=seq_lens.tolist())
+    return ModelInputs(to_dev(input_ids), to_dev(positions), meta,
+                       to_dev(np.asarray(sample_rows, dtype=np.int64)), sample_seq)

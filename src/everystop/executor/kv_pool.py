@@ -1,0 +1,62 @@
+"""The KV block pools: one device pool the model reads and writes, one host pool for swapped
+blocks, and the block copies between them.
+
+Both pools hold all layers in one tensor so a swap is one gather/scatter for all layers::
+
+    pool: [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 num_device_blocks: int, num_host_blocks: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        shape = (num_layers, 2, 0, block_size, num_kv_heads, head_dim)
+        # NOTE: zero-filled: a kernel that reads a whole block and masks the tail must not meet
+        # NaN garbage (0 * NaN is NaN).
+        self.device_pool = torch.zeros(_with_blocks(shape, num_device_blocks), dtype=dtype,
+                                       device=device)
+        pin = device.type == "cuda"  # pinned host memory makes device<->host copies async
+        self.host_pool = torch.zeros(_with_blocks(shape, num_host_blocks), dtype=dtype,
+                                     pin_memory=pin)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.device_pool[layer, 0], self.device_pool[layer, 1]) for layer in range(num_layers)]
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.device_pool.shape[2]
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.shape[2]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, for (device_block, host_block) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([d for d, _ in pairs], device=self.device)
+        dst = torch.tensor([h for _, h in pairs])
+        self.host_pool[:, :, dst] = self.device_pool[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks, for (host_block, device_block) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([h for h, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        blocks = self.host_pool[:, :, src]
+        if self.device.type == "cuda":
+            blocks = blocks.pin_memory()
+        self.device_pool[:, :, dst] = blocks.to(self.device, non_blocking=True)
+
+
+def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
+    return shape[:2] + (num_blocks,) + shape[3:]

@@ -1,0 +1,79 @@
+"""The CPU paged-attention kernel (csrc/paged_attention.cpp), built lazily on first use.
+
+torch's extension machinery compiles it once per machine into the torch extensions dir
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and reloads it from there
+afterwards. A failed build logs one warning and reports the kernel as unavailable, so the
+caller falls back to the pure-torch path instead of crashing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_EXTENSION_NAME = "everystop_paged_attention"
+# Rows (query tokens x heads of one kv group) that share one pass over the K/V blocks: large
+# enough to amortize loading a block, small enough that a prefill chunk splits into many items
+# for the threads to share.
+ROWS_PER_ITEM = 24
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "ok" -> whether the op is loaded; absent until first attempt
+
+
+def kernel_available() -> bool:
+    """Build/load the extension if not tried yet; True if the op can be called."""
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _build()
+    return _state["ok"]
+
+
+def _build() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+
+        # NOTE: -march=native is safe because the extension is built on the machine that runs
+        # it (the cache dir is per machine, and torch rebuilds when the source or flags change).
+        load(
+            name=_EXTENSION_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.ops.everystop.paged_attention  # noqa: B018 - raises if registration failed
+        return True
+    except Exception as exc:  # any compiler/loader failure means "use the fallback"
+        logger.warning("CPU paged-attention kernel unavailable, using the torch fallback: %s",
+                       exc)
+        return False
+
+
+def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these inputs (it is CPU-only)."""
+    return (q.device.type == "cpu" and key_cache.device.type == "cpu"
+            and key_cache.dtype in CACHE_DTYPES)
+
+
+def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Call the kernel; the caller has checked kernel_available() and supports()."""
+    # q is small next to the caches, so it is handed over in fp32 and the output cast back:
+    # one kernel instantiation per cache dtype instead of one per (q, cache) dtype pair.
+    out = torch.ops.everystop.paged_attention(
+        q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+        block_tables.long().contiguous(), query_start_loc.long().contiguous(),
+        seq_lens.long().contiguous(), float(scale), ROWS_PER_ITEM)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,68 @@
+"""Rotary position embeddings (half-split "rotate_half" layout) with Llama rope scaling.
+
+Weights are kept in the Hugging Face layout, where each head's first half of dims pairs with its
+second half; GGUF checkpoints are un-permuted into this layout by the loader.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32, CPU) for the given rope scaling.
+
+    Supported scaling types: none/"default", "linear", "llama3". `freq_factors` (GGUF's
+    `rope_freqs.weight`) divides the frequencies, which is how llama.cpp stores llama3 scaling.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device="cpu") / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if freq_factors is not None:
+        return inv_freq / freq_factors.to(device="cpu", dtype=torch.float32)
+    if kind == "default":
+        return inv_freq
+    assert scaling is not None
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+    # between is interpolated smoothly so nearby positions stay distinguishable.
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, 1, head_dim] for the given positions (computed in float32).
+
+    Computed once per forward and shared by all layers.
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the per-token angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,181 @@
+"""Runs one scheduled step on the model: swaps, packed forward, logits for the sampled rows,
+sampling. Owns the model, the KV pools and the sampler for one device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from everystop.config import CacheConfig, ConfigError, ModelConfig
+from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
+from everystop.executor.inputs import build_inputs
+from everystop.executor.kv_pool import KVPool
+from everystop.executor.models.llama import KVCache, LlamaForCausalLM
+from everystop.executor.models.loader import DTYPES, load_model
+from everystop.executor.sampler import Sampler
+from everystop.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int = 2048) -> None:
+        self.model_config, self.cache_config = model_config, cache_config
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = torch.device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        self.model: LlamaForCausalLM = load_model(model_config.model, model_config.dtype,
+                                                  model_config.device)
+        args = self.model.args
+        if max_model_len > args.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
+                              f"length {args.max_position_embeddings}")
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        # K and V, every layer, every KV head.
+        self.bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * elem
+        self.bytes_per_block = self.bytes_per_token * self.block_size
+        num_cpu_blocks = int(cache_config.swap_space_gib * (1 << 30)) // self.bytes_per_block
+        self.pool = KVPool(args.num_layers, args.num_kv_heads, args.head_dim, self.block_size,
+                           self._num_device_blocks(), num_cpu_blocks, self.dtype, self.device)
+        self.sampler = Sampler(self.device, model_config.seed)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.pool.num_device_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.pool.num_host_blocks
+
+    def describe_capacity(self, tokens_per_seq: int = 2048) -> str:
+        """One line on KV capacity, for startup logs."""
+        blocks_per_seq = -(-tokens_per_seq // self.block_size)
+        mib = self.num_gpu_blocks * self.bytes_per_block / 2**20
+        return (f"KV cache: {self.bytes_per_token} B/token, {self.num_gpu_blocks} device blocks "
+                f"x {self.block_size} tokens ({mib:.0f} MiB), {self.num_cpu_blocks} host swap "
+                f"blocks; fits "
+                f"{self.num_gpu_blocks // blocks_per_seq} sequences of {tokens_per_seq} tokens")
+
+    # --- sizing ----------------------------------------------------------------------------
+
+    def _num_device_blocks(self) -> int:
+        cc = self.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return max(cc.kv_cache_memory // self.bytes_per_block, 1)
+        # CUDA: what is left of the allowed fraction after weights and peak activations.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        self._dummy_forward(self.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - weights
+        _, total = torch.cuda.mem_get_info(self.device)
+        free = cc.gpu_memory_utilization * total - weights - activations
+        torch.cuda.empty_cache()
+        if free < self.bytes_per_block:
+            raise RuntimeError(f"no room for the KV cache: weights {weights / 2**30:.2f} GiB + "
+                               f"activations {activations / 2**30:.2f} GiB exceed "
+                               f"{cc.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB")
+        return int(free // self.bytes_per_block)
+
+    def _scratch_caches(self, num_blocks: int) -> list[KVCache]:
+        a = self.model.args
+        shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(a.num_layers)]
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """A prefill of `num_tokens` tokens (split into sequences of at most max_model_len) on a
+        scratch cache: profiles peak activation memory and times prefill."""
+        seq_len = min(num_tokens, self.max_model_len)
+        n_seqs = -(-num_tokens // seq_len)
+        per_seq = -(-seq_len // self.block_size)
+        caches = self._scratch_caches(per_seq * n_seqs)
+        seqs = []
+        for i in range(n_seqs):
+            n = min(seq_len, num_tokens - i * seq_len)
+            seqs.append(ScheduledSequence(
+                request_id=f"dummy{i}", token_ids=[0] * n, start_pos=0,
+                block_ids=list(range(i * per_seq, (i + 1) * per_seq)), sample=True,
+                sampling_params=_GREEDY))
+        inputs = build_inputs(seqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_indices])
+
+    # --- micro-measurements for the preemption cost model ----------------------------------
+
+    def measure_prefill_tokens_per_s(self, num_tokens: int = 64) -> float:
+        """Prefill throughput of one `num_tokens` prompt (after a warm-up run)."""
+        self._dummy_forward(num_tokens)
+        self._sync()
+        start = time.perf_counter()
+        self._dummy_forward(num_tokens)
+        self._sync()
+        return num_tokens / max(time.perf_counter() - start, 1e-9)
+
+    def measure_swap_bytes_per_s(self, num_blocks: int = 8) -> float:
+        """Device->host->device copy bandwidth over scratch blocks (the real pools untouched)."""
+        a = self.model.args
+        shape = (a.num_layers, 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        dev = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(dev)
+        self._sync()
+        start = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+        self._sync()
+        return 2 * dev.numel() * dev.element_size() / max(time.perf_counter() - start, 1e-9)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- the step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Swap blocks, run the scheduled tokens, sample one token per `sample` sequence."""
+        start = time.perf_counter()
+        # NOTE: out before in: a device block swapped out this step may be the target of a
+        # swap-in in the same step.
+        self.pool.swap_out(sched.blocks_to_swap_out)
+        self.pool.swap_in(sched.blocks_to_swap_in)
+        output = ModelOutput()
+        if sched.scheduled:
+            sampled, logits = self.forward_logits(sched.scheduled)
+            if sampled:
+                result = self.sampler(logits, [s.sampling_params for s in sampled],
+                                      [s.output_index for s in sampled])
+                for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+                    output.sampled_token_ids[seq.request_id] = token
+                    if logprob is not None:
+                        output.logprobs[seq.request_id] = logprob
+        self._sync()
+        output.execute_time_s = time.perf_counter() - start
+        return output
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[ScheduledSequence]
+                       ) -> tuple[list[ScheduledSequence], torch.Tensor]:
+        """Run the packed forward pass; return the sequences with `sample` set and their
+        float32 logits [N, vocab] (lm_head runs only on those rows)."""
+        inputs = build_inputs(seqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                            inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        return [seqs[i] for i in inputs.sample_seq_indices], logits
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return self.pool.kv_caches
+

