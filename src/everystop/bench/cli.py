@@ -131,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _compare_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="the workload through every batching mode, one process")
     p.add_argument("--workload", required=True)
-    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--out-dir", default="benchmarks/results/compare")
     p.add_argument("--modes", default="static,continuous,chunked,prefix")
     p.add_argument("--loads", default="0.7", help="online loads, fractions of capacity ('' = none)")
     p.add_argument("--online-modes", default=None, help="modes to run online (default: --modes)")
@@ -153,6 +153,8 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU KV pool)")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (1 is far faster on an oversubscribed shared machine)")
     p.add_argument("--no-progress", action="store_true")
     _slo_args(p)
     p.set_defaults(func=cmd_compare)
@@ -162,6 +164,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from everystop.bench.compare import CompareOptions, run_compare, shared_model_factory
     from everystop.bench.table import machine_description
     from everystop.bench.workload import load_workload
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     wl = load_workload(args.workload)
     if args.num_requests:
         wl = wl.head(args.num_requests)
@@ -184,7 +189,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     command = "everystop " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"machine": machine_description(), "command": command, "workload_file": args.workload,
             "model": args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-            "engine_options": base}
+            "engine_options": base, "torch_threads": args.threads}
     data = run_compare(wl, shared_model_factory(base, max_budget), opts,
                        max_model_len=args.max_model_len, out_json=out_dir / "compare.json",
                        meta=meta)
