@@ -84,15 +84,33 @@ def test_compare_writes_json_table_and_plots(tmp_path) -> None:  # type: ignore[
     on_disk = json.loads(out.read_text())
     assert set(on_disk["runs"]) == {f"{p}/{m}" for p in ("offline", "online0.5")
                                     for m in ("static", "continuous", "chunked", "prefix")} | {
-        "online0.5/chunked+delay2ms"}
+        "gate/baseline", "gate/rerun", "gate/delay2ms"}
     assert set(on_disk["capacity"]) == {"static", "continuous", "chunked", "prefix"}
     rate = on_disk["runs"]["online0.5/static"]["meta"]["rate"]
     assert rate == pytest.approx(0.5 * on_disk["capacity"]["chunked"])
     assert "stragglers" in on_disk["runs"]["offline/static"]
-    self_check = on_disk["gate"]["online0.5/chunked vs online0.5/chunked"]
+    self_check = on_disk["gate"]["gate/baseline vs gate/baseline"]
     assert self_check["passed"] and self_check["verdict"].startswith("PASS")
+    delayed = on_disk["gate"]["gate/baseline vs gate/delay2ms"]
+    assert not delayed["passed"] and delayed["verdict"].startswith("FAIL")
     text = markdown_report(data, "everystop bench compare ...")
     assert "Continuous batching + chunked prefill" in text and "Static batching, bs=4" in text
     assert "of decode steps ran with more than half the batch already finished" in text
     paths = write_all(data, tmp_path)
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_compare_resume_keeps_finished_runs() -> None:
+    opts = CompareOptions(modes=["static", "chunked"], loads=[], static_batch_size=4,
+                          progress=False)
+    first = run_compare(_workload(n=6), _toy_factory, opts, log=lambda s: None)
+    built: list[dict[str, Any]] = []
+
+    def counting_factory(mode_opts: dict[str, Any]) -> LLMEngine:
+        built.append(mode_opts)
+        return _toy_factory(mode_opts)
+    opts.loads = [0.5]
+    second = run_compare(_workload(n=6), counting_factory, opts, resume=first,
+                         log=lambda s: None)
+    assert second["runs"]["offline/static"] == first["runs"]["offline/static"]
+    assert len(built) == 2 and set(second["runs"]) >= {"online0.5/static", "online0.5/chunked"}

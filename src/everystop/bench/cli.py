@@ -147,7 +147,11 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--hf-requests", type=int, default=0,
                    help="also run transformers generate on the first N requests (0: skip)")
     p.add_argument("--gate-delay-ms", type=float, default=0.0,
-                   help="also run chunked online with this per-step delay and gate it")
+                   help="also run the gate check: chunked online, baseline, rerun and with this "
+                        "per-step delay, back to back")
+    p.add_argument("--gate-requests", type=int, default=48, help="requests in the gate check")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT_DIR/compare.json; run only the missing")
     p.add_argument("--model", default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -178,6 +182,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         static_batch_size=args.static_batch_size, chunk_budget=args.chunk_budget,
         dollars_per_hour=args.dollars_per_hour, seed=args.seed, burstiness=args.burstiness,
         hf_requests=args.hf_requests, gate_delay_ms=args.gate_delay_ms, slo=_slo(args),
+        gate_requests=args.gate_requests,
         progress=not args.no_progress)
     base = {"model": args.model, "max_num_seqs": args.max_num_seqs,
             "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
@@ -190,10 +195,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     meta = {"machine": machine_description(), "command": command, "workload_file": args.workload,
             "model": args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
             "engine_options": base, "torch_threads": args.threads}
+    previous = None
+    if args.resume and (out_dir / "compare.json").exists():
+        previous = json.loads((out_dir / "compare.json").read_text())
+        meta["command"] = previous["meta"].get("command", command) + f"; then {command}"
     data = run_compare(wl, shared_model_factory(base, max_budget), opts,
                        max_model_len=args.max_model_len, out_json=out_dir / "compare.json",
-                       meta=meta)
-    _render(data, out_dir, command)
+                       meta=meta, resume=previous)
+    _render(data, out_dir, meta["command"])
     return 0
 
 

@@ -46,7 +46,8 @@ class CompareOptions:
     seed: int = 0
     burstiness: float = 1.0
     hf_requests: int = 0  # run the transformers reference on the first N requests (0: skip)
-    gate_delay_ms: float = 0.0  # > 0: also run chunked online with this per-step delay + gate
+    gate_delay_ms: float = 0.0  # > 0: also run the gate check (see _gate_check) with this delay
+    gate_requests: int = 48
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
 
@@ -101,15 +102,22 @@ class CompareRecorder:
 
 def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions,
                 max_model_len: int = 2048, out_json: Path | None = None,
-                meta: dict[str, Any] | None = None,
+                meta: dict[str, Any] | None = None, resume: dict[str, Any] | None = None,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Offline runs of every mode, then online runs at each load; returns the result dict."""
+    """Offline runs of every mode, then online runs at each load; returns the result dict.
+    resume: an earlier result of the same comparison; runs it already holds are not redone."""
     rec = CompareRecorder(out_json, {**(meta or {}), "options": _options_json(opts),
                                      "workload": workload.name,
                                      "num_requests": len(workload.requests)})
+    if resume:
+        for key in ("runs", "capacity"):
+            rec.data[key].update(resume.get(key, {}))
 
     def one(mode: str, arrivals: list[float] | None, name: str, extra: dict[str, Any],
-            step_delay_s: float = 0.0) -> EngineRun:
+            step_delay_s: float = 0.0, workload: Workload = workload) -> None:
+        if name in rec.data["runs"]:
+            log(f"{name:<22} kept from the earlier result")
+            return
         engine = factory(mode_options(mode, opts, max_model_len))
         warm_up(engine)
         load_before = _loadavg()
@@ -122,12 +130,12 @@ def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions
         log(f"{name:<22} {s['output_throughput']:8.1f} out tok/s  TTFT p99 "
             f"{s['ttft_ms']['p99']:9.1f} ms  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms  "
             f"({run.duration_s:.1f} s)")
-        return run
 
     for mode in opts.modes:
-        run = one(mode, None, f"offline/{mode}", {"arrivals": "all at t=0"})
-        rec.data["capacity"][mode] = len(run.results) / run.duration_s
-    if opts.hf_requests:
+        one(mode, None, f"offline/{mode}", {"arrivals": "all at t=0"})
+        rec.data["capacity"][mode] = rec.data["runs"][f"offline/{mode}"]["summary"][
+            "request_throughput"]
+    if opts.hf_requests and "offline/hf" not in rec.data["runs"]:
         from everystop.bench.hf_reference import run_hf_static
         sub = workload.head(opts.hf_requests)
         run = run_hf_static(sub, opts.static_batch_size, progress=opts.progress)
@@ -145,35 +153,35 @@ def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions
                 {"load": load, "rate": rate, "capacity_from": basis,
                  "burstiness": opts.burstiness})
 
-    if opts.gate_delay_ms and opts.loads:
+    if opts.gate_delay_ms and ("chunked" in rec.data["capacity"]):
         _gate_check(rec, opts, workload, one)
     rec.save()
     return rec.data
 
 
 def _gate_check(rec: CompareRecorder, opts: CompareOptions, workload: Workload,
-                one: Callable[..., EngineRun]) -> None:
-    """The deploy gate, exercised on real runs: baseline vs itself, and vs a copy with an
-    injected per-step delay (a synthetic scheduler regression)."""
+                one: Callable[..., None]) -> None:
+    """The deploy gate, exercised on real runs of the chunked mode at the first online rate:
+    a baseline, an identical rerun and a copy with an injected per-step delay (a synthetic
+    regression), back to back on the first `gate_requests` requests so that all three see the
+    same machine load (on a shared machine, a baseline from minutes earlier does not)."""
     from everystop.bench.gate import gate, verdict_line
 
     load = opts.loads[0]
-    base_name = f"online{load:g}/chunked"
-    if base_name not in rec.data["runs"]:
-        return
-    extra = dict(rec.data["runs"][base_name]["meta"])
-    arrivals = arrival_offsets(len(workload.requests), extra["rate"], opts.burstiness,
-                               random.Random(opts.seed))
-    name = f"{base_name}+delay{opts.gate_delay_ms:g}ms"
-    extra.update(step_delay_ms=opts.gate_delay_ms)
-    extra.pop("run", None)
-    extra.pop("kind", None)
-    one("chunked", arrivals, name, extra, step_delay_s=opts.gate_delay_ms / 1000.0)
-    base = rec.data["runs"][base_name]
-    for cand_name in (base_name, name):
-        result = gate(base, rec.data["runs"][cand_name])
-        rec.data["gate"][f"{base_name} vs {cand_name}"] = {**result,
-                                                           "verdict": verdict_line(result)}
+    online = rec.data["runs"].get(f"online{load:g}/chunked")
+    rate = online["meta"]["rate"] if online else load * rec.data["capacity"]["chunked"]
+    sub = workload.head(min(opts.gate_requests, len(workload.requests)))
+    arrivals = arrival_offsets(len(sub.requests), rate, opts.burstiness, random.Random(opts.seed))
+    extra = {"load": load, "rate": rate, "capacity_from": "chunked",
+             "burstiness": opts.burstiness, "subset": len(sub.requests)}
+    names = ["gate/baseline", "gate/rerun", f"gate/delay{opts.gate_delay_ms:g}ms"]
+    for name, delay in zip(names, (0.0, 0.0, opts.gate_delay_ms)):
+        one("chunked", arrivals, name, {**extra, "step_delay_ms": delay},
+            step_delay_s=delay / 1000.0, workload=sub)
+    base = rec.data["runs"][names[0]]
+    for cand in names:
+        result = gate(base, rec.data["runs"][cand])
+        rec.data["gate"][f"{names[0]} vs {cand}"] = {**result, "verdict": verdict_line(result)}
 
 
 def _loadavg() -> float | None:

@@ -23,7 +23,7 @@ def _runs(data: dict[str, Any], prefix: str) -> dict[str, dict[str, Any]]:
 
 def ttft_cdf(data: dict[str, Any], path: Path) -> None:
     plt = _plt()
-    groups = sorted({k.split("/", 1)[0] for k in data["runs"]},
+    groups = sorted({k.split("/", 1)[0] for k in data["runs"] if not k.startswith("gate/")},
                     key=lambda g: (g != "offline", g))
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
     for ax, group in zip(axes[0], groups):
