@@ -4,6 +4,7 @@ sampling. Owns the model, the KV pools and the sampler for one device.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -20,6 +21,14 @@ from everystop.sampling_params import SamplingParams
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
                  max_num_batched_tokens: int = 2048) -> None:
@@ -29,6 +38,8 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
+        if self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads or usable_cpus())
         self.model: LlamaForCausalLM = load_model(model_config.model, model_config.dtype,
                                                   model_config.device)
         args = self.model.args

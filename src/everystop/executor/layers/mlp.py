@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from everystop.executor.layers import cpu_ops
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -16,5 +18,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.use_fused(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
