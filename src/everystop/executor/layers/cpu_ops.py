@@ -51,3 +51,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """First index of each row's maximum of a float32 [N, V] (torch.argmax is ~10x slower)."""
     return torch.ops.everystop.argmax_rows(x)
+
+
+def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows <= 8, in] @ weight.T streaming the weights once, fp32 accumulation; x's dtype."""
+    return torch.ops.everystop.linear_small(x, weight)

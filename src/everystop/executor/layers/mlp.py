@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers import cpu_ops
+from everystop.executor.layers.linear import Linear
 
 
 class SwiGLU(nn.Module):
@@ -14,8 +15,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         # NOTE: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers.attention import AttentionMetadata, paged_attention, write_kv
+from everystop.executor.layers.linear import Linear, linear
 from everystop.executor.layers.mlp import SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
@@ -55,8 +55,8 @@ class LlamaAttention(nn.Module):
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, args.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.model = LlamaModel(args)
         self.lm_head = (None if args.tie_word_embeddings else
-                        nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+                        Linear(args.hidden_size, args.vocab_size))
         self.inv_freq: torch.Tensor = rope_inv_freq(args.head_dim, args.rope_theta,
                                                     args.rope_scaling)
 
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the N hidden rows given (only the rows to sample)."""
         weight = (self.model.embed_tokens.weight if self.lm_head is None else
                   self.lm_head.weight)
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:

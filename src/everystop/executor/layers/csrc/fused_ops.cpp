@@ -7,6 +7,8 @@
 //   silu_mul(gate_up)          silu(gate_up[:, :I]) * gate_up[:, I:]
 //   rope_(x, cos, sin)         in place, half-split ("rotate_half") layout, x: [T, heads, D]
 //   argmax_rows(x)             first index of each row's maximum (NaN counts as maximal)
+//   linear_small(x, w)         x @ w.T for a few rows of x (decode): a weight-streaming GEMV,
+//                              16-bit weights widened in registers, fp32 accumulation
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -17,6 +19,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -171,6 +178,106 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// --- linear_small --------------------------------------------------------------------------
+// At decode batch sizes a linear layer reads every weight once for a handful of rows, so it is
+// bound by how fast the weights stream in; the library GEMM paths leave much of that bandwidth
+// unused for 16-bit weights. Here each weight row is loaded once, widened to fp32 in registers
+// and multiplied into up to kMaxRows activation rows; four output columns are in flight at once
+// so the FMA chains overlap.
+constexpr int64_t kMaxRows = 8;
+
+#ifdef __AVX512F__
+inline __m512 load_w16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_w16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load_w16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename W>
+void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
+                int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t k16 = k - k % 16;
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) {
+    __m512 acc[kMaxRows][4];
+    for (int64_t m = 0; m < rows; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    const W* w0 = w + n * k;
+    for (int64_t i = 0; i < k16; i += 16) {
+      const __m512 a0 = load_w16(w0 + i), a1 = load_w16(w0 + k + i);
+      const __m512 a2 = load_w16(w0 + 2 * k + i), a3 = load_w16(w0 + 3 * k + i);
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * k + i);
+        acc[m][0] = _mm512_fmadd_ps(xv, a0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(xv, a1, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(xv, a2, acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(xv, a3, acc[m][3]);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int j = 0; j < 4; ++j) {
+        float sum = _mm512_reduce_add_ps(acc[m][j]);
+        for (int64_t i = k16; i < k; ++i) sum += x[m * k + i] * to_f(w0[j * k + i]);
+        out[m * out_stride + n + j] = sum;
+      }
+    }
+  }
+  for (; n < n_end; ++n) {
+    const W* wr = w + n * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
+      out[m * out_stride + n] = sum;
+    }
+  }
+}
+#else
+template <typename W>
+void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
+                int64_t n_end, float* out, int64_t out_stride) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const W* wr = w + n * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
+      out[m * out_stride + n] = sum;
+    }
+  }
+}
+#endif
+
+template <typename W>
+void linear_small_impl(const at::Tensor& x32, const at::Tensor& w, at::Tensor& out32) {
+  const int64_t rows = x32.size(0), k = x32.size(1), n = w.size(0);
+  const float* xp = x32.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
+  float* op = out32.data_ptr<float>();
+  // Columns in chunks of 64 so both threads get work even for the small projections.
+  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    gemv_block<W>(xp, rows, k, wp, begin * 64, std::min(end * 64, n), op, n);
+  });
+}
+
+at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear_small: x [rows, k] and w [n, k] expected");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "linear_small: at most ", kMaxRows, " rows");
+  TORCH_CHECK(w.is_contiguous(), "linear_small: weight must be contiguous");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out32 = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  switch (w.scalar_type()) {
+    case at::kFloat: linear_small_impl<float>(x32, w, out32); break;
+    case at::kBFloat16: linear_small_impl<c10::BFloat16>(x32, w, out32); break;
+    case at::kHalf: linear_small_impl<c10::Half>(x32, w, out32); break;
+    default: TORCH_CHECK(false, "linear_small: unsupported weight dtype");
+  }
+  return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(everystop, m) {
@@ -178,6 +285,7 @@ TORCH_LIBRARY_FRAGMENT(everystop, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("linear_small(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(everystop, CPU, m) {
@@ -185,4 +293,5 @@ TORCH_LIBRARY_IMPL(everystop, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("linear_small", &linear_small);
 }
