@@ -126,10 +126,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism: one process (one GPU on CUDA) per shard."""
+
     tensor_parallel_size: int = 1
+    # A collective that waits longer than this fails the engine (a hung worker). A dead worker
+    # is noticed at once, whatever this says.
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _positive(self, "tensor_parallel_size")
+        _positive(self, "tensor_parallel_size", "collective_timeout_s")
 
 
 @dataclass(frozen=True)

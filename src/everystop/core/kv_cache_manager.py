@@ -17,6 +17,8 @@ class KVCacheManager:
         # (or at least a preemption can complete) without the pool hitting zero.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as plain block ids, kept in step (the scheduler copies them each step).
+        self._req_block_ids: dict[str, list[int]] = {}
         # Hashes of the request's full blocks (prompt and output), computed once each.
         self._req_hashes: dict[str, list[BlockHash]] = {}
         # How many leading blocks of the request are registered in the prefix cache.
@@ -40,7 +42,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return list(self._req_block_ids.get(request_id, ()))
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
@@ -115,22 +117,31 @@ class KVCacheManager:
                  reserve_watermark: bool = False) -> bool:
         """Grow the request's table to hold num_new_tokens more tokens (after `computed`, the
         cached prefix blocks it adopts). Returns False, changing nothing, if the pool is short."""
+        if not computed and req.request_id in self.req_blocks and (
+                req.num_computed_tokens + num_new_tokens
+                <= len(self.req_blocks[req.request_id]) * self.block_size):
+            return True  # fits in the blocks it holds: the common decode step
         if not self.can_allocate(req, num_new_tokens, computed, reserve_watermark):
             return False
         need = self.num_new_blocks_needed(req, num_new_tokens, computed)
         blocks = self.req_blocks.setdefault(req.request_id, [])
+        ids = self._req_block_ids.setdefault(req.request_id, [])
         if computed:
             self.pool.touch(list(computed))
             blocks.extend(computed)
+            ids.extend(b.block_id for b in computed)
             self._num_registered[req.request_id] = len(blocks)
         if need:
-            blocks.extend(self.pool.get_new_blocks(need))
+            new = self.pool.get_new_blocks(need)
+            blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         return True
 
     def free(self, req: Request) -> None:
         """Return the request's device blocks now (tail first, so shared prefixes stay cached
         longest). Also forgets its host copy, if it had one."""
         blocks = self.req_blocks.pop(req.request_id, None)
+        self._req_block_ids.pop(req.request_id, None)
         if blocks:
             self.pool.free_blocks(blocks[::-1])
         self._num_registered.pop(req.request_id, None)
@@ -159,6 +170,7 @@ class KVCacheManager:
         """Move the request's blocks to host space: returns (device, host) copies to perform
         before the next forward pass; the device blocks are free from now on."""
         blocks = self.req_blocks.pop(req.request_id)
+        self._req_block_ids.pop(req.request_id, None)
         host = [self._cpu_free.pop() for _ in blocks]
         self.swapped_blocks[req.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
@@ -179,6 +191,7 @@ class KVCacheManager:
         total = req.num_computed_tokens + num_new_tokens
         blocks = self.pool.get_new_blocks(max(len(host), self.blocks_needed(total)))
         self.req_blocks[req.request_id] = blocks
+        self._req_block_ids[req.request_id] = [b.block_id for b in blocks]
         self._cpu_release_next_step.extend(host)
         return [(h, b.block_id) for h, b in zip(host, blocks)]
 
@@ -193,7 +206,9 @@ class KVCacheManager:
     def check_integrity(self, live_request_ids: set[str] | None = None) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for rid, blocks in self.req_blocks.items():
+            if self._req_block_ids.get(rid) != [b.block_id for b in blocks]:
+                raise AssertionError(f"{rid}: block id list out of step with its table")
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -282,10 +282,10 @@ class Scheduler:
         if the pool is short. If nothing ranks below it, the request itself is preempted
         (False). NOTE: the ranking is a total order, so the top-ranked sequence always makes
         progress - the engine cannot deadlock on KV memory."""
-        rank = None  # only ranked when the pool is short (the common case never is)
+        if self.kv.allocate(req, n):
+            return True
+        rank = victim_rank(req, self.config, now)
         while not self.kv.allocate(req, n):
-            if rank is None:
-                rank = victim_rank(req, self.config, now)
             victims = [r for r in self.running if r is not req
                        and r.request_id not in self._admitted_now
                        and victim_rank(r, self.config, now) < rank]

@@ -91,7 +91,10 @@ class AsyncEngine:
                     return
         finally:
             stream.closed = True
-            if not finished:
+            if finished:
+                with self._lock:  # the watchdog iterates _streams under the lock
+                    self._streams.pop(request_id, None)
+            else:
                 self.abort(request_id)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -102,10 +105,15 @@ class AsyncEngine:
             yield out
 
     def abort(self, request_id: str) -> None:
+        """End a request. A consumer still reading (drain) gets a final "abort" output; a gone
+        one's stream is dropped."""
         with self._lock:
-            self._streams.pop(request_id, None)
+            stream = self._streams.get(request_id)
+            if stream is not None and (stream.closed or stream.loop.is_closed()):
+                self._streams.pop(request_id, None)
             if request_id in self.engine.scheduler.requests:
                 self.engine.abort_request(request_id)
+        self._wake.set()
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -113,10 +121,18 @@ class AsyncEngine:
         try:
             while not self._stop:
                 with self._lock:
-                    busy = self.engine.has_unfinished_requests()
+                    # Pending outputs (an abort's final output) must be delivered even when
+                    # nothing is left to run.
+                    busy = (self.engine.has_unfinished_requests()
+                            or bool(self.engine._pending_outputs))
                 if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
+                    # An idle engine learns of a dead tensor-parallel worker here, so /health
+                    # turns 503 without waiting for the next request to fail.
+                    check = getattr(self.engine.executor, "check_health", None)
+                    if check is not None:
+                        check()
                     continue
                 outputs = self._step()
                 self._deliver(outputs)
@@ -149,8 +165,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
-                self._streams.pop(out.request_id, None)
+            # NOTE: a finished stream stays registered until its consumer has read the end
+            # (stream()'s finally pops it), so a consumer that starts late still finds it.
             try:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
             except RuntimeError:  # its event loop is gone: nobody will ever read this

@@ -1,11 +1,16 @@
 """Runs one scheduled step on the model: swaps, packed forward, logits for the sampled rows,
 sampling. Owns the model, the KV pools and the sampler for one device.
+
+Under tensor parallelism every rank runs one ModelRunner over its shard with the same steps, in
+the same order (the collectives inside the forward pass pair them up); only rank 0 gets logits
+and samples.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -13,6 +18,7 @@ from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
+from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model
 from everystop.executor.sampler import Sampler
@@ -29,30 +35,59 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# Loaded weights by (path, dtype, device). Inference never writes to them, so engines in one
+# process (tests, benchmarks comparing modes) share one copy instead of reloading each time.
+_MODELS: "OrderedDict[tuple[str | None, str, str], LlamaForCausalLM]" = OrderedDict()
+_MAX_SHARED_MODELS = 2
+
+
+def _shared_model(path: str | None, dtype: str, device: str) -> LlamaForCausalLM:
+    key = (path, dtype, device)
+    model = _MODELS.get(key)
+    if model is None:
+        model = load_model(path, dtype, device)
+        _MODELS[key] = model
+        while len(_MODELS) > _MAX_SHARED_MODELS:
+            _MODELS.popitem(last=False)
+    _MODELS.move_to_end(key)
+    return model
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, parallel: ParallelContext = SINGLE) -> None:
         self.model_config, self.cache_config = model_config, cache_config
+        self.parallel = parallel
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
-            torch.set_num_threads(model_config.num_threads or usable_cpus())
-        self.model: LlamaForCausalLM = load_model(model_config.model, model_config.dtype,
-                                                  model_config.device)
+            # Tensor-parallel CPU ranks share the cores: each takes its share.
+            threads = model_config.num_threads or usable_cpus()
+            torch.set_num_threads(max(1, threads // parallel.world_size))
+        # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
+        self.model: LlamaForCausalLM = (
+            _shared_model(model_config.model, model_config.dtype, model_config.device)
+            if parallel.world_size == 1 else
+            load_model(model_config.model, model_config.dtype, model_config.device, parallel))
         args = self.model.args
         if max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                               f"length {args.max_position_embeddings}")
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        # K and V, every layer, every KV head.
-        self.bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * elem
+        self.num_kv_heads = self.model.num_local_kv_heads
+        # K and V, every layer, every KV head this rank caches: bytes per token *per shard*.
+        self.bytes_per_token = 2 * args.num_layers * self.num_kv_heads * args.head_dim * elem
         self.bytes_per_block = self.bytes_per_token * self.block_size
         num_cpu_blocks = int(cache_config.swap_space_gib * (1 << 30)) // self.bytes_per_block
-        self.pool = KVPool(args.num_layers, args.num_kv_heads, args.head_dim, self.block_size,
-                           self._num_device_blocks(), num_cpu_blocks, self.dtype, self.device)
+        # NOTE: the block tables are shared by all ranks, so every rank's pool must have the
+        # same number of blocks: the smallest any rank can afford (shards may differ in size).
+        num_device_blocks = parallel.all_min(self._num_device_blocks())
+        num_cpu_blocks = parallel.all_min(num_cpu_blocks)
+        self.pool = KVPool(args.num_layers, self.num_kv_heads, args.head_dim, self.block_size,
+                           num_device_blocks, num_cpu_blocks, self.dtype, self.device)
         self.sampler = Sampler(self.device, model_config.seed)
 
     @property
@@ -67,7 +102,10 @@ class ModelRunner:
         """One line on KV capacity, for startup logs."""
         blocks_per_seq = -(-tokens_per_seq // self.block_size)
         mib = self.num_gpu_blocks * self.bytes_per_block / 2**20
-        return (f"KV cache: {self.bytes_per_token} B/token, {self.num_gpu_blocks} device blocks "
+        shard = (f"rank 0 of {self.parallel.world_size} (per shard): "
+                 if self.parallel.world_size > 1 else "")
+        return (f"KV cache: {shard}{self.bytes_per_token} B/token, "
+                f"{self.num_gpu_blocks} device blocks "
                 f"x {self.block_size} tokens ({mib:.0f} MiB), {self.num_cpu_blocks} host swap "
                 f"blocks; fits "
                 f"{self.num_gpu_blocks // blocks_per_seq} sequences of {tokens_per_seq} tokens")
@@ -98,7 +136,7 @@ class ModelRunner:
 
     def _scratch_caches(self, num_blocks: int) -> list[KVCache]:
         a = self.model.args
-        shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(a.num_layers)]
@@ -136,7 +174,7 @@ class ModelRunner:
     def measure_swap_bytes_per_s(self, num_blocks: int = 8) -> float:
         """Device->host->device copy bandwidth over scratch blocks (the real pools untouched)."""
         a = self.model.args
-        shape = (a.num_layers, 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (a.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         dev = torch.zeros(shape, dtype=self.dtype, device=self.device)
         host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(dev)
@@ -164,7 +202,7 @@ class ModelRunner:
         output = ModelOutput()
         if sched.scheduled:
             sampled, logits = self.forward_logits(sched.scheduled)
-            if sampled:
+            if sampled and logits is not None:  # None: a tensor-parallel rank other than 0
                 result = self.sampler(logits, [s.sampling_params for s in sampled],
                                       [s.output_index for s in sampled])
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
@@ -177,9 +215,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[ScheduledSequence]
-                       ) -> tuple[list[ScheduledSequence], torch.Tensor]:
+                       ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
         """Run the packed forward pass; return the sequences with `sample` set and their
-        float32 logits [N, vocab] (lm_head runs only on those rows)."""
+        float32 logits [N, vocab] (lm_head runs only on those rows; None on ranks other than 0
+        under tensor parallelism)."""
         inputs = build_inputs(seqs, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
                             inputs.meta)

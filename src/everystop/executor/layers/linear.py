@@ -1,20 +1,32 @@
-"""Linear layers that route decode-sized inputs to a weight-streaming CPU kernel.
+"""Megatron-style sharded linears and embedding.
 
-With 16-bit weights and only a few rows (single-stream decode), the library GEMM leaves most
-of the memory bandwidth unused; `cpu_ops.linear_small` streams each weight row once and
-accumulates in fp32. Larger inputs (prefill chunks, big decode batches) are compute-bound and
-stay on the library GEMM (oneDNN / MKL), as does every other device.
+Each layer holds only this rank's slice of the full weight and knows how to cut that slice out
+of the full tensor (`shard_weight`, used by the loader), so checkpoints stay unsharded on disk::
+
+    column-parallel  W [out, in]: rank r keeps some rows   -> output stays split over ranks
+    row-parallel     W [out, in]: rank r keeps some columns -> partial sums, one all-reduce
+    vocab-parallel   E [vocab, hidden]: rank r keeps a vocab range -> masked lookup + all-reduce
+                                                                       (logits: gather to rank 0)
+
+Column then row (QKV -> attention -> o_proj, gate/up -> SiLU -> down) needs one all-reduce per
+pair. With world_size 1 every slice is the whole tensor and no collective runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers import cpu_ops
+from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
 
-# Up to this many rows the streaming kernel wins (measured in docs/perf/profile.md).
+# Up to this many rows (decode-sized inputs) 16-bit weights go through the weight-streaming
+# CPU GEMV: the library GEMM leaves most of the memory bandwidth unused there (see
+# docs/perf/profile.md). Larger inputs are compute-bound and stay on oneDNN / MKL, as do fp32
+# weights and every other device.
 SMALL_ROWS = 4
 
 
@@ -25,12 +37,98 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return cpu_ops.linear_small(x, weight)
     return F.linear(x, weight)
 
+RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
-class Linear(nn.Linear):
-    """nn.Linear without bias whose forward goes through `linear` (same parameter names)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+class ColumnParallelLinear(nn.Module):
+    """The full weight is a stack of blocks (e.g. [gate; up]); each rank keeps its even share of
+    every block, stacked in the same order, so a fused output still splits block by block."""
+
+    def __init__(self, in_features: int, block_sizes: Sequence[int], ctx: ParallelContext,
+                 rows: Sequence[RowRange] | None = None) -> None:
+        super().__init__()
+        if rows is None:
+            offsets = [sum(block_sizes[:i]) for i in range(len(block_sizes))]
+            shares = [shard_range(n, ctx.world_size, ctx.rank) for n in block_sizes]
+            rows = [(off + start, size) for off, (start, size) in zip(offsets, shares)]
+        self.rows = tuple(rows)
+        self.full_out_features = sum(block_sizes)
+        self.out_sizes = [size for _, size in self.rows]
+        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features),
+                                   requires_grad=False)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        if self.rows == ((0, full.shape[0]),):
+            return full
+        return torch.cat([full[start:start + size] for start, size in self.rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused [q; k; v] projection. Rank r keeps its query heads and the KV heads they read, so
+    its slice is [q_r; k_r; v_r] (KV heads replicated when there are fewer than ranks)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 ctx: ParallelContext) -> None:
+        self.heads = shard_heads(num_heads, num_kv_heads, ctx.world_size, ctx.rank)
+        h, d = self.heads, head_dim
+        q_full, kv_full = num_heads * d, num_kv_heads * d
+        rows = [(h.q_start * d, h.num_q * d), (q_full + h.kv_start * d, h.num_kv * d),
+                (q_full + kv_full + h.kv_start * d, h.num_kv * d)]
+        super().__init__(hidden_size, [q_full, kv_full, kv_full], ctx, rows)
+        if rows == [(0, q_full), (q_full, kv_full), (q_full + kv_full, kv_full)]:
+            self.rows = ((0, q_full + 2 * kv_full),)  # the whole tensor: no copy on load
+
+
+class RowParallelLinear(nn.Module):
+    """Keeps the input columns [start, start+size) and sums partial outputs over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
+                 cols: RowRange | None = None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.cols = cols or shard_range(in_features, ctx.world_size, ctx.rank)
+        self.full_in_features = in_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols[1]), requires_grad=False)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        start, size = self.cols
+        return full if size == full.shape[1] else full[:, start:start + size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce(linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds embedding rows [start, start+size). A token outside the range looks up
+    zeros, so the all-reduce sum is exactly the one rank's row (x + 0 = x: no rounding)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.start, self.size = shard_range(vocab_size, ctx.world_size, ctx.rank)
+        self.weight = nn.Parameter(torch.empty(self.size, hidden_size), requires_grad=False)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.size == full.shape[0] else full[self.start:self.start + self.size]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.ctx.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Use the rows as a vocabulary projection (an LM head, or a tied embedding): float32
+        logits [N, vocab] on rank 0 (the only rank that samples), None on the others."""
+        full = self.ctx.gather_last_dim(linear(hidden, self.weight), self.vocab_size)
+        return None if full is None else full.float()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied vocabulary projection, sharded like the embedding (one row per token)."""

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward block with a fused gate/up projection."""
+"""SwiGLU feed-forward block with a fused gate/up projection (column-parallel) and a
+row-parallel down projection: one all-reduce per block under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers import cpu_ops
-from everystop.executor.layers.linear import Linear
+from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from everystop.executor.layers.parallel import SINGLE, ParallelContext, shard_range
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 ctx: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        # NOTE: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        start, self.intermediate_size = shard_range(intermediate_size, ctx.world_size, ctx.rank)
+        # NOTE: the full weight's rows [0, I) are the gate projection, [I, 2I) the up projection;
+        # each rank keeps the same slice of both, so its output still splits into gate | up.
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, ctx)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx,
+                                           (start, self.intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

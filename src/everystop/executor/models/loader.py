@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM, fuse_hf_state_dict
+from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM, hf_sources
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -62,9 +63,14 @@ def resolve_model_path(path: str | None) -> str:
     return path
 
 
-def load_model(path: str | None = None, dtype: str = "float32",
-               device: str = "cpu") -> LlamaForCausalLM:
-    """Load weights from `path` (GGUF file or HF directory; None = default model)."""
+def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
+               parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+    """Load weights from `path` (GGUF file or HF directory; None = default model).
+
+    Under tensor parallelism (`parallel.world_size > 1`) only rank `parallel.rank`'s shard of
+    each weight reaches the device: tensors are read whole on the host one at a time, cut by
+    the owning layer's `shard_weight`, then converted and moved.
+    """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     path = resolve_model_path(path)
@@ -73,32 +79,40 @@ def load_model(path: str | None = None, dtype: str = "float32",
     else:
         args, get, freq_factors = _open_gguf(path)
     torch_dtype = DTYPES[dtype]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
     try:
-        state = fuse_hf_state_dict(_LazyState(get, torch_dtype, device), args)
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: missing tensor {e.args[0]}") from None
-    for name, param in model.state_dict().items():
-        if name in state and tuple(state[name].shape) != tuple(param.shape):
-            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(param.shape)}")
+        with torch.device("meta"):
+            model = LlamaForCausalLM(args, parallel)
+    except ValueError as e:  # heads that cannot be split over this many ranks
+        raise ModelLoadError(f"{path}: {e}") from None
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for name, sources in hf_sources(args).items():
+        try:
+            parts = [get(src) for src in sources]
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: missing tensor {e.args[0]}") from None
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        shard = owner.shard_weight(full) if hasattr(owner, "shard_weight") else full
+        if tuple(shard.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(full.shape)}, "
+                                 f"expected {_full_shape(owner, expected[name])}")
+        state[name] = shard.to(device=device, dtype=torch_dtype)
+        del parts, full, shard
     model.load_state_dict(state, strict=True, assign=True)
     model.set_rope(device, freq_factors)
     return model.eval().requires_grad_(False)
 
 
-class _LazyState(dict):  # type: ignore[type-arg]
-    """A read-only mapping that fetches tensors on demand (KeyError when absent), converted to
-    the target dtype and device one at a time so host memory never holds the whole model."""
-
-    def __init__(self, get: Callable[[str], torch.Tensor], dtype: torch.dtype,
-                 device: str) -> None:
-        super().__init__()
-        self._get, self._dtype, self._device = get, dtype, device
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._get(name).to(device=self._device, dtype=self._dtype)
+def _full_shape(owner: Any, param: torch.Tensor) -> tuple[int, ...]:
+    """The unsharded shape a checkpoint tensor must have, for error messages."""
+    if hasattr(owner, "full_out_features"):
+        return (owner.full_out_features, param.shape[1])
+    if hasattr(owner, "full_in_features"):
+        return (param.shape[0], owner.full_in_features)
+    if hasattr(owner, "vocab_size"):
+        return (owner.vocab_size, param.shape[1])
+    return tuple(param.shape)
 
 
 # --- GGUF ----------------------------------------------------------------------------------

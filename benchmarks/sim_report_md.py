@@ -1,0 +1,253 @@
+"""The markdown text of docs/simulator-report.md, filled from sim_report.py's numbers."""
+
+from __future__ import annotations
+
+COMMAND = "PYTHONPATH=src python benchmarks/sim_report.py"
+CAL_COMMAND = ("PYTHONPATH=src python benchmarks/sim_calibrate.py --self-test "
+               "--out benchmarks/results/sim/calibration.json")
+
+
+def _f(x: float | None, nd: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{nd}f}"
+
+
+def _design_row(summary: dict) -> tuple[str, ...]:
+    from sim_report import DESIGN
+
+    return DESIGN.get(summary["scheduling"], ("", "", "", ""))
+
+
+def _table(rows: dict, with_design: bool) -> list[str]:
+    head = ("| Configuration | tokens/s | $ / 1M output tokens | TTFT p50 | TTFT p99 | TPOT p50 "
+            "| TPOT p99 | mean running | roofline tokens/s for these passes |")
+    out = [head, "|" + "---|" * 9]
+    for label, s in rows.items():
+        out.append(
+            f"| {label} | {_f(s['output_tokens_per_s'])} | ${s['cost_per_1m_output_tokens']:.2f} "
+            f"| {_f(s['ttft_p50_ms'])} ms | {_f(s['ttft_p99_ms'])} ms | {s['tpot_p50_ms']:.1f} ms "
+            f"| {s['tpot_p99_ms']:.1f} ms | {s['mean_running_seqs']:.0f} "
+            f"| {_f(s['bound']['roofline_output_tokens_per_s'])} |")
+    if with_design:
+        out += ["", "The design's table, for comparison:", "",
+                "| Configuration | tokens/s | $ / 1M | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
+        seen = set()
+        for label, s in rows.items():
+            if s["scheduling"] in seen:
+                continue
+            seen.add(s["scheduling"])
+            d = _design_row(s)
+            out.append(f"| {label.split(' (')[0]} (design) | {d[0]} | {d[1]} | {d[2]} | {d[3]} |")
+    return out
+
+
+def _bounds(bounds: list[dict]) -> list[str]:
+    out = ["| | " + " | ".join(f"{b['hardware']} TP{b['tp']}" for b in bounds) + " |",
+           "|---|" + "---|" * len(bounds)]
+
+    def row(name: str, fn) -> None:
+        out.append(f"| {name} | " + " | ".join(fn(b) for b in bounds) + " |")
+
+    row("weights streamed per GPU per pass", lambda b: f"{b['pass_weight_bytes_per_gpu'] / 1e9:.1f} GB")
+    row("decode floor: weights / HBM bw", lambda b: f"{b['decode_weight_read_floor_ms']:.1f} ms")
+    row("decode step at 128 seqs, ctx 1024: roofline / modeled",
+        lambda b: f"{b['decode_step_ms_at_128']['roofline']:.1f} / "
+                  f"{b['decode_step_ms_at_128']['modeled']:.1f} ms")
+    row("tokens/s at 128 seqs, ctx 1024: roofline / modeled",
+        lambda b: f"{b['tok_s_at_128']['roofline']:,.0f} / {b['tok_s_at_128']['modeled']:,.0f}")
+    row("linear-layer FLOP ceiling (tokens/s at 100% MFU)",
+        lambda b: f"{b['linear_flops_ceiling_tok_s']:,.0f}")
+    row("MFU needed for 8,000 decode tokens/s", lambda b: f"{100 * b['mfu_needed_for_8000_decode_only']:.0f}%")
+    row("smallest decode batch reaching 8,000 tok/s: roofline / modeled",
+        lambda b: f"{b['min_batch_for_8000']['roofline'] or 'never'} / "
+                  f"{b['min_batch_for_8000']['modeled'] or 'never'}"
+                  f" (memory ceiling {b['max_seqs_at_context']})")
+    row("1,024-token prefill alone: roofline / modeled",
+        lambda b: f"{b['prefill_ms_1024_alone']['roofline']:.0f} / "
+                  f"{b['prefill_ms_1024_alone']['modeled']:.0f} ms")
+    row("longest prompt with a first token in 80 ms (alone): roofline / modeled",
+        lambda b: f"{b['max_prompt_for_ttft_80ms_alone']['roofline']} / "
+                  f"{b['max_prompt_for_ttft_80ms_alone']['modeled']} tokens")
+    return out
+
+
+def _calibration(cal: dict | None) -> list[str]:
+    if not cal:
+        return ["No calibration results found (run the calibration command below)."]
+    out = [f"Mode: **{cal['mode']}**. Fit over {cal['fit']['num_records']} iteration records: "
+           f"R^2 = {cal['fit']['r2']:.3f}, mean |error| per pass "
+           f"{100 * cal['fit']['mean_abs_rel_error']:.1f}%.", "",
+           "| metric | measured | predicted | error |", "|---|---|---|---|"]
+    for k, e in cal.get("relative_error", {}).items():
+        out.append(f"| {k} | {_f(cal['measured'][k], 1)} | {_f(cal['predicted'][k], 1)} "
+                   f"| {100 * e:+.1f}% |")
+    return out
+
+
+def render(d: dict) -> str:
+    cap = d["capacity"]
+    a100 = d["bounds"][0]
+    sat, loaded = d["saturated"], d["loaded"]
+    chunk = next(s for s in sat.values() if s["scheduling"] == "chunked")
+    static = next(s for s in sat.values() if s["scheduling"] == "static")
+    lines = [
+        "# Simulator report: the everystop scheduler on a modeled 4x A100 80GB node",
+        "",
+        f"Regenerate everything here (numbers, plots, `benchmarks/results/sim/report.json`) with `{COMMAND}`.",
+        "The calibration section reads `benchmarks/results/sim/calibration.json`, written by "
+        f"`{CAL_COMMAND}` (or by the real-engine command in that section).",
+        "",
+        "**What is simulated.** Llama-3-70B in BF16 (80 layers, 64 query / 8 KV heads, head_dim 128; "
+        "70.55B parameters derived from the shapes) on 4x A100 80GB SXM with tensor parallelism 4. "
+        "The production `Scheduler` and `KVCacheManager` run unmodified; only the executor is "
+        "replaced by `SimExecutor`, which advances a discrete-event clock by a modeled pass latency:",
+        "",
+        "    time = max(FLOPs / (312 TFLOPS * 0.60), bytes / (2,039 GB/s * 0.80))",
+        "         + 160 all-reduces * (8 us + ring bytes / (300 GB/s * 0.75)) + 2 ms + 5 us * seqs",
+        "",
+        "FLOPs and bytes come from each pass's actual batch (weights streamed once per pass, the KV of "
+        "every scheduled sequence's whole context read, attention FLOPs from the real positions). "
+        "Peak figures are vendor datasheet numbers; the efficiencies and overheads are stated "
+        "assumptions (`src/everystop/sim/specs/hardware.json`, every figure with its source). "
+        "The **roofline** columns drop the efficiencies, comm and overhead: no implementation can beat them.",
+        "",
+        "## 1. KV capacity (the design's 'Scaling and Performance' arithmetic)",
+        "",
+        "| variant | KV budget | bytes/token/GPU | block | blocks | seqs at 2,048 tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in cap:
+        seqs = f"{r['max_seqs']}"
+        if "design_seq_division" in r:
+            seqs += f" (design's division: {r['design_seq_division']:.1f})"
+        lines.append(f"| {r['variant']} | {r['kv_budget_bytes'] / 1e9:.1f} GB "
+                     f"| {r['kv_bytes_per_token_per_gpu']:,.0f} B | {r['block_bytes'] / 1e6:.3f} MB "
+                     f"| {r['num_blocks']:,} | {seqs} |")
+    lines += [
+        "",
+        "0.90 x 80 GB x 4 = 288 GB; minus 140 GB weights, minus 8 GB reserve = 140 GB; "
+        "2 x 2 KV heads/GPU x 128 x 2 B x 80 layers = 81,920 B/GPU/token (327,680 B across 4 GPUs); "
+        "a 16-token block is 5,242,880 B. The design's ~27,340 blocks come from writing 81,920 B as "
+        "\"80 KB\" and then treating 1 KB as 1,000 B (block = 5.12 MB); its ~218 sequences need a "
+        "second, opposite slip (140 GB read as 143,360 MB; 27,343 blocks / 128 per sequence is 213). "
+        "In exact bytes: **26,702 blocks, 208 sequences**; with the real 141.1 GB of weights, "
+        f"**{cap[2]['num_blocks']:,} blocks, {cap[2]['max_seqs']} sequences**. The simulator uses "
+        "the last row. Either way max_num_seqs = 128 sits well inside the memory ceiling, as the design says.",
+        "",
+        "## 2. The design's targets against physics",
+        "",
+    ]
+    lines += _bounds(d["bounds"])
+    lines += [
+        "",
+        "![decode step vs batch](img/sim-decode-step.png)",
+        "",
+        "**Verdict for 4x A100 80GB, TP=4, BF16:**",
+        "",
+        f"- **TPOT p50 < 16 ms: not reachable, at any batch size.** Every decode pass streams "
+        f"{a100['pass_weight_bytes_per_gpu'] / 1e9:.1f} GB of weights per GPU; at 2,039 GB/s that "
+        f"alone is {a100['decode_weight_read_floor_ms']:.1f} ms, before any KV read, all-reduce or "
+        f"CPU overhead (modeled: {a100['decode_step_ms_at_1']['modeled']:.1f} ms at batch 1, "
+        f"{a100['decode_step_ms_at_128']['modeled']:.1f} ms at 128 x 1,024 tokens). It becomes "
+        "reachable with half the bytes per GPU: TP=8, H100/H200 (3.35/4.8 TB/s), or FP8 weights.",
+        f"- **8,000 tok/s at 128 concurrent: not reachable.** 128 tokens in 16 ms needs a 16 ms step "
+        f"(see above). The roofline at 128 x 1,024 is {a100['tok_s_at_128']['roofline']:,.0f} tok/s, "
+        f"modeled {a100['tok_s_at_128']['modeled']:,.0f}. Beyond concurrency, 8,000 decode tokens/s of a "
+        f"70.55B model is 2 x 70.55e9 x 8,000 = 1.13 PFLOP/s, {100 * a100['mfu_needed_for_8000_decode_only']:.0f}% "
+        f"of the node's 1.25 PFLOP/s peak: on the roofline it needs >= {a100['min_batch_for_8000']['roofline']} "
+        "concurrent decodes at 1,024 context and ~100% efficiency; with realistic efficiency "
+        "(60% MFU) the ceiling is ~5,300 tok/s and it is never reached. Prompts make it worse: on "
+        f"the workload below (mean prompt 576, mean output 410 tokens) prefill is about half of all "
+        f"GPU time, and the chunked-prefill scheduler saturates at {_f(chunk['output_tokens_per_s'])} "
+        f"output tok/s (roofline for the same passes: {_f(chunk['bound']['roofline_output_tokens_per_s'])}).",
+        f"- **TTFT p99 < 200 ms for prompts up to 1,024: reachable only at light load.** A 1,024-token "
+        f"prefill takes at least {a100['prefill_ms_1024_alone']['roofline']:.0f} ms (compute-bound at "
+        f"peak), modeled {a100['prefill_ms_1024_alone']['modeled']:.0f} ms alone - already past 200 ms "
+        "at 60% MFU, and more when it shares the pass with 100+ decodes. So p99 < 200 ms needs "
+        "prefill at >= ~60% MFU with little comm/overhead on top, an idle queue, and few co-scheduled decodes.",
+        f"- **TTFT p50 < 80 ms: reachable only for short prompts.** At peak FLOPs a prompt of at most "
+        f"{a100['max_prompt_for_ttft_80ms_alone']['roofline']} tokens can produce its first token in 80 ms; "
+        f"with the modeled efficiency, {a100['max_prompt_for_ttft_80ms_alone']['modeled']} tokens. With "
+        "prompts uniform on 128-1,024 the median prompt (576) already misses it.",
+        "",
+        "## 3. The design's comparison table, re-derived",
+        "",
+        f"Workload: `{d['workload']}` (800 requests, prompts uniform 128-1,024 tokens, outputs uniform "
+        "20-800 as in the design's straggler example, ignore_eos). Static batching waits for 32 "
+        "requests (or 0.5 s) and runs them to completion; 'continuous' admits whole prompts only "
+        "(decodes first, prompts while the 2,048-token budget lasts); 'chunked' is the default "
+        "scheduler. $8.20/hour for the node.",
+        "",
+        "### 3a. Saturated (all 800 requests at t=0): throughput and cost",
+        "",
+    ]
+    lines += _table(sat, with_design=True)
+    lines += [
+        "",
+        f"### 3b. Latency at an offered load of {d['rate']} requests/s (Poisson)",
+        "",
+    ]
+    lines += _table(loaded, with_design=False)
+    ratio = chunk["output_tokens_per_s"] / static["output_tokens_per_s"]
+    lines += [
+        "",
+        "![latency CDFs](img/sim-latency-cdf.png)",
+        "",
+        "![occupancy, static](img/sim-occupancy-static.png)",
+        "![occupancy, chunked](img/sim-occupancy-chunked.png)",
+        "",
+        "**What this shows.**",
+        "",
+        f"- The design's ordering holds and its biggest lever is real: continuous batching gives "
+        f"{ratio:.1f}x the static-batching throughput here (design: 2.5x), because static batches "
+        "idle behind their longest output (mean occupancy ~17 of 32) and queue new arrivals behind "
+        "whole batches (TTFT in minutes once offered load exceeds its capacity).",
+        "- The absolute numbers are 3-4x below the design's: the node cannot do 8,000 tok/s "
+        "(section 2), and the design's 16 ms step is below the weight-streaming floor.",
+        "- Chunked vs unchunked makes little difference with this scheduler, unlike the design's "
+        "6,200 -> 8,000 tok/s. Our unchunked mode already runs decodes first and packs whole "
+        "prompts beside them, so it has no prefill-only passes that stall decode; with a 2,048-token "
+        "budget both modes put up to ~1,900 prefill tokens in a pass. Chunking trades TTFT for TPOT: "
+        "a smaller budget (512) lowers TPOT p99 but raises TTFT p50, since each prompt takes more passes.",
+        "- TPOT p50 is 2-4x the design's 15 ms (2x at 2 req/s, 4x saturated) because passes that carry prefill take "
+        "hundreds of ms; pure decode passes at 128 sequences are ~35-40 ms (modeled).",
+        "",
+        "## 4. Calibration against a real engine",
+        "",
+        "The same cost-model form is fitted by least squares to measured iterations "
+        "(`src/everystop/sim/fit.py`: alternating assignment of the compute- or memory-bound term, "
+        "non-negative least squares for max(a*FLOPs, b*bytes) + c0 + c1*seqs), then the fitted model "
+        "drives the simulator on a *different* workload and the predicted throughput and TTFT p50/p99 "
+        "are compared with measurement.",
+        "",
+    ]
+    lines += _calibration(d.get("calibration"))
+    lines += [
+        "",
+        "The numbers above are a **self-test**: a hidden 'true' CPU cost model with +/-10% per-pass "
+        "noise stands in for the engine (the live engine was not yet in main when this was written). "
+        "The workload is below the engine's capacity on purpose: at 0.5 req/s (just over capacity) "
+        "the same fit still predicts throughput within 1% but TTFT p50 is off by 14%, because "
+        "queueing near saturation amplifies small per-pass errors. "
+        "To calibrate against the real engine on the default model (SmolLM2-135M, CPU):",
+        "",
+        "1. In the engine's step, record `IterationShape.from_scheduler_output(out).to_dict()` plus "
+        "`latency_s` (wall time of execute) for a few dozen passes of varied shape "
+        "(`everystop.sim.fit.profile_shapes()` lists useful ones) into `iters.json`.",
+        "2. Run a different workload W.json through the engine and write "
+        "`{\"output_tokens_per_s\", \"ttft_p50_ms\", \"ttft_p99_ms\"}` to `measured.json`.",
+        "3. `PYTHONPATH=src python benchmarks/sim_calibrate.py --records iters.json --workload W.json "
+        "--measured measured.json --max-num-seqs N --max-num-batched-tokens B --chunk-size C "
+        "--num-gpu-blocks K --out benchmarks/results/sim/calibration.json`, then rerun "
+        f"`{COMMAND}`.",
+        "",
+        "## Caveats",
+        "",
+        "- Efficiencies (60% MFU, 80% of HBM bandwidth, 75% of NVLink, 2 ms per-pass overhead) are "
+        "assumptions, not measurements of this code on an A100; the verdicts in section 2 rest on "
+        "the roofline columns, which do not depend on them.",
+        "- Activation traffic, kernel launch gaps, sampling cost scaling with vocabulary and "
+        "CUDA-graph padding are not modeled; each would make real passes slower, not faster.",
+        "- Requests run with ignore_eos, so output lengths are exactly max_tokens.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Engine command-line flags, shared by `everystop serve`, `generate` and `bench`.
+
+`add_engine_args(parser)` adds the flags; `engine_config_from_args(args)` turns them into a
+validated EngineConfig. Flags left unset fall back to the config dataclasses' defaults, so the
+defaults live in one place (config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from everystop.config import ConfigError, EngineConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1e9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _tier_caps(text: str) -> tuple[int, int, int]:
+    """'8' -> (8, 8, 8); '16,8,4' -> per tier 0, 1, 2."""
+    try:
+        parts = [int(p) for p in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N0,N1,N2, got {text!r}") from None
+    if len(parts) == 1:
+        parts *= 3
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected N or N0,N1,N2, got {text!r}")
+    return (parts[0], parts[1], parts[2])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine's flags (all default to None: unset means the config default)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file, or a directory of safetensors (default: SmolLM2-135M GGUF)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path if not next to the model")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="CPU compute threads (default: the cores this process may use)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in one forward pass")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one forward pass")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="largest prefill chunk per sequence per step")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   default=None)
+    g.add_argument("--scheduling", choices=["continuous", "static"], default=None)
+    g.add_argument("--max-batch-size", type=int, default=None, help="static batching: batch size")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
+    g.add_argument("--aging-interval", dest="aging_interval_s", type=float, default=None,
+                   help="seconds after which a waiting request moves up one priority tier")
+    g.add_argument("--max-queued-per-tenant", type=int, default=None, help="0 = no cap")
+    g.add_argument("--max-queued-per-tier", type=_tier_caps, default=None,
+                   help="N or N0,N1,N2 (tiers 0, 1, 2); 0 = no cap")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="CPU KV pool size, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--num-gpu-blocks", dest="num_gpu_blocks_override", type=int, default=None,
+                   help="exactly this many KV blocks (overrides the memory flags)")
+    g.add_argument("--watermark", type=float, default=None,
+                   help="fraction of KV blocks new admissions may not use")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None)
+    g.add_argument("--swap-space", dest="swap_space_gib", type=float, default=None,
+                   help="host swap space in GiB")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="shards (worker processes; one GPU each on CUDA, gloo on CPU)")
+    return parser
+
+
+# Flag destinations that are engine options (EngineConfig.from_options keys).
+ENGINE_OPTIONS = (
+    "model", "tokenizer", "dtype", "device", "seed", "num_threads", "max_num_seqs", "max_num_batched_tokens",
+    "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "max_model_len",
+    "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
+    "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
+    "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size")
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ConfigError (one clear line) on inconsistent values."""
+    return EngineConfig.from_options(**engine_options_from_args(args))
+
+
+def config_or_exit(args: argparse.Namespace) -> EngineConfig:
+    """For CLI handlers: a bad configuration prints one line and exits 2, never a traceback."""
+    try:
+        return engine_config_from_args(args)
+    except (ConfigError, TypeError) as exc:
+        print(f"everystop: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

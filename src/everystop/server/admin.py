@@ -1,0 +1,256 @@
+"""Operator controls: hot-reloadable scheduler config, and telemetry wiring for the app.
+
+  GET   /admin/scheduler_config          the config in force and its version
+  PATCH /admin/scheduler_config          change some of ADJUSTABLE; validated like start-up
+                                         (bad values: 400, nothing changes); applied under the
+                                         engine lock, so the next iteration uses it; every
+                                         version is persisted in the telemetry store
+  GET   /admin/scheduler_config/history  the persisted versions (needs a store)
+
+All three need `Authorization: Bearer <admin key>` (or `X-Admin-Key`) when an admin key is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from everystop.config import CacheConfig, ConfigError, SchedulerConfig
+from everystop.telemetry.alerts import GuardrailConfig
+from everystop.telemetry.rows import ConfigRow
+from everystop.telemetry.service import Telemetry, open_telemetry
+from everystop.telemetry.store import Store
+
+logger = logging.getLogger("everystop.server")
+
+# Knobs an operator may turn at runtime. Others (max_model_len, scheduling mode...) shape
+# admitted requests' contracts and need a restart.
+SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                   "max_queued_per_tenant", "max_queued_per_tier")
+ADJUSTABLE = SCHEDULER_KNOBS + ("watermark",)
+
+
+class _Invalid(Exception):
+    def __init__(self, message: str, param: str | None, status: int = 400,
+                 err_type: str = "invalid_request_error", code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.status, self.param, self.err_type, self.code = status, param, err_type, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.err_type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+def _check_type(name: str, value: Any) -> Any:
+    if name == "watermark":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Invalid("watermark must be a number", name)
+        return float(value)
+    if name == "max_queued_per_tier":
+        if (not isinstance(value, list) or len(value) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
+            raise _Invalid("max_queued_per_tier takes a list of three integers", name)
+        return tuple(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Invalid(f"{name} must be an integer", name)
+    return value
+
+
+class SchedulerConfigAdmin:
+    """Validates, applies and records scheduler-config versions for one AsyncEngine."""
+
+    def __init__(self, async_engine: Any, *, store: Store | None = None) -> None:
+        self.async_engine = async_engine
+        self.store = store
+        self.version = 1
+        self.updated_at = time.time()
+        self._patch_lock = asyncio.Lock()
+        if store is not None:
+            store.insert_config(self._row("startup"))
+
+    @property
+    def _engine(self) -> Any:
+        return self.async_engine.engine
+
+    def snapshot(self) -> dict[str, Any]:
+        eng = self._engine
+        config = dataclasses.asdict(eng.scheduler.config)
+        config["max_queued_per_tier"] = list(config["max_queued_per_tier"])
+        config["watermark"] = eng.config.cache.watermark
+        return {"object": "scheduler_config", "version": self.version,
+                "updated_at": self.updated_at, "adjustable": list(ADJUSTABLE), "config": config}
+
+    def validate(self, body: Any) -> tuple[SchedulerConfig, CacheConfig]:
+        """The new configs, or _Invalid. Same invariants as start-up, plus: no request already
+        queued may become impossible to admit."""
+        if not isinstance(body, dict) or not body:
+            raise _Invalid("the body must be a JSON object with at least one of: "
+                           + ", ".join(ADJUSTABLE), None)
+        for name in body:
+            if name not in ADJUSTABLE:
+                raise _Invalid(f"{name!r} cannot be changed at runtime (adjustable: "
+                               f"{', '.join(ADJUSTABLE)})", name, code="unsupported_parameter")
+        values = {name: _check_type(name, value) for name, value in body.items()}
+        eng = self._engine
+        sched_changes = {k: v for k, v in values.items() if k in SCHEDULER_KNOBS}
+        try:
+            new_sched = eng.scheduler.config.replace(**sched_changes)
+            new_cache = dataclasses.replace(eng.config.cache,
+                                            watermark=values.get("watermark",
+                                                                 eng.config.cache.watermark))
+        except ConfigError as exc:
+            msg = str(exc)
+            param = next((k for k in values if k in msg), next(iter(values)))
+            raise _Invalid(msg, param) from None
+        if "watermark" in values:
+            self._check_watermark(new_cache.watermark)
+        return new_sched, new_cache
+
+    def _check_watermark(self, watermark: float) -> None:
+        kv = self._engine.kv
+        usable = kv.num_gpu_blocks - int(watermark * kv.num_gpu_blocks)
+        with self.async_engine._lock:
+            need = max((kv.blocks_needed(r.max_total_tokens)
+                        for r in self._engine.scheduler.requests.values()), default=0)
+        if need > usable:
+            raise _Invalid(f"watermark {watermark} leaves {usable} usable KV blocks but a "
+                           f"queued request needs up to {need}", "watermark")
+
+    def apply(self, new_sched: SchedulerConfig, new_cache: CacheConfig) -> int:
+        """Swap the configs in under the engine lock; returns the engine step count at the
+        switch (iterations scheduled after it use the new values)."""
+        eng = self._engine
+        with self.async_engine._lock:
+            eng.scheduler.update_config(new_sched)
+            eng.kv.watermark_blocks = int(new_cache.watermark * eng.kv.num_gpu_blocks)
+            eng.config = dataclasses.replace(eng.config, scheduler=new_sched, cache=new_cache)
+            return int(eng.num_steps)
+
+    def _row(self, source: str, sched: SchedulerConfig | None = None,
+             cache: CacheConfig | None = None) -> ConfigRow:
+        sched = sched or self._engine.scheduler.config
+        cache = cache or self._engine.config.cache
+        full = dataclasses.asdict(sched)
+        full["watermark"] = cache.watermark
+        return ConfigRow(
+            version=self.version, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, chunk_size=sched.chunk_size,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            kv_watermark_pct=cache.watermark, max_queued_per_tenant=sched.max_queued_per_tenant,
+            max_queued_per_tier=",".join(str(v) for v in sched.max_queued_per_tier),
+            source=source, config_json=json.dumps(full, sort_keys=True),
+            updated_at=time.time())
+
+    async def patch(self, body: Any) -> dict[str, Any]:
+        async with self._patch_lock:  # versions are assigned and persisted in order
+            new_sched, new_cache = self.validate(body)
+            self.version += 1
+            row = self._row("admin", new_sched, new_cache)
+            if self.store is not None:
+                try:  # persist first: a version that cannot be recorded is not applied
+                    await asyncio.to_thread(self.store.insert_config, row)
+                except Exception as exc:
+                    self.version -= 1
+                    logger.exception("could not persist scheduler config")
+                    raise _Invalid(f"could not record the new config: {exc}", None, 503,
+                                   "service_unavailable", "store_unavailable") from None
+            step = self.apply(new_sched, new_cache)
+            self.updated_at = row.updated_at
+            logger.info("scheduler config v%d applied after step %d: %s", self.version, step,
+                        json.dumps(body, sort_keys=True))
+            return {**self.snapshot(), "applied_after_step": step}
+
+    async def history(self) -> list[dict[str, Any]]:
+        if self.store is None:
+            return []
+        rows = await asyncio.to_thread(self.store.fetch, ConfigRow)
+        return [dataclasses.asdict(r) for r in rows]
+
+
+def _authorized(request: Request, admin_key: str | None) -> bool:
+    if admin_key is None:
+        return True
+    given = request.headers.get("x-admin-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return given is not None and hmac.compare_digest(given.encode(), admin_key.encode())
+
+
+def install_admin_routes(app: FastAPI, async_engine: Any, *, admin_key: str | None,
+                         store: Store | None = None) -> SchedulerConfigAdmin:
+    """Add the /admin routes. With a store, the start-up config is recorded as version 1."""
+    admin = SchedulerConfigAdmin(async_engine, store=store)
+    app.state.scheduler_admin = admin
+    if admin_key is None:
+        logger.warning("no admin key set: /admin routes are open to anyone who can reach them")
+
+    def denied(request: Request) -> JSONResponse | None:
+        if _authorized(request, admin_key):
+            return None
+        return _Invalid("a valid admin key is required", None, 401, "authentication_error",
+                        "invalid_admin_key").response()
+
+    @app.get("/admin/scheduler_config")
+    async def get_scheduler_config(request: Request) -> Any:
+        if (resp := denied(request)) is not None:
+            return resp
+        return admin.snapshot()
+
+    @app.patch("/admin/scheduler_config")
+    async def patch_scheduler_config(request: Request) -> Any:
+        if (resp := denied(request)) is not None:
+            return resp
+        try:
+            body = await request.json()
+        except ValueError:
+            return _Invalid("the body is not valid JSON", None).response()
+        try:
+            return await admin.patch(body)
+        except _Invalid as exc:
+            return exc.response()
+
+    @app.get("/admin/scheduler_config/history")
+    async def scheduler_config_history(request: Request) -> Any:
+        if (resp := denied(request)) is not None:
+            return resp
+        return {"object": "list", "data": await admin.history()}
+
+    return admin
+
+
+def install_telemetry(app: FastAPI, async_engine: Any, *, db: str | None,
+                      registry: Any = None, guardrail_config: GuardrailConfig | None = None,
+                      model_version: str = "unknown", max_queue: int = 10_000) -> Telemetry:
+    """Attach telemetry (store when `db` is given, writer, recorder, guardrails and their
+    monitor) to the app's engine; its metrics join `registry` when given; it is closed (queue
+    flushed, store closed) when the app shuts down."""
+    telemetry = open_telemetry(db, async_engine.engine, lock=async_engine._lock,
+                               guardrail_config=guardrail_config, model_version=model_version,
+                               max_queue=max_queue)
+    if registry is not None:
+        telemetry.register_metrics(registry)
+    app.state.telemetry = telemetry
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with inner(a) as state:
+            try:
+                yield state
+            finally:
+                await asyncio.to_thread(telemetry.close)
+
+    app.router.lifespan_context = lifespan
+    return telemetry

@@ -1,0 +1,111 @@
+"""The OpenAI-compatible FastAPI app. Routes are thin: parse, check, hand to `serving`.
+
+`build_app` is the extension point: pass `extensions`, callables taking (app, async_engine)
+that add routes or listeners (the observability layer adds /admin and a telemetry store).
+Everything a route needs lives on `app.state.ctx` (a ServingContext).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from everystop.engine.async_engine import AsyncEngine
+from everystop.server.admission import AdmissionConfig, AdmissionController
+from everystop.server.errors import APIError, install_error_handlers
+from everystop.server.formatting import ChatFormat, CompletionFormat
+from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
+from everystop.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                       TokenizeRequest, model_list, parse_body)
+from everystop.server.serving import ServingContext, generate
+
+Extension = Callable[[FastAPI, AsyncEngine], Any]
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str | None = None,
+              admission: AdmissionConfig | None = None, metrics: ServerMetrics | None = None,
+              max_n: int = 8, extensions: Iterable[Extension] = ()) -> FastAPI:
+    app = FastAPI(title="everystop", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    metrics = metrics or ServerMetrics()
+    metrics.attach(async_engine)
+    sched = async_engine.engine.scheduler
+    controller = AdmissionController(admission or AdmissionConfig(),
+                                     max_num_seqs=lambda: sched.config.max_num_seqs,
+                                     num_running=lambda: len(sched.running))
+    ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n)
+    app.state.ctx = ctx
+    app.state.engine = async_engine
+    tokenizer = async_engine.engine.tokenizer
+    max_model_len = async_engine.engine.config.scheduler.max_model_len
+
+    def check_auth(http: Request) -> None:
+        if api_key is None:
+            return
+        header = http.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{served_model_name!r}", param="model",
+                           code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        check_auth(http)
+        body: CompletionRequest = parse_body(await http.body(), CompletionRequest)
+        check_model(body.model)
+        fmt = CompletionFormat(served_model_name, tokenizer)
+        return await generate(ctx, http, body, body.prompts(), fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        check_auth(http)
+        body: ChatCompletionRequest = parse_body(await http.body(), ChatCompletionRequest)
+        check_model(body.model)
+        template = getattr(tokenizer, "apply_chat_template", None)
+        if template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions",
+                           code="no_chat_template")
+        prompt = template(body.conversation(), add_generation_prompt=True)
+        fmt = ChatFormat(served_model_name, tokenizer)
+        return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
+
+    @app.get("/v1/models")
+    async def models(http: Request) -> JSONResponse:
+        check_auth(http)
+        return JSONResponse(model_list(served_model_name, max_model_len))
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> JSONResponse:
+        """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
+        check_auth(http)
+        body = parse_body(await http.body(), TokenizeRequest)
+        check_model(body.model)
+        ids = tokenizer.encode(body.prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+
+    @app.get("/health")
+    async def health() -> Response:
+        # NOTE: touches no engine lock, so it answers while the engine is saturated.
+        if async_engine.error is not None:
+            return JSONResponse({"status": "dead", "error": str(async_engine.error)}, 503)
+        if async_engine.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    for extend in extensions:
+        extend(app, async_engine)
+    return app

@@ -1,0 +1,154 @@
+"""`everystop serve`: load the engine, start its loop thread, serve the app with uvicorn.
+
+SIGTERM drains: admission stops (new requests get 503, /health says draining), in-flight
+requests get up to --grace-period seconds to finish, the rest are aborted (their clients get
+finish_reason "abort"), then the server exits 0. A second SIGTERM or SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from everystop.engine.args import add_engine_args, config_or_exit
+from everystop.server.admission import AdmissionConfig
+
+logger = logging.getLogger("everystop.server")
+
+
+def _wait_caps(text: str) -> tuple[float, float, float]:
+    parts = [float(p) for p in text.split(",")]
+    if len(parts) == 1:
+        parts *= 3
+    if len(parts) != 3 or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"expected S or S0,S1,S2 seconds >= 0, got {text!r}")
+    return (parts[0], parts[1], parts[2])
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model file's stem)")
+    g.add_argument("--max-queue-wait", dest="max_queue_wait_s", type=_wait_caps,
+                   default=(0.0, 0.0, 0.0),
+                   help="per tier S or S0,S1,S2: answer 429 when the expected queue wait "
+                        "exceeds S seconds (0 = off)")
+    g.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
+    g.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--log-level", default="info")
+    g.add_argument("--telemetry-db", default=None,
+                   help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
+    g.add_argument("--admin-key", default=None,
+                   help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_or_exit(args)
+    from everystop.engine.async_engine import AsyncEngine
+    from everystop.engine.llm_engine import LLMEngine
+    from everystop.server.admin import install_admin_routes, install_telemetry
+    from everystop.server.app import build_app
+    from everystop.server.metrics import ServerMetrics
+
+    try:
+        engine = LLMEngine.from_config(config)
+    except Exception as exc:  # a bad model path or config: one line, not a traceback
+        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
+            raise
+        print(f"everystop: cannot start: {exc}", file=sys.stderr)
+        return 2
+    front = AsyncEngine(engine)
+    name = args.served_model_name or _model_name(
+        getattr(engine.executor, "model_path", None) or config.model.model)
+    metrics = ServerMetrics()
+
+    def observability(app: Any, front: Any) -> None:
+        telemetry = install_telemetry(app, front, db=args.telemetry_db,
+                                      registry=metrics.registry, model_version=name)
+        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store)
+
+    app = build_app(front, name, api_key=args.api_key, max_n=args.max_n, metrics=metrics,
+                    admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
+                    extensions=[observability])
+    return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
+                      log_level=args.log_level)
+
+
+def _model_name(path: Any) -> str:
+    if not path:
+        return "SmolLM2-135M-Instruct"  # the default model
+    import pathlib
+    p = pathlib.Path(str(path))
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except the first SIGTERM drains the engine before uvicorn shuts down."""
+
+    def __init__(self, config: uvicorn.Config, front: Any, grace_s: float) -> None:
+        super().__init__(config)
+        self.front = front
+        self.grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self._draining and self._loop is not None:
+            self._draining = True
+            self.front.draining = True  # before the next request is read: 503 from here on
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+            return
+        super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        logger.info("SIGTERM: draining %d in-flight requests (grace %.0fs)",
+                    self.front.num_in_flight, self.grace_s)
+        await self.front.drain(self.grace_s)
+        # Let the aborted streams write their final frames.
+        for _ in range(40):
+            if not self.front.num_in_flight:
+                break
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 30.0,
+               log_level: str = "info") -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (0 after a clean drain)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=max(1, int(grace_s) + 5),
+                            timeout_keep_alive=5)
+    server = _DrainingServer(config, front, grace_s)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises a captured Ctrl-C after its own shutdown
+        pass
+    finally:
+        front.shutdown()
+    return 0

@@ -1,0 +1,100 @@
+"""Engine outputs -> OpenAI JSON: completion and chat choices, deltas and logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from everystop.core.outputs import TokenLogprob
+from everystop.server import protocol
+
+
+class _Tokens:
+    """Token id -> text, for logprob entries (cached: the same ids recur constantly)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tok.decode([token_id])
+            if len(self._cache) < 65536:
+                self._cache[token_id] = s
+        return s
+
+
+class CompletionFormat:
+    """/v1/completions: choices carry `text`; logprobs in the legacy four-list form."""
+
+    kind = "completion"
+
+    def __init__(self, model: str, tokenizer: Any) -> None:
+        self.model = model
+        self.id = protocol.new_id("cmpl")
+        self.token_text = _Tokens(tokenizer)
+
+    def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for lp in lps:
+            s = self.token_text(lp.token_id)
+            tokens.append(s)
+            offsets.append(text_offset)
+            text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def final_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, *,
+             chunk: bool) -> dict[str, Any]:
+        return protocol.completion_body(self.id, self.model, choices, usage, chunk=chunk)
+
+
+class ChatFormat:
+    """/v1/chat/completions: `message` / `delta` objects; logprobs as `content` entries."""
+
+    kind = "chat"
+
+    def __init__(self, model: str, tokenizer: Any) -> None:
+        self.model = model
+        self.id = protocol.new_id("chatcmpl")
+        self.token_text = _Tokens(tokenizer)
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = self.token_text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def logprobs(self, lps: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                            for lp in lps]}
+
+    def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def final_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, *,
+             chunk: bool) -> dict[str, Any]:
+        return protocol.chat_body(self.id, self.model, choices, usage, chunk=chunk)
+
+
+Format = CompletionFormat | ChatFormat

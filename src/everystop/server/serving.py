@@ -1,0 +1,275 @@
+"""One HTTP generation request end to end: OpenAI fields -> engine requests (prompts x n) ->
+admission -> submit -> a streamed (SSE) or a collected JSON response.
+
+Every engine request is aborted on every exit path that does not see it finish: a client that
+leaves (stream cancelled, or the disconnect watcher for non-streamed calls), a failed sibling
+submit, an engine error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from everystop.core.outputs import RequestOutput
+from everystop.core.request import Request
+from everystop.core.scheduler import QueueFull, RequestRejected
+from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDraining
+from everystop.sampling_params import SamplingParams, SamplingParamsError
+from everystop.server.admission import AdmissionController, AdmissionRefused
+from everystop.server.errors import APIError, bad_request
+from everystop.server.formatting import Format
+from everystop.server.metrics import ServerMetrics
+from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
+from everystop.server.streaming import DONE, SSEResponse, sse
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_name: str
+    admission: AdmissionController
+    metrics: ServerMetrics
+    max_n: int = 8
+
+
+@dataclass
+class _Choice:
+    index: int
+    req: Request
+    prompt_index: int
+    text: str = ""
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    out: RequestOutput | None = None
+    last_token_at: float | None = None
+
+
+def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> SamplingParams:
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    opts: dict[str, Any] = dict(
+        max_tokens=max_tokens or 16, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+        logprobs=num_logprobs)
+    try:
+        return SamplingParams(**opts)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def tenant_of(http: HTTPRequest, body: _GenerationRequest) -> str:
+    return http.headers.get("x-tenant-id") or body.user or "default"
+
+
+async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequest,
+                   prompts: list[str | list[int]], fmt: Format,
+                   default_max_tokens_to_len: bool = False) -> Response:
+    """Run `prompts` x body.n through the engine and answer in `fmt`'s shape."""
+    if body.n > ctx.max_n:
+        raise bad_request(f"n must be <= {ctx.max_n}", "n")
+    if ctx.engine.draining:
+        raise APIError(503, "the server is shutting down", code="draining")
+    num_logprobs = _num_logprobs(body)
+    base = sampling_params(body, num_logprobs)
+    tenant = tenant_of(http, body)
+    max_len = ctx.engine.engine.config.scheduler.max_model_len
+    choices: list[_Choice] = []
+    for prompt_index, prompt in enumerate(prompts):
+        for j in range(body.n):
+            params = dataclasses.replace(base, stop=list(base.stop),
+                                         stop_token_ids=list(base.stop_token_ids),
+                                         seed=None if base.seed is None else base.seed + j)
+            try:
+                req = ctx.engine.make_request(prompt, params, priority=body.priority,
+                                              tenant=tenant)
+            except ValueError as exc:
+                raise bad_request(str(exc), "prompt") from None
+            if default_max_tokens_to_len and body.max_tokens is None and getattr(
+                    body, "max_completion_tokens", None) is None:
+                # Chat without a limit: up to the context window, as OpenAI does.
+                params.max_tokens = max(1, max_len - req.num_prompt_tokens)
+            choices.append(_Choice(len(choices), req, prompt_index))
+    _admit(ctx, choices, body.priority)
+    if body.stream:
+        return SSEResponse(_stream_events(ctx, body, fmt, choices))
+    return await _respond_when_done(ctx, http, fmt, choices)
+
+
+def _num_logprobs(body: _GenerationRequest) -> int | None:
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs  # type: ignore[attr-defined]
+
+
+def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
+    """Admission check, then submit all; on any refusal nothing stays queued."""
+    try:
+        ctx.admission.check(tier)
+    except AdmissionRefused as exc:
+        ctx.metrics.count_rejected(exc.reason, tier)
+        raise APIError(429, str(exc), code="queue_wait_exceeded",
+                       headers={"Retry-After": exc.retry_after_header}) from None
+    submitted: list[Request] = []
+    try:
+        for c in choices:
+            ctx.engine.submit(c.req)
+            submitted.append(c.req)
+            ctx.admission.track(c.req)
+    except BaseException as exc:
+        for req in submitted:
+            ctx.engine.abort(req.request_id)
+            ctx.admission.done(req, completed=False)
+        raise _map_submit_error(ctx, exc, tier) from None
+
+
+def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> BaseException:
+    if isinstance(exc, QueueFull):
+        reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
+        ctx.metrics.count_rejected(reason, tier)
+        retry = str(max(1, int(round(exc.retry_after_s))))
+        return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
+                        headers={"Retry-After": retry})
+    if isinstance(exc, RequestRejected):
+        return bad_request(str(exc), "prompt", code="context_length_exceeded")
+    if isinstance(exc, EngineDraining):
+        return APIError(503, "the server is shutting down", code="draining")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), code="engine_dead")
+    return exc
+
+
+async def _merged(engine: AsyncEngine, choices: list[_Choice]
+                  ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+    """All choices' outputs in arrival order. Leaving early aborts the unfinished ones."""
+    if len(choices) == 1:
+        async for out in engine.stream(choices[0].req.request_id):
+            yield choices[0], out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for out in engine.stream(c.req.request_id):
+                queue.put_nowait((c, out))
+        except Exception as exc:
+            queue.put_nowait((c, exc))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            c, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield c, item
+            remaining -= item.finished
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _absorb(ctx: ServingContext, c: _Choice, out: RequestOutput) -> None:
+    """Accumulate one output into its choice and observe inter-token latency."""
+    c.out = out
+    c.text += out.new_text
+    c.logprobs.extend(out.new_logprobs)
+    if out.new_token_ids:
+        now = time.monotonic()
+        if c.last_token_at is not None:
+            ctx.metrics.observe_itl(c.req.priority, c.req.tenant, now - c.last_token_at,
+                                    len(out.new_token_ids))
+        c.last_token_at = now
+
+
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    seen_prompts: set[int] = set()
+    prompt = cached = completion = 0
+    for c in choices:
+        out = c.out
+        completion += len(out.token_ids) if out else 0
+        if c.prompt_index not in seen_prompts:  # n choices of one prompt count it once
+            seen_prompts.add(c.prompt_index)
+            prompt += c.req.num_prompt_tokens
+            cached += out.num_cached_tokens if out else 0
+    return usage_dict(prompt, completion, cached)
+
+
+def _finish(ctx: ServingContext, choices: list[_Choice]) -> None:
+    for c in choices:
+        done = c.out is not None and c.out.finished and c.out.finish_reason != "abort"
+        ctx.admission.done(c.req, completed=done)
+
+
+async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: Format,
+                         choices: list[_Choice]) -> AsyncIterator[bytes]:
+    want_lp = _num_logprobs(body) is not None
+    started: set[int] = set()
+    try:
+        async for c, out in _merged(ctx.engine, choices):
+            offset = len(c.text)
+            _absorb(ctx, c, out)
+            first = c.index not in started
+            if not (out.new_text or out.finished or first or (want_lp and out.new_logprobs)):
+                continue  # text held back (partial UTF-8 or a possible stop string)
+            started.add(c.index)
+            lp = fmt.logprobs(out.new_logprobs, offset) if want_lp else None
+            choice = fmt.chunk_choice(c.index, out.new_text, lp, out.finish_reason, first)
+            yield sse(fmt.body([choice], None, chunk=True))
+        if body.include_usage:
+            yield sse(fmt.body([], _usage(choices), chunk=True))
+    except EngineDead as exc:
+        yield sse(APIError(503, str(exc), code="engine_dead").body())
+    finally:
+        _finish(ctx, choices)
+    yield DONE
+
+
+async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format,
+                             choices: list[_Choice]) -> Response:
+    async def collect() -> None:
+        async for c, out in _merged(ctx.engine, choices):
+            _absorb(ctx, c, out)
+
+    task = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(http))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client left: cancelling the collector aborts its requests
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+        try:
+            task.result()
+        except EngineDead as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+    finally:
+        watcher.cancel()
+        task.cancel()
+        _finish(ctx, choices)
+    want_lp = any(c.req.sampling_params.logprobs is not None for c in choices)
+    out_choices = []
+    for c in choices:
+        lp = fmt.logprobs(c.logprobs, 0) if want_lp else None
+        out_choices.append(fmt.final_choice(c.index, c.text, lp,
+                                            c.out.finish_reason if c.out else "abort"))
+    return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
+
+
+async def _wait_for_disconnect(http: HTTPRequest) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

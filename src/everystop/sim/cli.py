@@ -1,0 +1,73 @@
+"""`everystop simulate`: the real scheduler on a modeled node, with a discrete-event clock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
+from everystop.sim.node import SCHEDULING_MODES, build_node
+from everystop.sim.report import write_run
+from everystop.sim.simulator import simulate
+from everystop.sim.specs import hardware_keys, model_keys
+from everystop.sim.workload import resolve_workload
+
+WORKLOAD_HELP = ("workload JSON file, or a synthetic spec such as "
+                 "'n=512,prompt=uniform:128:1024,output=uniform:20:800,rate=4,seed=0' "
+                 "(keys: n, prompt, output, rate, priority=F0:F1:F2, prefix=FRAC:TOKENS, "
+                 "tenants, seed; distributions const:V, uniform:LO:HI, "
+                 "lognormal:MEDIAN:SIGMA[:MAX])")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("simulate", help="simulate the scheduler on modeled hardware",
+                              description=__doc__)
+    p.add_argument("--model", default="llama-3-70b", choices=model_keys())
+    p.add_argument("--hardware", default="a100-80gb", choices=hardware_keys())
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--workload", required=True, help=WORKLOAD_HELP)
+    p.add_argument("--scheduling", default="chunked", choices=SCHEDULING_MODES)
+    p.add_argument("--rate", type=float, default=None,
+                   help="override arrivals with Poisson arrivals at R requests/s (0 = all at t=0)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None, help="static batching size")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--activation-reserve-gb", type=float, default=8.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--swap-space-gb", type=float, default=16.0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR)
+    p.add_argument("--eff-compute", type=float, default=None)
+    p.add_argument("--eff-memory", type=float, default=None)
+    p.add_argument("--out", type=Path, default=None, help="directory for JSON and PNG plots")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="arrival seed for --rate")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("eff_compute", args.eff_compute),
+                                   ("eff_memory", args.eff_memory)) if v is not None}
+    node = build_node(args.model, args.hardware, args.tp, args.scheduling,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      activation_reserve_bytes=args.activation_reserve_gb * 1e9,
+                      block_size=args.block_size, swap_space_bytes=args.swap_space_gb * 2**30,
+                      enable_prefix_caching=not args.no_prefix_caching, hw_overrides=overrides,
+                      max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      chunk_size=args.chunk_size, max_batch_size=args.max_batch_size)
+    workload = resolve_workload(args.workload)
+    if args.rate is not None:
+        workload = workload.with_rate(args.rate or None, seed=args.seed)
+    result = simulate(workload, node.setup, node.cost.latency)
+    summary = summarize(result, node.cost, args.price_per_hour)
+    described = {**node.describe(), "workload": workload.name,
+                 "capacity": node.capacity.to_dict()}
+    if args.out:
+        for path in write_run(args.out, summary, result, described, plots=not args.no_plots):
+            print(f"wrote {path}")
+    print(json.dumps({"node": described, "summary": summary}, indent=2, default=str))
+    return 0

@@ -1,0 +1,159 @@
+"""Latency of one forward pass from its shape: a roofline per iteration plus comm and overhead.
+
+    time = max(flops / (peak * eff_c), bytes / (hbm_bw * eff_m))     the kernels, per GPU
+         + n_allreduce * (latency + ring_bytes / (link_bw * eff_l))  tensor-parallel comm
+         + overhead + overhead_per_seq * num_seqs                     CPU work outside kernels
+         + swap_bytes / pcie_bw                                       preemption swaps
+
+flops  = 2 * layer_params * tokens + 2 * lm_head_params * sampled + 4 * L * H * d * attn_pairs
+bytes  = weight bytes + KV bytes read (every sequence's whole context) + KV bytes written
+(all divided by tp). Activations are left out: at these sizes they are a few % of the bytes.
+
+The same form is fitted to measurements (see `fit.py`): the coefficients are then plain
+seconds-per-FLOP and seconds-per-byte rather than 1/(peak*eff).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from everystop.core.outputs import SchedulerOutput
+from everystop.sim.specs import HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class IterationShape:
+    """What a cost model needs to know about one forward pass (no token ids)."""
+
+    num_seqs: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    context_tokens_read: int  # sum over sequences of the context after this step
+    attention_pairs: int  # sum over new tokens of the positions each attends to
+    num_sampled: int
+    num_swap_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @classmethod
+    def from_scheduler_output(cls, out: SchedulerOutput) -> "IterationShape":
+        pairs = sum(e.num_tokens * e.start_pos + e.num_tokens * (e.num_tokens + 1) // 2
+                    for e in out.scheduled)
+        return cls(num_seqs=len(out.scheduled), num_decode_tokens=out.num_decode_tokens,
+                   num_prefill_tokens=out.num_prefill_tokens,
+                   context_tokens_read=sum(e.seq_len for e in out.scheduled),
+                   attention_pairs=pairs, num_sampled=sum(1 for e in out.scheduled if e.sample),
+                   num_swap_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "IterationShape":
+        """From a measured-iteration record. Only num_decode_tokens, num_prefill_tokens and
+        context_tokens_read are required; missing fields are approximated (exact for
+        decode-only iterations)."""
+        dec, pre = int(rec["num_decode_tokens"]), int(rec["num_prefill_tokens"])
+        ctx = int(rec["context_tokens_read"])
+        seqs = int(rec.get("num_seqs", dec + (1 if pre else 0)))
+        pairs = int(rec.get("attention_pairs", ctx + pre * pre // 2))
+        return cls(num_seqs=seqs, num_decode_tokens=dec, num_prefill_tokens=pre,
+                   context_tokens_read=ctx, attention_pairs=pairs,
+                   num_sampled=int(rec.get("num_sampled", seqs)),
+                   num_swap_blocks=int(rec.get("num_swap_blocks", 0)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Work:
+    """Per-GPU work of one iteration."""
+
+    flops: float
+    bytes: float
+    comm_bytes: float  # per all-reduce, ring traffic per GPU
+    num_allreduce: int
+    swap_bytes: float
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    sec_per_flop: float
+    sec_per_byte: float
+    overhead_s: float
+    overhead_per_seq_s: float = 0.0
+    sec_per_link_byte: float = 0.0
+    allreduce_latency_s: float = 0.0
+    sec_per_swap_byte: float = 0.0
+
+    @classmethod
+    def from_hardware(cls, hw: HardwareSpec) -> "Coefficients":
+        return cls(sec_per_flop=1.0 / (hw.peak_flops * hw.eff_compute),
+                   sec_per_byte=1.0 / (hw.hbm_bandwidth * hw.eff_memory),
+                   overhead_s=hw.iteration_overhead_s, overhead_per_seq_s=hw.overhead_per_seq_s,
+                   sec_per_link_byte=1.0 / (hw.link_bandwidth * hw.eff_link),
+                   allreduce_latency_s=hw.allreduce_latency_s,
+                   sec_per_swap_byte=1.0 / hw.pcie_bandwidth)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CostModel:
+    """Modeled latency of a forward pass of `model` sharded `tp` ways."""
+
+    def __init__(self, model: ModelSpec, tp: int, coeffs: Coefficients,
+                 hw: HardwareSpec | None = None, block_size: int = 16) -> None:
+        self.model, self.tp, self.coeffs, self.hw = model, tp, coeffs, hw
+        self.block_size = block_size
+
+    @classmethod
+    def from_specs(cls, model: ModelSpec, hw: HardwareSpec, tp: int,
+                   block_size: int = 16) -> "CostModel":
+        return cls(model, tp, Coefficients.from_hardware(hw), hw, block_size)
+
+    def work(self, s: IterationShape) -> Work:
+        m, tp = self.model, self.tp
+        flops = (2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs)
+        weights = m.pass_weight_bytes
+        kv = (s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token
+        ring = 2 * (tp - 1) / tp * s.num_tokens * m.hidden_size * m.dtype_bytes if tp > 1 else 0.0
+        swap = s.num_swap_blocks * self.block_size * m.kv_bytes_per_token
+        return Work(flops=flops / tp, bytes=(weights + kv) / tp, comm_bytes=ring,
+                    num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp)
+
+    def breakdown(self, s: IterationShape) -> dict[str, float]:
+        w, c = self.work(s), self.coeffs
+        return {"compute_s": w.flops * c.sec_per_flop, "memory_s": w.bytes * c.sec_per_byte,
+                "comm_s": w.num_allreduce * (c.allreduce_latency_s
+                                             + w.comm_bytes * c.sec_per_link_byte),
+                "overhead_s": c.overhead_s + c.overhead_per_seq_s * s.num_seqs,
+                "swap_s": w.swap_bytes * c.sec_per_swap_byte}
+
+    def latency(self, s: IterationShape) -> float:
+        b = self.breakdown(s)
+        return max(b["compute_s"], b["memory_s"]) + b["comm_s"] + b["overhead_s"] + b["swap_s"]
+
+    def roofline_s(self, s: IterationShape) -> float:
+        """Physical floor: peak FLOPs and full HBM bandwidth, no comm, no overhead. No real
+        iteration of this shape on this hardware can be faster."""
+        if self.hw is None:
+            raise ValueError("the roofline needs a hardware spec")
+        w = self.work(s)
+        return max(w.flops / self.hw.peak_flops, w.bytes / self.hw.hbm_bandwidth)
+
+
+def decode_shape(batch: int, context_len: int) -> IterationShape:
+    """A pure decode step: `batch` sequences, each with `context_len` tokens after the step."""
+    return IterationShape(num_seqs=batch, num_decode_tokens=batch, num_prefill_tokens=0,
+                          context_tokens_read=batch * context_len,
+                          attention_pairs=batch * context_len, num_sampled=batch)
+
+
+def prefill_shape(prompt_len: int, start: int = 0) -> IterationShape:
+    """One sequence's prefill chunk of `prompt_len` tokens starting at position `start`."""
+    return IterationShape(num_seqs=1, num_decode_tokens=0, num_prefill_tokens=prompt_len,
+                          context_tokens_read=start + prompt_len,
+                          attention_pairs=prompt_len * start + prompt_len * (prompt_len + 1) // 2,
+                          num_sampled=1)

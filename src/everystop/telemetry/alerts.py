@@ -1,0 +1,241 @@
+"""Guardrails: the soft failures aggregate throughput hides, turned into alerts and metrics.
+
+  prefill_ceiling  an iteration ran more prefill tokens than the ceiling (decode stutter)
+  starvation       a tier's p99 queue wait (recent admissions + requests still waiting)
+                   exceeds its SLA
+  kv_leak          device blocks held by a sequence that made no progress for N seconds, or by
+                   an id the scheduler no longer knows
+
+Threading: `on_iteration` / `on_finish` run on the engine thread and only count and queue;
+`check` reads scheduler state and must run under the engine lock (the monitor thread takes it);
+`drain` hands queued alerts to whoever logs and stores them, outside the lock. The engine thread
+never logs or does I/O here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from everystop.core.outputs import IterationRecord
+from everystop.core.request import Request, RequestStatus
+from everystop.telemetry.stats import percentile
+
+KINDS = ("prefill_ceiling", "starvation", "kv_leak")
+NUM_TIERS = 3
+
+
+@dataclass(frozen=True)
+class GuardrailConfig:
+    # None: the scheduler's current max_num_batched_tokens (follows hot reloads).
+    prefill_ceiling: int | None = None
+    # p99 queue-wait SLA per priority tier (premium, standard, best-effort), seconds.
+    tier_queue_sla_s: tuple[float, float, float] = (1.0, 5.0, 30.0)
+    sla_window_s: float = 60.0
+    leak_after_s: float = 30.0
+    check_interval_s: float = 1.0
+    # A prefill-ceiling breach is counted every iteration but reported at most this often.
+    report_every_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Alert:
+    time: float  # engine clock
+    kind: str
+    tier: int | None
+    request_id: str | None
+    value: float
+    threshold: float
+    message: str
+
+
+class Guardrails:
+    def __init__(self, config: GuardrailConfig | None = None) -> None:
+        self.config = config or GuardrailConfig()
+        self._lock = threading.Lock()
+        self._pending: deque[Alert] = deque(maxlen=1000)  # bounded: nobody draining is harmless
+        self.alerts_total: Counter[tuple[str, str]] = Counter()  # (kind, tier or "")
+        self.queue_wait_p99_s: dict[int, float] = {t: 0.0 for t in range(NUM_TIERS)}
+        self.suspected_leaked_blocks = 0
+        self.max_prefill_tokens = 0
+        self._prefill_breaches = 0  # since the last report
+        self._last_prefill_report = -float("inf")
+        self._waits: dict[int, deque[tuple[float, float]]] = {
+            t: deque() for t in range(NUM_TIERS)}  # (admitted at, queue wait)
+        self._sampled: set[str] = set()
+        self._starving: set[int] = set()
+        self._progress: dict[str, tuple[Any, float]] = {}  # rid -> (progress key, since)
+        self._leak_alerted: set[str] = set()
+
+    # -- engine thread --------------------------------------------------------------------------
+    def on_iteration(self, record: IterationRecord, max_num_batched_tokens: int) -> None:
+        ceiling = self.config.prefill_ceiling or max_num_batched_tokens
+        n = record.num_prefill_tokens
+        self.max_prefill_tokens = max(self.max_prefill_tokens, n)
+        if n <= ceiling:
+            return
+        with self._lock:
+            self.alerts_total[("prefill_ceiling", "")] += 1
+            self._prefill_breaches += 1
+            if record.time - self._last_prefill_report >= self.config.report_every_s:
+                self._pending.append(Alert(
+                    record.time, "prefill_ceiling", None, None, n, ceiling,
+                    f"iteration {record.step} ran {n} prefill tokens, over the ceiling of "
+                    f"{ceiling} ({self._prefill_breaches} such iterations since the last report)"))
+                self._last_prefill_report = record.time
+                self._prefill_breaches = 0
+
+    def on_finish(self, req: Request) -> None:
+        with self._lock:
+            if req.request_id not in self._sampled:
+                self._sample_wait(req)
+            self._sampled.discard(req.request_id)
+
+    def _sample_wait(self, req: Request) -> None:
+        if req.admitted_time is not None and 0 <= req.priority < NUM_TIERS:
+            self._waits[req.priority].append(
+                (req.admitted_time, req.admitted_time - req.arrival_time))
+
+    # -- monitor (under the engine lock) ----------------------------------------------------------
+    def check(self, scheduler: Any, now: float) -> None:
+        """Evaluate starvation and leak guardrails against live scheduler state."""
+        with self._lock:
+            self._check_starvation(scheduler, now)
+            self._check_leaks(scheduler, now)
+
+    def _check_starvation(self, scheduler: Any, now: float) -> None:
+        waiting: dict[int, list[float]] = {t: [] for t in range(NUM_TIERS)}
+        for req in scheduler.requests.values():
+            if req.admitted_time is None:
+                if 0 <= req.priority < NUM_TIERS:
+                    waiting[req.priority].append(now - req.arrival_time)
+            elif req.request_id not in self._sampled:
+                self._sampled.add(req.request_id)
+                self._sample_wait(req)
+        horizon = now - self.config.sla_window_s
+        for tier in range(NUM_TIERS):
+            samples = self._waits[tier]
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
+            p99 = percentile([w for _, w in samples] + waiting[tier], 99) or 0.0
+            self.queue_wait_p99_s[tier] = p99
+            sla = self.config.tier_queue_sla_s[tier]
+            if p99 > sla and tier not in self._starving:
+                self._starving.add(tier)
+                self._raise(Alert(now, "starvation", tier, None, p99, sla,
+                                  f"tier {tier} p99 queue wait {p99:.2f}s exceeds its SLA of "
+                                  f"{sla:.2f}s ({len(waiting[tier])} still waiting)"))
+            elif p99 <= sla:
+                self._starving.discard(tier)  # episode over: the next breach alerts again
+
+    def _check_leaks(self, scheduler: Any, now: float) -> None:
+        held = scheduler.kv.req_blocks
+        for rid in [r for r in self._progress if r not in held]:
+            del self._progress[rid]
+            self._leak_alerted.discard(rid)
+        suspected = 0
+        for rid, blocks in held.items():
+            if not blocks:
+                continue
+            req = scheduler.requests.get(rid)
+            key = None if req is None else (req.num_computed_tokens, req.num_output_tokens,
+                                            int(req.status))
+            prev = self._progress.get(rid)
+            if prev is None or prev[0] != key:
+                self._progress[rid] = (key, now)
+                continue
+            stalled = now - prev[1]
+            if stalled < self.config.leak_after_s:
+                continue
+            suspected += len(blocks)
+            if rid not in self._leak_alerted:
+                self._leak_alerted.add(rid)
+                state = "unknown to the scheduler" if req is None else RequestStatus(
+                    req.status).name.lower()
+                self._raise(Alert(now, "kv_leak", None if req is None else req.priority, rid,
+                                  stalled, self.config.leak_after_s,
+                                  f"{len(blocks)} KV blocks held by {rid} ({state}) with no "
+                                  f"progress for {stalled:.1f}s: suspected leak"))
+        self.suspected_leaked_blocks = suspected
+
+    def _raise(self, alert: Alert) -> None:
+        tier = "" if alert.tier is None else str(alert.tier)
+        self.alerts_total[(alert.kind, tier)] += 1
+        self._pending.append(alert)
+
+    # -- reporting (any thread, outside the engine lock) -----------------------------------------
+    def drain(self) -> list[Alert]:
+        with self._lock:
+            alerts = list(self._pending)
+            self._pending.clear()
+        return alerts
+
+
+def register_alert_metrics(registry: Any, guardrails: Guardrails, writer: Any = None) -> Any:
+    """Expose the guardrails (and the telemetry writer's queue, if given) on a prometheus
+    CollectorRegistry; values are read at scrape time, so the hot path never touches
+    prometheus. Returns the collector (unregister it with `registry.unregister`)."""
+    collector = _TelemetryCollector(guardrails, writer)
+    registry.register(collector)
+    return collector
+
+
+class _TelemetryCollector:
+    def __init__(self, guardrails: Guardrails, writer: Any) -> None:
+        self.guardrails = guardrails
+        self.writer = writer
+
+    def describe(self) -> list[Any]:
+        return []  # no duplicate-name check against a live scrape; names are unique below
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        g = self.guardrails
+        alerts = CounterMetricFamily("everystop:guardrail_alerts",
+                                     "Guardrail alerts raised, by kind and tier.",
+                                     labels=["kind", "tier"])
+        for kind in KINDS:  # zeros included: dashboards see the series before the first alert
+            tiers = [""] if kind == "prefill_ceiling" else [""] + [str(t) for t in range(3)]
+            for tier in tiers:
+                alerts.add_metric([kind, tier], g.alerts_total.get((kind, tier), 0))
+        yield alerts
+        p99 = GaugeMetricFamily("everystop:queue_wait_p99_seconds",
+                                "p99 queue wait per priority tier over the SLA window "
+                                "(includes requests still waiting).", labels=["tier"])
+        for tier, value in sorted(g.queue_wait_p99_s.items()):
+            p99.add_metric([str(tier)], value)
+        yield p99
+        yield GaugeMetricFamily("everystop:suspected_leaked_kv_blocks",
+                                "Device KV blocks held by sequences with no progress for the "
+                                "leak timeout.", value=g.suspected_leaked_blocks)
+        yield GaugeMetricFamily("everystop:max_prefill_tokens_per_iteration",
+                                "Largest prefill token count seen in one iteration.",
+                                value=g.max_prefill_tokens)
+        w = self.writer
+        if w is None:
+            return
+        submitted = CounterMetricFamily("everystop:telemetry_events",
+                                        "Telemetry items queued for the store.", labels=["kind"])
+        dropped = CounterMetricFamily("everystop:telemetry_dropped",
+                                      "Telemetry items dropped because the queue was full.",
+                                      labels=["kind"])
+        for kind in sorted(set(w.submitted) | set(w.dropped)):
+            submitted.add_metric([kind], w.submitted.get(kind, 0))
+            dropped.add_metric([kind], w.dropped.get(kind, 0))
+        yield submitted
+        yield dropped
+        written = CounterMetricFamily("everystop:telemetry_rows_written",
+                                      "Rows written to the telemetry store.", labels=["table"])
+        for table, n in sorted(w.written.items()):
+            written.add_metric([table], n)
+        yield written
+        yield CounterMetricFamily("everystop:telemetry_write_errors",
+                                  "Telemetry batches lost to store errors.",
+                                  value=w.num_write_errors)
+        yield GaugeMetricFamily("everystop:telemetry_queue_depth",
+                                "Telemetry items waiting for the writer thread.",
+                                value=w.queue_depth)

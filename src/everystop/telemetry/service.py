@@ -1,0 +1,97 @@
+"""One engine's telemetry, assembled: store, writer, recorder, guardrails and their monitor."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from everystop.telemetry.alerts import Alert, GuardrailConfig, Guardrails, register_alert_metrics
+from everystop.telemetry.recorder import TelemetryRecorder
+from everystop.telemetry.store import Store, open_store
+
+logger = logging.getLogger("everystop.telemetry")
+
+
+class Telemetry:
+    """Args:
+        store: an open Store (see `open_store`), or None for guardrails and metrics only.
+        engine: the LLMEngine to observe.
+        lock: the lock that guards the engine's scheduler (AsyncEngine._lock). With it, a
+            monitor thread runs the guardrail checks every check_interval_s; without it the
+            caller runs `check_now()` on the engine's own thread.
+    """
+
+    def __init__(self, store: Store | None, engine: Any, *, lock: Any = None,
+                 guardrail_config: GuardrailConfig | None = None, model_version: str = "unknown",
+                 max_queue: int = 10_000) -> None:
+        self.store = store
+        self.engine = engine
+        self.lock = lock
+        self.guardrails = Guardrails(guardrail_config)
+        self.recorder: TelemetryRecorder | None = None
+        if store is not None:
+            self.recorder = TelemetryRecorder(
+                store, block_size=engine.kv.block_size, clock=engine.clock,
+                guardrails=self.guardrails, model_version=model_version, max_queue=max_queue)
+            self.recorder.attach(engine)
+        else:  # no store: still feed the guardrails
+            engine.iteration_listeners.append(self._on_iteration)
+            engine.finish_listeners.append(self._on_finish)
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        if lock is not None:
+            self._monitor = threading.Thread(target=self._run_monitor, daemon=True,
+                                             name="everystop-guardrails")
+            self._monitor.start()
+
+    @property
+    def writer(self) -> Any:
+        return None if self.recorder is None else self.recorder.writer
+
+    def _on_iteration(self, record: Any, sched: Any) -> None:
+        self.guardrails.on_iteration(record, self.engine.scheduler.config.max_num_batched_tokens)
+
+    def _on_finish(self, req: Any, out: Any) -> None:
+        self.guardrails.on_finish(req)
+
+    def register_metrics(self, registry: Any) -> Any:
+        return register_alert_metrics(registry, self.guardrails, self.writer)
+
+    def check_now(self) -> list[Alert]:
+        """Run the guardrail checks, then log and store what they raised (outside the lock)."""
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            self.guardrails.check(self.engine.scheduler, self.engine.clock())
+        alerts = self.guardrails.drain()
+        for alert in alerts:
+            logger.warning("guardrail %s: %s", alert.kind, alert.message)
+            if self.recorder is not None:
+                self.recorder.submit_alert(alert)
+        return alerts
+
+    def _run_monitor(self) -> None:
+        while not self._stop.wait(self.guardrails.config.check_interval_s):
+            try:
+                self.check_now()
+            except Exception:
+                logger.exception("guardrail check failed")
+
+    def close(self) -> None:
+        """Stop the monitor, write what is queued, close the store."""
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        if self.recorder is not None:
+            self.recorder.detach()
+            self.recorder.writer.close()
+        elif self._on_iteration in self.engine.iteration_listeners:
+            self.engine.iteration_listeners.remove(self._on_iteration)
+            self.engine.finish_listeners.remove(self._on_finish)
+        if self.store is not None:
+            self.store.close()
+
+
+def open_telemetry(db: str | None, engine: Any, **kwargs: Any) -> Telemetry:
+    """Telemetry for an engine; `db` is a SQLite path or a postgresql:// DSN (None: no store)."""
+    return Telemetry(open_store(db) if db else None, engine, **kwargs)

@@ -1,0 +1,86 @@
+"""Start real server subprocesses on free loopback ports, bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, cmd: list[str], port: int, log: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+                   OMP_NUM_THREADS="1")
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)],
+                                     cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name)] in " {,":  # a label prefix is ok
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_toy_server(tmp: Path, *flags: str, ready_s: float = 30.0) -> ServerProcess:
+    cmd = [sys.executable, "-m", "tests.server.toy_server", "--log-level", "warning",
+           "--max-model-len", "256", *flags]
+    server = ServerProcess(cmd, free_port(), tmp / f"server-{time.monotonic_ns()}.log")
+    server.wait_ready(ready_s)
+    return server
+
+
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_toy_server(tmp_path_factory.mktemp("toy"), "--step-delay", "0.003")
+    yield server
+    server.stop()

@@ -1,0 +1,37 @@
+"""Test doubles for server tests: the toy engine plus a chat template, optional per-step delay
+(so streams are observable mid-flight) and made-up logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from everystop.core.outputs import ModelOutput, SchedulerOutput, TokenLogprob
+from tests.core.toy_executor import ToyExecutor
+from tests.engine.toy_engine import CharTokenizer
+
+
+class ChatCharTokenizer(CharTokenizer):
+    def apply_chat_template(self, conversation: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class SlowToyExecutor(ToyExecutor):
+    """The toy model, `step_delay_s` slower per step, with fake logprobs when asked."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, step_delay_s: float = 0.0) -> None:
+        super().__init__(num_gpu_blocks, block_size)
+        self.step_delay_s = step_delay_s
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        out = super().execute(sched)
+        for e in sched.scheduled:
+            k = e.sampling_params.logprobs
+            token = out.sampled_token_ids.get(e.request_id)
+            if k is not None and token is not None:
+                top = [(token, -0.25)] + [(token + i, -1.0 - i) for i in range(1, k)]
+                out.logprobs[e.request_id] = TokenLogprob(token, -0.25, top[:k])
+        return out

@@ -1,0 +1,130 @@
+"""Engine flags, the expected-wait estimate and SSE framing, without a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from everystop.core.request import Request, RequestStatus
+from everystop.engine.args import add_engine_args, engine_config_from_args, parse_bytes
+from everystop.sampling_params import SamplingParams
+from everystop.server.admission import AdmissionConfig, AdmissionController, AdmissionRefused
+from everystop.server.metrics import TenantLabels
+from everystop.server.streaming import DONE, sse
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parse_bytes_units() -> None:
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
+
+
+def test_engine_flags_map_onto_config() -> None:
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                              "--kv-cache-memory", "64MiB", "--no-prefix-caching",
+                              "--max-queued-per-tier", "1,2,3", "--scheduling", "static",
+                              "--dtype", "bfloat16", "--aging-interval", "2.5", "--swap-space",
+                              "0.5", "--no-chunked-prefill"])
+    cfg = engine_config_from_args(args)
+    assert cfg.scheduler.max_num_seqs == 4 and cfg.scheduler.max_num_batched_tokens == 256
+    assert cfg.cache.kv_cache_memory == 64 << 20 and not cfg.cache.enable_prefix_caching
+    assert cfg.scheduler.max_queued_per_tier == (1, 2, 3)
+    assert cfg.scheduler.scheduling == "static" and not cfg.scheduler.enable_chunked_prefill
+    assert cfg.model.dtype == "bfloat16" and cfg.scheduler.aging_interval_s == 2.5
+    assert cfg.cache.swap_space_gib == 0.5
+    defaults = engine_config_from_args(parser.parse_args([]))
+    assert defaults.cache.enable_prefix_caching and defaults.scheduler.max_num_seqs == 128
+
+
+def test_bad_config_prints_one_line_and_exits_2() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-m", "everystop", "serve", "--max-num-seqs", "64",
+                           "--max-num-batched-tokens", "8"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "max_num_batched_tokens" in proc.stderr
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _req(i: int, priority: int, status: RequestStatus) -> Request:
+    r = Request(f"r{i}", [1, 2, 3], SamplingParams(), priority=priority)
+    r.status = status
+    return r
+
+
+def test_expected_wait_counts_only_better_or_equal_tiers_and_uses_completion_rate() -> None:
+    clock = _Clock()
+    running, slots = [2], [2]
+    ctl = AdmissionController(AdmissionConfig(max_queue_wait_s=(0, 5.0, 1.0), min_samples=2),
+                              max_num_seqs=lambda: slots[0], num_running=lambda: running[0],
+                              clock=clock)
+    for i, prio in enumerate([0, 1, 1, 2]):
+        ctl.track(_req(i, prio, RequestStatus.WAITING))
+    ctl.track(_req(9, 0, RequestStatus.RUNNING))
+    assert ctl.expected_wait_s(1) is None  # no completions yet: no estimate, nothing refused
+    ctl.check(2)
+    for _ in range(4):  # four completions over 10 s: 0.4 requests/s
+        clock.t += 2.5
+        ctl.done(_req(50, 1, RequestStatus.FINISHED_LENGTH), completed=True)
+    assert ctl.admission_rate() == pytest.approx(0.4)
+    assert ctl.queued_ahead(0) == 1 and ctl.queued_ahead(1) == 3 and ctl.queued_ahead(2) == 4
+    assert ctl.expected_wait_s(1) == pytest.approx(4 / 0.4)
+    with pytest.raises(AdmissionRefused) as exc:
+        ctl.check(1)  # 10 s > 5 s
+    assert exc.value.reason == "expected_wait" and exc.value.retry_after_header == "5"
+    ctl.check(0)  # tier 0 has no threshold
+    running[0] = 0  # two free slots take two of the five: three wait
+    assert ctl.expected_wait_s(2) == pytest.approx(3 / 0.4)
+    slots[0] = 8  # enough free slots for the whole queue: no wait
+    assert ctl.expected_wait_s(2) == 0.0
+    clock.t += 60  # old completions age out of the window
+    running[0] = 2
+    assert ctl.admission_rate() is None
+
+
+def test_tenant_labels_are_bounded() -> None:
+    labels = TenantLabels(max_tenants=2)
+    assert [labels(t) for t in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]
+
+
+def test_sse_frames() -> None:
+    frame = sse({"x": "é"})
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert json.loads(frame[6:]) == {"x": "é"}
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_sse_frame_is_one_line_for_any_text() -> None:
+    text = "".join(chr(c) for c in range(1, 0x3000))
+    frame = sse({"t": text})
+    assert len(frame[:-2].decode().splitlines()) == 1
+    assert json.loads(frame[6:])["t"] == text
+
+
+def test_missing_model_file_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-m", "everystop", "serve", "--model",
+                           str(tmp_path / "nope.gguf")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "nope.gguf" in proc.stderr
