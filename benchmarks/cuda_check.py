@@ -108,6 +108,7 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out")
     args = ap.parse_args()
+    import everystop  # noqa: F401 - before torch: sets the OpenMP wait policy
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

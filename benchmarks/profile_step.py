@@ -89,8 +89,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    import torch
+    # NOTE: everystop before torch, so its OpenMP wait policy applies (see everystop/__init__).
     from everystop import LLM, SamplingParams
+    import torch
 
     from perf_workload import make_workload
 
@@ -162,6 +163,8 @@ def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, An
             execute(sched)
             profiled_wall = time.perf_counter() - t0
     cats = _categorize(prof.events())
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
+          file=sys.stderr)
     total = sum(cats.values())
     return {"num_seqs": len(sched.scheduled), "prefill_tokens": sched.num_prefill_tokens,
             "decode_tokens": sched.num_decode_tokens,

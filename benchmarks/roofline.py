@@ -38,6 +38,7 @@ def _best_time(fn: Any, repeats: int) -> float:
 def measure(repeats: int = 7) -> dict[str, Any]:
     """Matmul GFLOP/s (a large square and the model's own shapes at 2048 tokens) per dtype,
     and copy bandwidth."""
+    import everystop  # noqa: F401 - before torch: the engine's OpenMP wait policy
     import torch
 
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -14,6 +14,7 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -30,12 +31,31 @@ from everystop.executor.layers.parallel import ParallelContext, shard_heads, sha
 SMALL_ROWS = 4
 
 
+# NOTE: on CPUs without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (measured
+# here: ~180 vs ~310 GFLOP/s, docs/perf/profile.md), so 16-bit weights are multiplied in fp32
+# for compute-bound inputs, through an fp32 copy made on first use. The result is what the bf16
+# GEMM gives (fp32 accumulation of bf16 products, rounded once to bf16); the cost is memory
+# (fp32 copies next to the 16-bit weights, which still serve the bandwidth-bound decode).
+# EVERYSTOP_CPU_16BIT_GEMM=native keeps the library's 16-bit GEMM.
+_FP32_GEMM = os.environ.get("EVERYSTOP_CPU_16BIT_GEMM", "fp32").strip().lower() != "native"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias), x: [rows, in]."""
-    if (x.dim() == 2 and x.shape[0] <= SMALL_ROWS and weight.dtype != torch.float32
-            and cpu_ops.use_fused(x)):
-        return cpu_ops.linear_small(x, weight)
+    if x.dim() == 2 and weight.dtype != torch.float32 and cpu_ops.use_fused(x):
+        if x.shape[0] <= SMALL_ROWS:
+            return cpu_ops.linear_small(x, weight)
+        if _FP32_GEMM:
+            return F.linear(x.float(), _fp32_copy(weight)).to(x.dtype)
     return F.linear(x, weight)
+
+
+def _fp32_copy(weight: torch.Tensor) -> torch.Tensor:
+    copy = getattr(weight, "_everystop_fp32", None)
+    if copy is None or copy.shape != weight.shape:
+        copy = weight.float()
+        weight._everystop_fp32 = copy  # type: ignore[attr-defined]
+    return copy
 
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
