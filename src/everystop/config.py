@@ -114,8 +114,12 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     seed: int = 0
+    # CPU compute threads (torch intra-op); None = the cores this process may run on.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
 

@@ -99,14 +99,45 @@ def _load_cached(path: str) -> Tokenizer:
 
     try:
         if os.path.isfile(path):
-            hf = AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                               gguf_file=os.path.basename(path))
+            hf = _from_gguf(AutoTokenizer, path)
         else:
             hf = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         msg = " ".join(f"cannot load tokenizer from {path}: {type(e).__name__}: {e}".split())
         raise TokenizerLoadError(msg) from None
     return Tokenizer(hf, _generation_eos_ids(path))
+
+
+CACHE_ENV = "EVERYSTOP_CACHE_DIR"
+
+
+def _from_gguf(auto: Any, path: str) -> Any:
+    """The tokenizer of a GGUF file, through a converted copy cached on disk.
+
+    Building it from GGUF metadata means parsing the whole vocabulary out of the file (seconds);
+    the converted files load in a fraction of that. The cache key is the file's path, size and
+    mtime, so a replaced file is converted again. A cache that cannot be written is skipped.
+    """
+    import hashlib
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                     "everystop")
+    cache = os.path.join(root, "tokenizers", key)
+    if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        try:
+            return auto.from_pretrained(cache)
+        except Exception:  # a damaged cache entry: rebuild it below
+            pass
+    hf = auto.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        hf.save_pretrained(tmp)
+        os.replace(tmp, cache)  # atomic: readers see a complete entry or none
+    except OSError:
+        pass
+    return hf
 
 
 def _generation_eos_ids(path: str) -> list[int]:

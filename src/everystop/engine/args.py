@@ -49,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="CPU compute threads (default: the cores this process may use)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -85,7 +87,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
-    "model", "tokenizer", "dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens",
+    "model", "tokenizer", "dtype", "device", "seed", "num_threads", "max_num_seqs", "max_num_batched_tokens",
     "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",

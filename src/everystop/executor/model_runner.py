@@ -8,6 +8,7 @@ and samples.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 
@@ -24,6 +25,14 @@ from everystop.executor.sampler import Sampler
 from everystop.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # Loaded weights by (path, dtype, device). Inference never writes to them, so engines in one
@@ -54,6 +63,10 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
+        if self.device.type == "cpu":
+            # Tensor-parallel CPU ranks share the cores: each takes its share.
+            threads = model_config.num_threads or usable_cpus()
+            torch.set_num_threads(max(1, threads // parallel.world_size))
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from everystop.core.outputs import TokenLogprob
+from everystop.executor.layers import cpu_ops
 from everystop.sampling_params import SamplingParams
 
 
@@ -41,9 +42,10 @@ class Sampler:
                  output_indices: Sequence[int]) -> SamplerOutput:
         """logits: [N, vocab] float32 (unmodified); one SamplingParams and output index per row."""
         n, vocab = logits.shape
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        greedy_rows = [p.greedy for p in params]
+        tokens = _argmax(logits)
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows, device=logits.device)
             sampled = self._sample(logits, params, output_indices, vocab)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()
@@ -63,7 +65,7 @@ class Sampler:
                                         torch.tensor(top_p, device=dev, dtype=torch.float32))
         probs = torch.softmax(scaled, dim=-1)
         noise = self._noise(params, output_indices, probs.shape, dev)
-        return (probs / noise).argmax(dim=-1)
+        return _argmax(probs.div_(noise))
 
     def _noise(self, params: Sequence[SamplingParams], output_indices: Sequence[int],
                shape: torch.Size, dev: torch.device) -> torch.Tensor:
@@ -85,6 +87,13 @@ class Sampler:
         # NOTE: Exp(1) samples can be exactly 0; p / 0 would be NaN for a masked token (p = 0),
         # and argmax treats NaN as the maximum.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax (first maximal index), through the fused CPU op where it applies."""
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and cpu_ops.use_fused(x):
+        return cpu_ops.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,

@@ -1,14 +1,17 @@
-"""The CPU paged-attention kernel (csrc/paged_attention.cpp), built lazily on first use.
+"""The CPU paged-attention kernel (csrc/paged_attention.cpp, built together with the fused ops
+of csrc/fused_ops.cpp), built lazily on first use.
 
 torch's extension machinery compiles it once per machine into the torch extensions dir
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and reloads it from there
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and it is reloaded from there
 afterwards. A failed build logs one warning and reports the kernel as unavailable, so the
 caller falls back to the pure-torch path instead of crashing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -17,7 +20,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# Built into the same library: fused norm / activation / rope / argmax ops (layers/cpu_ops.py).
+_EXTRA_SOURCES = [Path(__file__).with_name("csrc") / "fused_ops.cpp"]
 _EXTENSION_NAME = "everystop_paged_attention"
+# -fno-math-errno lets GCC vectorize expf (libmvec) in the fused activation.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # Rows (query tokens x heads of one kv group) that share one pass over the K/V blocks: large
 # enough to amortize loading a block, small enough that a prefill chunk splits into many items
 # for the threads to share.
@@ -40,24 +47,49 @@ def kernel_available() -> bool:
 
 def _build() -> bool:
     try:
-        from torch.utils.cpp_extension import load
-
-        # NOTE: -march=native is safe because the extension is built on the machine that runs
-        # it (the cache dir is per machine, and torch rebuilds when the source or flags change).
-        load(
-            name=_EXTENSION_NAME,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        _load_or_build()
         torch.ops.everystop.paged_attention  # noqa: B018 - raises if registration failed
         return True
     except Exception as exc:  # any compiler/loader failure means "use the fallback"
         logger.warning("CPU paged-attention kernel unavailable, using the torch fallback: %s",
                        exc)
         return False
+
+
+def _load_or_build() -> None:
+    """Load the built library straight from its cache directory, or build it there first.
+
+    NOTE: the directory is named after a hash of the sources, flags and torch version, and the
+    sources are copied into it, so checkouts at different paths (or an installed package next
+    to a source tree) share one build instead of rebuilding each other's, and a cached build is
+    loaded without running the compiler's up-to-date check (seconds at startup).
+    """
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    sources = [_SOURCE, *_EXTRA_SOURCES]
+    texts = [src.read_bytes() for src in sources]
+    digest = hashlib.sha256(b"\0".join([*texts, " ".join(_CFLAGS).encode(),
+                                          torch.__version__.encode()])).hexdigest()[:12]
+    name = f"{_EXTENSION_NAME}_{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    build_dir = Path(root) / name
+    library = build_dir / f"{name}.so"
+    if library.is_file() and not (build_dir / "lock").exists():
+        torch.ops.load_library(str(library))
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for src, text in zip(sources, texts):
+        copy = build_dir / src.name
+        if not copy.is_file() or copy.read_bytes() != text:
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(text)
+            os.replace(tmp, copy)
+        copies.append(str(copy))
+    # NOTE: -march=native is safe because the extension is built on the machine that runs
+    # it (the cache dir is per machine).
+    load(name=name, sources=copies, build_directory=str(build_dir), extra_cflags=_CFLAGS,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -14,13 +14,48 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from everystop.executor.layers import cpu_ops
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
+
+# Up to this many rows (decode-sized inputs) 16-bit weights go through the weight-streaming
+# CPU GEMV: the library GEMM leaves most of the memory bandwidth unused there (see
+# docs/perf/profile.md). Larger inputs are compute-bound and stay on oneDNN / MKL, as do fp32
+# weights and every other device.
+SMALL_ROWS = 4
+
+
+# NOTE: on CPUs without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (measured
+# here: ~180 vs ~310 GFLOP/s, docs/perf/profile.md), so 16-bit weights are multiplied in fp32
+# for compute-bound inputs, through an fp32 copy made on first use. The result is what the bf16
+# GEMM gives (fp32 accumulation of bf16 products, rounded once to bf16); the cost is memory
+# (fp32 copies next to the 16-bit weights, which still serve the bandwidth-bound decode).
+# EVERYSTOP_CPU_16BIT_GEMM=native keeps the library's 16-bit GEMM.
+_FP32_GEMM = os.environ.get("EVERYSTOP_CPU_16BIT_GEMM", "fp32").strip().lower() != "native"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no bias), x: [rows, in]."""
+    if x.dim() == 2 and weight.dtype != torch.float32 and cpu_ops.use_fused(x):
+        if x.shape[0] <= SMALL_ROWS:
+            return cpu_ops.linear_small(x, weight)
+        if _FP32_GEMM:
+            return F.linear(x.float(), _fp32_copy(weight)).to(x.dtype)
+    return F.linear(x, weight)
+
+
+def _fp32_copy(weight: torch.Tensor) -> torch.Tensor:
+    copy = getattr(weight, "_everystop_fp32", None)
+    if copy is None or copy.shape != weight.shape:
+        copy = weight.float()
+        weight._everystop_fp32 = copy  # type: ignore[attr-defined]
+    return copy
 
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
@@ -48,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([full[start:start + size] for start, size in self.rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -83,7 +118,7 @@ class RowParallelLinear(nn.Module):
         return full if size == full.shape[1] else full[:, start:start + size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(F.linear(x, self.weight))
+        return self.ctx.all_reduce(linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -111,7 +146,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Use the rows as a vocabulary projection (an LM head, or a tied embedding): float32
         logits [N, vocab] on rank 0 (the only rank that samples), None on the others."""
-        full = self.ctx.gather_last_dim(F.linear(hidden, self.weight), self.vocab_size)
+        full = self.ctx.gather_last_dim(linear(hidden, self.weight), self.vocab_size)
         return None if full is None else full.float()
 
 

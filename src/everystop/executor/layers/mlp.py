@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from everystop.executor.layers import cpu_ops
 from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from everystop.executor.layers.parallel import SINGLE, ParallelContext, shard_range
 
@@ -23,5 +24,8 @@ class SwiGLU(nn.Module):
                                            (start, self.intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.use_fused(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from everystop.executor.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.use_fused(x) and x.stride(-1) == 1:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

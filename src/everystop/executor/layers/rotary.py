@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from everystop.executor.layers import cpu_ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,19 +52,26 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, 1, head_dim] for the given positions (computed in float32).
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 half tables cos, sin [T, head_dim // 2] for the given positions.
 
     Computed once per forward and shared by all layers.
     """
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return freqs.cos(), freqs.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the per-token angles."""
+    """Rotate x [T, heads, head_dim] by the per-token angles (half tables from rope_cos_sin).
+
+    May rotate x in place (the fused CPU op does); use the returned tensor.
+    """
+    if cpu_ops.use_fused(x) and x.stride(-1) == 1:
+        return cpu_ops.rope_(x, cos, sin)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    # As the reference models: the tables are cast to the activation dtype first, and
+    # x * cos + rotate_half(x) * sin is rounded op by op (the same values as below).
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for a packed batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)

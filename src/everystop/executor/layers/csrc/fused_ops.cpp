@@ -1,0 +1,297 @@
+// Small fused CPU ops for the decoder's non-matmul work, built into the same extension as the
+// paged-attention kernel. Each replaces a chain of 4-8 ATen ops (one dispatch and one pass over
+// memory each) with one pass: at small batches the per-op overhead, not the arithmetic, is what
+// costs. All arithmetic is fp32; 16-bit inputs are widened on load and rounded once on store.
+//
+//   rms_norm(x, w, eps)        w * to_dtype(x * rsqrt(mean(x^2) + eps))   (Llama's order)
+//   silu_mul(gate_up)          silu(gate_up[:, :I]) * gate_up[:, I:]
+//   rope_(x, cos, sin)         in place, half-split ("rotate_half") layout, x: [T, heads, D]
+//   argmax_rows(x)             first index of each row's maximum (NaN counts as maximal)
+//   linear_small(x, w)         x @ w.T for a few rows of x (decode): a weight-streaming GEMV,
+//                              16-bit weights widened in registers, fp32 accumulation
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+template <typename T>
+inline T from_f(float v) { return static_cast<T>(v); }
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {
+        // NOTE: round the normalized value to the activation dtype before the weight multiply,
+        // as the reference implementation does.
+        const float n = to_f(from_f<T>(to_f(xr[i]) * inv));
+        orow[i] = from_f<T>(to_f(wp[i]) * n);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim], row-contiguous");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous [dim] of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(x, w, eps, out); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, w, eps, out); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(x, w, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype");
+  }
+  return out;
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gu.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float a = to_f(g[i]);
+        // Rounded like F.silu(gate) * up in the activation dtype.
+        const float s = to_f(from_f<T>(a / (1.f + std::exp(-a))));
+        o[i] = from_f<T>(s * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be [rows, 2 * inter], row-contiguous");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
+    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(gate_up, out); break;
+    case at::kHalf: silu_mul_impl<c10::Half>(gate_up, out); break;
+    default: TORCH_CHECK(false, "silu_mul: unsupported dtype");
+  }
+  return out;
+}
+
+template <typename T>
+void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  T* xp = x.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* a = xp + t * ts + h * hs;
+        T* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(a[i]), x2 = to_f(b[i]);
+          a[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
+          b[i] = from_f<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope_: x must be [tokens, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == x.size(0) && cos.size(1) * 2 == x.size(2) &&
+                  sin.sizes() == cos.sizes(),
+              "rope_: cos/sin must be contiguous float32 [tokens, head_dim / 2]");
+  switch (x.scalar_type()) {
+    case at::kFloat: rope_impl<float>(x, cos, sin); break;
+    case at::kBFloat16: rope_impl<c10::BFloat16>(x, cos, sin); break;
+    case at::kHalf: rope_impl<c10::Half>(x, cos, sin); break;
+    default: TORCH_CHECK(false, "rope_: unsupported dtype");
+  }
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "argmax_rows: x must be float32 [rows, cols], row-contiguous");
+  const int64_t rows = x.size(0), cols = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      // Vectorizable pass for the maximum, then a scan for its first index.
+      float best = -INFINITY;
+      bool nan = false;
+#pragma omp simd reduction(max : best) reduction(|| : nan)
+      for (int64_t i = 0; i < cols; ++i) {
+        best = row[i] > best ? row[i] : best;
+        nan = nan || (row[i] != row[i]);
+      }
+      int64_t idx = 0;
+      for (int64_t i = 0; i < cols; ++i) {
+        if (nan ? row[i] != row[i] : row[i] == best) { idx = i; break; }
+      }
+      op[r] = idx;
+    }
+  });
+  return out;
+}
+
+// --- linear_small --------------------------------------------------------------------------
+// At decode batch sizes a linear layer reads every weight once for a handful of rows, so it is
+// bound by how fast the weights stream in; the library GEMM paths leave much of that bandwidth
+// unused for 16-bit weights. Here each weight row is loaded once, widened to fp32 in registers
+// and multiplied into up to kMaxRows activation rows; four output columns are in flight at once
+// so the FMA chains overlap.
+constexpr int64_t kMaxRows = 8;
+
+#ifdef __AVX512F__
+inline __m512 load_w16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_w16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load_w16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename W>
+void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
+                int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t k16 = k - k % 16;
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) {
+    __m512 acc[kMaxRows][4];
+    for (int64_t m = 0; m < rows; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    const W* w0 = w + n * k;
+    for (int64_t i = 0; i < k16; i += 16) {
+      const __m512 a0 = load_w16(w0 + i), a1 = load_w16(w0 + k + i);
+      const __m512 a2 = load_w16(w0 + 2 * k + i), a3 = load_w16(w0 + 3 * k + i);
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * k + i);
+        acc[m][0] = _mm512_fmadd_ps(xv, a0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(xv, a1, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(xv, a2, acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(xv, a3, acc[m][3]);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int j = 0; j < 4; ++j) {
+        float sum = _mm512_reduce_add_ps(acc[m][j]);
+        for (int64_t i = k16; i < k; ++i) sum += x[m * k + i] * to_f(w0[j * k + i]);
+        out[m * out_stride + n + j] = sum;
+      }
+    }
+  }
+  for (; n < n_end; ++n) {
+    const W* wr = w + n * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
+      out[m * out_stride + n] = sum;
+    }
+  }
+}
+#else
+template <typename W>
+void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
+                int64_t n_end, float* out, int64_t out_stride) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const W* wr = w + n * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
+      out[m * out_stride + n] = sum;
+    }
+  }
+}
+#endif
+
+template <typename W>
+void linear_small_impl(const at::Tensor& x32, const at::Tensor& w, at::Tensor& out32) {
+  const int64_t rows = x32.size(0), k = x32.size(1), n = w.size(0);
+  const float* xp = x32.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
+  float* op = out32.data_ptr<float>();
+  // Columns in chunks of 64 so both threads get work even for the small projections.
+  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    gemv_block<W>(xp, rows, k, wp, begin * 64, std::min(end * 64, n), op, n);
+  });
+}
+
+at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear_small: x [rows, k] and w [n, k] expected");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "linear_small: at most ", kMaxRows, " rows");
+  TORCH_CHECK(w.is_contiguous(), "linear_small: weight must be contiguous");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out32 = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  switch (w.scalar_type()) {
+    case at::kFloat: linear_small_impl<float>(x32, w, out32); break;
+    case at::kBFloat16: linear_small_impl<c10::BFloat16>(x32, w, out32); break;
+    case at::kHalf: linear_small_impl<c10::Half>(x32, w, out32); break;
+    default: TORCH_CHECK(false, "linear_small: unsupported weight dtype");
+  }
+  return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(everystop, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("linear_small(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(everystop, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("linear_small", &linear_small);
+}
