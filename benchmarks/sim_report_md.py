@@ -95,7 +95,8 @@ def _real_calibration(cal: dict | None) -> list[str]:
     worst = max(goal, key=lambda k: abs(err[k]))
     quiet = max(m["load_avg_1m_start"], m["load_avg_1m_end"]) < 1.5
     out = [
-        f"Written by `{REAL_COMMAND}` ({cal['total_wall_s']:.0f} s of wall time): "
+        f"Written by `{cal.get('command', REAL_COMMAND)}` ({cal['total_wall_s']:.0f} s of wall "
+        "time): "
         f"{cal['model']}, on {m['cpu_count']} cores of an {m['cpu']} with "
         f"{m['torch_threads']} torch threads; 1-minute load average {m['load_avg_1m_start']:.2f} "
         f"at the start and {m['load_avg_1m_end']:.2f} at the end"
