@@ -39,9 +39,9 @@ def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int, dtype: s
               enable_prefix_caching=False, dtype=dtype)
     eng = llm.engine
     start = time.monotonic()
-    for prompt, max_tokens in reqs:
-        eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                               ignore_eos=True), arrival_time=start)
+    ids = [eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  ignore_eos=True),
+                           arrival_time=start).request_id for prompt, max_tokens in reqs]
     finals = {}
     eng.run_until_done(lambda o: finals.__setitem__(o.request_id, o) if o.finished else None)
     wall = time.monotonic() - start
@@ -59,7 +59,7 @@ def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int, dtype: s
         "swap_in_bytes": sched.num_swap_in_blocks * bytes_per_block,
         "max_preemptions_one_request": max(o.metrics.preemption_count for o in outs),
         "cost_model": dataclasses.asdict(sched.cost_model),
-        "tokens": [finals[k].token_ids for k in sorted(finals)],
+        "tokens": [finals[rid].token_ids for rid in ids],  # in submission order
     }
 
 
