@@ -22,7 +22,7 @@ serve: $(STAMP)
 	$(VENV)/bin/everystop serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(VPY) -m pytest -x -q --durations=15
+	$(VPY) -m pytest -x --durations=15
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not model and not server"

@@ -2,6 +2,7 @@
 (benchmarks/results/sim/report.json):
 
     PYTHONPATH=src python benchmarks/sim_report.py
+    PYTHONPATH=src python benchmarks/sim_report.py --markdown-only   # after a new calibration
 
 Llama-3-70B BF16 on 4x A100 80GB (TP=4) through the real Scheduler/KVCacheManager: the design's
 capacity arithmetic, the physical bounds of its targets, and its comparison table re-derived.
@@ -81,7 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=2.0, help="offered load for the latency table")
     p.add_argument("--calibration", type=Path, default=ROOT / "benchmarks/results/sim/"
                                                              "calibration.json")
+    p.add_argument("--calibration-real", type=Path, default=ROOT / "benchmarks/results/sim/"
+                                                                  "calibration_real.json")
+    p.add_argument("--markdown-only", action="store_true",
+                   help="re-render the markdown from report.json and the calibration files, "
+                        "without rerunning the simulations or the plots")
     args = p.parse_args(argv)
+    report = ROOT / "benchmarks/results/sim/report.json"
+    if args.markdown_only:
+        data = json.loads(report.read_text())
+        data.update(_calibrations(args))
+        write_json(report, data)
+        _write_markdown(data)
+        return 0
     img = ROOT / "docs/img"
     img.mkdir(parents=True, exist_ok=True)
     m, hw = load_model("llama-3-70b"), load_hardware("a100-80gb")
@@ -96,16 +109,28 @@ def main(argv: list[str] | None = None) -> int:
         suffix = mode + ("-512" if opts.get("max_num_batched_tokens") == 512 else "")
         plot_occupancy(res, img / f"sim-occupancy-{suffix}.png", 32 if mode == "static" else 128,
                        title=f"{label} at {args.rate} req/s")
-    calibration = (json.loads(args.calibration.read_text())
-                   if args.calibration.is_file() else None)
     data = {"workload": WORKLOAD, "rate": args.rate, "capacity": capacity, "bounds": bounds,
-            "saturated": saturated, "loaded": loaded, "calibration": calibration}
-    write_json(ROOT / "benchmarks/results/sim/report.json", data)
+            "saturated": saturated, "loaded": loaded, **_calibrations(args)}
+    write_json(report, data)
+    _write_markdown(data)
+    return 0
+
+
+def _calibrations(args: argparse.Namespace) -> dict:
+    """The synthetic self-test and the real-engine calibration (each None if not run yet); the
+    real one without its raw per-pass records, which stay in its own file."""
+    read = lambda path: json.loads(path.read_text()) if path.is_file() else None  # noqa: E731
+    real = read(args.calibration_real)
+    if real is not None:
+        real.pop("calibration_records", None)
+    return {"calibration": read(args.calibration), "calibration_real": real}
+
+
+def _write_markdown(data: dict) -> None:
     from sim_report_md import render  # noqa: E402  (sibling module: the markdown text)
 
     (ROOT / "docs/simulator-report.md").write_text(render(data))
-    print("wrote docs/simulator-report.md, docs/img/sim-*.png, benchmarks/results/sim/report.json")
-    return 0
+    print("wrote docs/simulator-report.md and benchmarks/results/sim/report.json")
 
 
 if __name__ == "__main__":

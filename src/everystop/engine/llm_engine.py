@@ -41,7 +41,7 @@ class LLMEngine:
                                  enable_prefix_caching=cache.enable_prefix_caching,
                                  watermark=cache.watermark)
         self.scheduler = Scheduler(config.scheduler, self.kv, cost_model=cost_model, clock=clock)
-        self.outputs = OutputProcessor(self._new_detokenizer, clock)
+        self.outputs = OutputProcessor(_detokenizer_factory(tokenizer), clock)
         self.iteration_listeners: list[IterationListener] = []
         self.finish_listeners: list[FinishListener] = []
         self._pending_outputs: list[RequestOutput] = []
@@ -60,13 +60,6 @@ class LLMEngine:
         logger.info("KV cache: %s", executor.describe_capacity())
         logger.info("preemption costs: %s", cost_model)
         return cls(config, executor, tokenizer, cost_model=cost_model)
-
-    def _new_detokenizer(self) -> Any:
-        factory = getattr(self.tokenizer, "make_detokenizer", None)  # test doubles bring their own
-        if factory is not None:
-            return factory()
-        from everystop.tokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(self.tokenizer)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -175,3 +168,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
+    """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
+    would tie the engine, and its KV pool, into a reference cycle.)"""
+    factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own
+    if factory is not None:
+        return factory
+
+    def new() -> Any:
+        from everystop.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(tokenizer)
+    return new

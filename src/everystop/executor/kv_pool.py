@@ -25,7 +25,9 @@ class KVPool:
         self.device_pool = torch.zeros(_with_blocks(shape, num_device_blocks), dtype=dtype,
                                        device=device)
         pin = device.type == "cuda"  # pinned host memory makes device<->host copies async
-        self.host_pool = torch.zeros(_with_blocks(shape, num_host_blocks), dtype=dtype,
+        # Uninitialised on purpose: a host block is only read after a swap-out wrote it, and
+        # untouched pages of a large swap space cost no memory until used.
+        self.host_pool = torch.empty(_with_blocks(shape, num_host_blocks), dtype=dtype,
                                      pin_memory=pin)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.device_pool[layer, 0], self.device_pool[layer, 1]) for layer in range(num_layers)]

@@ -1,0 +1,249 @@
+"""Calibrate the simulator against the real engine on this machine, then predict a new workload.
+
+1. Profile: run the real engine (default model, float32, CPU) over rounds of requests that all
+   arrive at once - a grid of batch sizes x prompt lengths, short outputs - and log every pass's
+   shape and wall time through the engine's iteration listener.
+2. Fit `latency = max(a*FLOPs, b*bytes) + c0 + c1*seqs` to those passes (`everystop.sim.fit`).
+3. Measure: run a *different* workload (another length mix, Poisson arrivals below capacity)
+   through the real engine in real time. Each request is added once its scheduled arrival time
+   passes; TTFT = first token time (RequestOutput.metrics) - scheduled arrival time.
+4. Predict: run the same workload through the simulator (the same scheduler, the engine's KV
+   pool size and config) with the fitted cost model, and report the relative errors.
+
+    PYTHONPATH=src python benchmarks/sim_calibrate_real.py \
+        --out benchmarks/results/sim/calibration_real.json
+
+Timings only mean something on a quiet machine: the 1-minute load average at start and end and
+the torch thread count go into the JSON. `--quick` is a tiny smoke run of the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+from everystop.config import EngineConfig
+from everystop.engine.llm_engine import LLMEngine
+from everystop.sampling_params import SamplingParams
+from everystop.sim.cost_model import CostModel, IterationShape
+from everystop.sim.fit import fit_coefficients
+from everystop.sim.metrics import percentile, summarize
+from everystop.sim.simulator import SimSetup, simulate
+from everystop.sim.specs import load_model
+from everystop.sim.workload import Workload, synthetic
+
+KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
+GOAL_KEYS = KEYS[:3]  # the goal: these within 10%
+EXTRA = ("makespan_s", "output_tokens")
+VOCAB_LO, VOCAB_HI = 200, 49_000  # ordinary token ids of the default model's vocabulary
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+class Recorder:
+    """Iteration listener: every pass's full shape plus its measured step time."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def __call__(self, rec, sched) -> None:
+        self.records.append({**IterationShape.from_scheduler_output(sched).to_dict(),
+                             "latency_s": rec.latency_s})
+
+
+def random_prompt(n: int, rng: random.Random) -> list[int]:
+    # Random ids, so no two prompts share a cached prefix block (the simulator's synthetic
+    # prompts are unique too).
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.Random) -> None:
+    """Each round: `batch` requests of `prompt` tokens and `out` outputs, all at once."""
+    for batch, prompt, out in rounds:
+        for _ in range(batch):
+            engine.add_request(random_prompt(prompt, rng), params(out))
+        engine.run_until_done()
+
+
+def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
+    """Real-time replay of `workload`; the same summary keys as the simulator's `summarize`."""
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    prompts = {r.request_id: random_prompt(r.prompt_len, rng) for r in reqs}
+    done = {}
+    t0 = time.monotonic()
+    i = 0
+    while i < len(reqs) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while i < len(reqs) and t0 + reqs[i].arrival_s <= now:
+            r = reqs[i]
+            engine.add_request(prompts[r.request_id], params(r.max_tokens),
+                               request_id=r.request_id, arrival_time=t0 + r.arrival_s)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, t0 + reqs[i].arrival_s - time.monotonic()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    metrics = [o.metrics for o in done.values()]
+    ttft = [m.first_token_time - m.arrival_time for m in metrics]
+    tpot = [(m.finished_time - m.first_token_time) / (len(o.token_ids) - 1)
+            for o, m in zip(done.values(), metrics) if len(o.token_ids) > 1]
+    out_tokens = sum(len(o.token_ids) for o in done.values())
+    makespan = max(m.finished_time for m in metrics) - (t0 + reqs[0].arrival_s)
+    ms = lambda x: round(x * 1e3, 3)  # noqa: E731
+    return {"num_finished": len(done), "output_tokens": out_tokens,
+            "makespan_s": round(makespan, 4),
+            "output_tokens_per_s": round(out_tokens / makespan, 1),
+            "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
+            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99))}
+
+
+def sim_setup(engine: LLMEngine) -> SimSetup:
+    """The simulated node: exactly the engine's scheduler config, KV pool and preemption costs."""
+    cache = engine.config.cache
+    return SimSetup(engine.config.scheduler, num_gpu_blocks=engine.executor.num_gpu_blocks,
+                    block_size=cache.block_size, num_cpu_blocks=engine.executor.num_cpu_blocks,
+                    enable_prefix_caching=cache.enable_prefix_caching, watermark=cache.watermark,
+                    preemption_cost=engine.scheduler.cost_model)
+
+
+def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
+    rel = [abs(cost.latency(IterationShape.from_record(r)) - r["latency_s"]) / r["latency_s"]
+           for r in records]
+    total = sum(cost.latency(IterationShape.from_record(r)) for r in records)
+    measured = sum(r["latency_s"] for r in records)
+    return {"num_passes": len(records), "mean_abs_rel_error": round(sum(rel) / len(rel), 4),
+            "p90_abs_rel_error": round(percentile(rel, 90), 4),
+            "total_time_rel_error": round((total - measured) / measured, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="n=60,prompt=uniform:16:200,output=uniform:4:32,seed=7",
+                   help="synthetic spec of the measured workload (no rate: see --load)")
+    p.add_argument("--load", type=float, default=0.6,
+                   help="Poisson rate as a fraction of the fitted model's capacity")
+    p.add_argument("--batches", default="1,2,4,8,16", help="profile batch sizes")
+    p.add_argument("--prompts", default="24,96,320", help="profile prompt lengths")
+    p.add_argument("--profile-output", type=int, default=10, help="profile output tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers meaningless)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.prompts, args.profile_output = "1,4", "16,48", 3
+        args.workload = "n=6,prompt=uniform:8:40,output=uniform:2:6,seed=7"
+
+    import torch  # only the engine needs it; imported here so --help stays fast
+
+    torch.set_num_threads(args.threads)
+    report: dict = {"machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
+                                "torch_threads": torch.get_num_threads(),
+                                "torch": torch.__version__, "load_avg_1m_start": load_avg()}}
+    wall0 = time.monotonic()
+    engine = LLMEngine.from_config(EngineConfig.from_options(
+        dtype="float32", max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
+        max_model_len=args.max_model_len))
+    rng = random.Random(args.seed)
+    recorder = Recorder()
+    engine.iteration_listeners.append(recorder)
+    profile(engine, [(2, 32, 4)], rng)  # warm-up: first passes pay one-time allocation costs
+    recorder.records.clear()
+    rounds = [(b, n, args.profile_output) for n in map(int, args.prompts.split(","))
+              for b in map(int, args.batches.split(","))]
+    t = time.monotonic()
+    profile(engine, rounds, rng)
+    profile_s = time.monotonic() - t
+    calib = list(recorder.records)
+
+    model = load_model("smollm2-135m")
+    coeffs, stats = fit_coefficients(model, calib)
+    cost = CostModel(model, 1, coeffs)
+    setup = sim_setup(engine)
+    base = synthetic(args.workload)
+    # Capacity of the fitted model on this length mix (everything at t=0), then a rate below it.
+    saturated = summarize(simulate(base, setup, cost.latency))
+    capacity = len(base.requests) / saturated["makespan_s"]
+    rate = round(args.load * capacity, 4)
+    workload = base.with_rate(rate, seed=args.seed + 1)
+
+    recorder.records.clear()
+    t = time.monotonic()
+    measured = run_live(engine, workload, rng)
+    live_s = time.monotonic() - t
+    live_passes = list(recorder.records)
+    predicted = summarize(simulate(workload, setup, cost.latency))
+    errors = {k: round((predicted[k] - measured[k]) / measured[k], 4) for k in KEYS
+              if measured.get(k) and predicted.get(k) is not None}
+    report["machine"]["load_avg_1m_end"] = load_avg()
+    report.update({
+        "mode": "real engine" + (" (--quick smoke run: numbers meaningless)" if args.quick else ""),
+        "command": "PYTHONPATH=src python benchmarks/sim_calibrate_real.py " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:])),
+        "model": "SmolLM2-135M-Instruct (default GGUF), float32, CPU",
+        "engine": {"max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
+                   "num_gpu_blocks": setup.num_gpu_blocks, "block_size": setup.block_size},
+        "profile": {"rounds_batch_prompt_output": rounds, "num_passes": len(calib),
+                    "wall_s": round(profile_s, 1)},
+        "fitted_coefficients": coeffs.to_dict(), "fit": stats,
+        "workload": {"spec": args.workload, "capacity_req_per_s_fitted": round(capacity, 4),
+                     "load_fraction": args.load, "rate_req_per_s": rate,
+                     "num_requests": len(workload.requests),
+                     "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
+                     "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
+                     "live_wall_s": round(live_s, 1)},
+        "measured": {k: measured[k] for k in KEYS + EXTRA},
+        "predicted": {k: predicted[k] for k in KEYS + EXTRA},
+        "relative_error": errors,
+        "within_10pct": all(abs(errors[k]) <= 0.10 for k in GOAL_KEYS if k in errors),
+        # Out of sample, pass by pass: the fitted model on the measured workload's own passes.
+        "holdout_passes": per_pass_error(cost, live_passes),
+        "num_passes": {"live": len(live_passes), "simulated": predicted["num_iterations"]},
+        "total_wall_s": round(time.monotonic() - wall0, 1),
+        "calibration_records": calib,
+    })
+    engine.shutdown()
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    summary = {k: report[k] for k in ("machine", "fit", "workload", "measured", "predicted",
+                                      "relative_error", "within_10pct", "holdout_passes",
+                                      "num_passes", "total_wall_s")}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""`everystop bench {workload,serve,compare,gate,report}`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from everystop.bench.metrics import SLO, format_summary
+
+
+def register(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: workloads, serve, compare, gate")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+    _workload_parser(sub)
+    _serve_parser(sub)
+    _compare_parser(sub)
+    _gate_parser(sub)
+    rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
+    rep.add_argument("compare_json")
+    rep.add_argument("--out-dir", default=None, help="default: next to the JSON")
+    rep.set_defaults(func=cmd_report)
+
+
+# -- workload -----------------------------------------------------------------------------------
+def _workload_parser(sub: Any) -> None:
+    p = sub.add_parser("workload", help="generate a seeded synthetic workload JSON")
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", default=None)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", default="uniform:32:512",
+                   help="fixed:N | uniform:A:B | log_uniform:A:B (tokens)")
+    p.add_argument("--output-len", default="log_uniform:16:256")
+    p.add_argument("--prefix-fraction", type=float, default=0.0,
+                   help="fraction of requests that start with a shared prefix")
+    p.add_argument("--prefix-groups", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=128)
+    p.add_argument("--priorities", default="0=0.2,1=0.6,2=0.2", help="tier=weight,...")
+    p.add_argument("--tenants", default="acme=0.5,globex=0.3,initech=0.2")
+    p.add_argument("--rate", type=float, default=None, help="store Poisson arrivals (req/s)")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--tokenizer", choices=("default", "whitespace"), default="default")
+    p.set_defaults(func=cmd_workload)
+
+
+def _weights(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    from everystop.bench.workload import LengthDist, WorkloadSpec, generate_workload
+    spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed,
+                        prompt_len=LengthDist.parse(args.prompt_len),
+                        output_len=LengthDist.parse(args.output_len),
+                        prefix_fraction=args.prefix_fraction, prefix_groups=args.prefix_groups,
+                        prefix_len=args.prefix_len, priorities=_weights(args.priorities),
+                        tenants=_weights(args.tenants), rate=args.rate,
+                        burstiness=args.burstiness)
+    wl = generate_workload(spec, args.name or Path(args.out).stem,
+                           tokenizer="default" if args.tokenizer == "default" else None)
+    wl.save(args.out)
+    lens = [r.prompt_len for r in wl.requests]
+    print(f"wrote {args.out}: {len(wl.requests)} requests, prompt tokens {min(lens)}..{max(lens)} "
+          f"({wl.spec['tokenizer']}), {wl.total_output_tokens} output tokens")
+    return 0
+
+
+# -- serve --------------------------------------------------------------------------------------
+def _slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2e-ms", type=float, default=None)
+
+
+def _slo(args: argparse.Namespace) -> SLO:
+    return SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="benchmark any OpenAI-compatible server (streaming)")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (or .../v1)")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--rate", default="inf",
+                   help="requests/s (Poisson), 'inf' = all at once, 'workload' = its arrival_s")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--send-priority", action="store_true",
+                   help="send each request's tier as 'priority' (vLLM needs its priority policy)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    _slo_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from everystop.bench.client import ServeOptions, run_serve
+    from everystop.bench.workload import load_workload
+    wl = load_workload(args.workload)
+    if args.num_requests:
+        wl = wl.head(args.num_requests)
+    rate = None if args.rate == "workload" else float(args.rate)
+    opts = ServeOptions(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+                        rate=rate, burstiness=args.burstiness,
+                        max_concurrency=args.max_concurrency, seed=args.seed,
+                        send_priority=args.send_priority, api_key=args.api_key,
+                        progress=not args.no_progress)
+    report = asyncio.run(run_serve(wl, opts, _slo(args)))
+    print(format_summary(report["summary"]))
+    for key, title in (("by_priority", "tier"), ("by_tenant", "tenant")):
+        for name, s in report[key].items():
+            print(f"  {title} {name:<10} {s['completed']:4d} req  TTFT p99 "
+                  f"{s['ttft_ms']['p99']:9.1f} ms  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms")
+    if args.result_json:
+        _write_json(args.result_json, report)
+        print(f"wrote {args.result_json}")
+    return 0 if report["summary"]["completed"] else 1
+
+
+# -- compare ------------------------------------------------------------------------------------
+def _compare_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="the workload through every batching mode, one process")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--out-dir", default="benchmarks/results/compare")
+    p.add_argument("--modes", default="static,continuous,chunked,prefix")
+    p.add_argument("--loads", default="0.7", help="online loads, fractions of capacity ('' = none)")
+    p.add_argument("--online-modes", default=None, help="modes to run online (default: --modes)")
+    p.add_argument("--capacity-from", default="chunked",
+                   help="mode whose offline capacity sets the online rate, or 'self'")
+    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--static-batch-size", type=int, default=32)
+    p.add_argument("--chunk-budget", type=int, default=256,
+                   help="max_num_batched_tokens and chunk_size of the chunked modes")
+    p.add_argument("--dollars-per-hour", type=float, default=0.10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--hf-requests", type=int, default=0,
+                   help="also run transformers generate on the first N requests (0: skip)")
+    p.add_argument("--gate-delay-ms", type=float, default=0.0,
+                   help="also run the gate check: chunked online, baseline, rerun and with this "
+                        "per-step delay, back to back")
+    p.add_argument("--gate-requests", type=int, default=48, help="requests in the gate check")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT_DIR/compare.json; run only the missing")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU KV pool)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (1 is far faster on an oversubscribed shared machine)")
+    p.add_argument("--no-progress", action="store_true")
+    _slo_args(p)
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from everystop.bench.compare import CompareOptions, run_compare, shared_model_factory
+    from everystop.bench.table import machine_description
+    from everystop.bench.workload import load_workload
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    wl = load_workload(args.workload)
+    if args.num_requests:
+        wl = wl.head(args.num_requests)
+    opts = CompareOptions(
+        modes=[m for m in args.modes.split(",") if m],
+        loads=[float(x) for x in args.loads.split(",") if x], capacity_from=args.capacity_from,
+        online_modes=(None if args.online_modes is None
+                      else [m for m in args.online_modes.split(",") if m]),
+        static_batch_size=args.static_batch_size, chunk_budget=args.chunk_budget,
+        dollars_per_hour=args.dollars_per_hour, seed=args.seed, burstiness=args.burstiness,
+        hf_requests=args.hf_requests, gate_delay_ms=args.gate_delay_ms, slo=_slo(args),
+        gate_requests=args.gate_requests,
+        progress=not args.no_progress)
+    base = {"model": args.model, "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+            "dtype": args.dtype}
+    # The static scheduler prefills a whole batch in one pass: size buffers for the biggest.
+    biggest = sorted((r.prompt_len for r in wl.requests), reverse=True)[:opts.static_batch_size]
+    max_budget = max(args.max_model_len, sum(biggest) + 64 * opts.static_batch_size)
+    out_dir = Path(args.out_dir)
+    command = "everystop " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    meta = {"machine": machine_description(), "command": command, "workload_file": args.workload,
+            "model": args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+            "engine_options": base, "torch_threads": args.threads}
+    previous = None
+    if args.resume and (out_dir / "compare.json").exists():
+        previous = json.loads((out_dir / "compare.json").read_text())
+        meta["command"] = previous["meta"].get("command", command) + f"; then {command}"
+    data = run_compare(wl, shared_model_factory(base, max_budget), opts,
+                       max_model_len=args.max_model_len, out_json=out_dir / "compare.json",
+                       meta=meta, resume=previous)
+    _render(data, out_dir, meta["command"])
+    return 0
+
+
+def _render(data: dict[str, Any], out_dir: Path, command: str) -> None:
+    from everystop.bench.plots import write_all
+    from everystop.bench.table import markdown_report
+    text = markdown_report(data, command)
+    (out_dir / "README.md").write_text(text)
+    print(text)
+    for path in write_all(data, out_dir):
+        print(f"wrote {path}")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = Path(args.compare_json)
+    data = json.loads(path.read_text())
+    _render(data, Path(args.out_dir) if args.out_dir else path.parent,
+            data["meta"].get("command", ""))
+    return 0
+
+
+# -- gate ---------------------------------------------------------------------------------------
+def _gate_parser(sub: Any) -> None:
+    p = sub.add_parser("gate", help="latency-regression deploy gate: exit 0 pass, 1 fail")
+    p.add_argument("--baseline", required=True)
+    p.add_argument("--candidate", required=True)
+    p.add_argument("--ttft-p99-pct", type=float, default=20.0)
+    p.add_argument("--tpot-p50-pct", type=float, default=15.0)
+    p.add_argument("--baseline-run", default=None, help="run name inside a compare JSON")
+    p.add_argument("--candidate-run", default=None)
+    p.set_defaults(func=cmd_gate)
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from everystop.bench.gate import gate, load_run, verdict_line
+    result = gate(load_run(args.baseline, args.baseline_run),
+                  load_run(args.candidate, args.candidate_run or args.baseline_run),
+                  args.ttft_p99_pct, args.tpot_p50_pct)
+    print(verdict_line(result))
+    return 0 if result["passed"] else 1
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    from everystop.bench.compare import _finite
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(_finite(data), indent=1))
+
