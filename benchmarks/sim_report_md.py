@@ -117,7 +117,7 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"Fit: R^2 = {fit['r2']:.3f}, mean |error| per pass "
         f"{100 * fit['mean_abs_rel_error']:.1f}%, "
         f"{100 * fit['fraction_compute_bound']:.0f}% of passes compute-bound. Coefficients: "
-        f"{_coefficients(c)}.",
+        f"{_coefficients(c, fit['fraction_compute_bound'])}.",
     ]
     out += [
         "",
@@ -149,9 +149,11 @@ def _real_calibration(cal: dict | None) -> list[str]:
     return out
 
 
-def _coefficients(c: dict) -> str:
+def _coefficients(c: dict, compute_bound: float) -> str:
     rate = lambda sec: f"{1e-9 / sec:.1f}" if sec else "unused"  # noqa: E731
-    return (f"{rate(c['sec_per_flop'])} GFLOP/s, {rate(c['sec_per_byte'])} GB/s, "
+    # With every pass compute-bound the byte coefficient is unconstrained: not a bandwidth.
+    memory = "memory term never binds" if compute_bound >= 1 else f"{rate(c['sec_per_byte'])} GB/s"
+    return (f"{rate(c['sec_per_flop'])} GFLOP/s, {memory}, "
             f"{1e3 * c['overhead_s']:.1f} ms per pass + {1e3 * c['overhead_per_seq_s']:.2f} ms "
             "per sequence")
 
