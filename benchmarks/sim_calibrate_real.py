@@ -48,6 +48,20 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
+class CpuShare:
+    """How much of its `threads` cores the process really got over a phase: its CPU time over
+    wall time x threads. Near 1 on a quiet machine; well below it, other jobs stole time and the
+    wall-clock numbers measured in that phase are inflated."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.wall, self.cpu = time.monotonic(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        wall = time.monotonic() - self.wall
+        return wall, round((time.process_time() - self.cpu) / (wall * self.threads), 3)
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -87,11 +101,12 @@ def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.R
         engine.run_until_done()
 
 
-def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
+def run_live(engine: LLMEngine, workload: Workload, rng: random.Random, threads: int) -> dict:
     """Real-time replay of `workload`; the same summary keys as the simulator's `summarize`."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
     prompts = {r.request_id: random_prompt(r.prompt_len, rng) for r in reqs}
     done = {}
+    shares = []  # (wall, cpu share) of each step: idle waits for arrivals are not contention
     t0 = time.monotonic()
     i = 0
     while i < len(reqs) or engine.has_unfinished_requests():
@@ -104,9 +119,12 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + reqs[i].arrival_s - time.monotonic()))
             continue
+        share = CpuShare(threads)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        shares.append(share.stop())
+    busy = sum(w for w, _ in shares)
     metrics = [o.metrics for o in done.values()]
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(m.finished_time - m.first_token_time) / (len(o.token_ids) - 1)
@@ -118,7 +136,8 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
             "makespan_s": round(makespan, 4),
             "output_tokens_per_s": round(out_tokens / makespan, 1),
             "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
-            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99))}
+            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99)),
+            "cpu_share_in_steps": round(sum(w * c for w, c in shares) / busy, 3)}
 
 
 def sim_setup(engine: LLMEngine) -> SimSetup:
@@ -180,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     recorder.records.clear()
     rounds = [(b, n, args.profile_output) for n in map(int, args.prompts.split(","))
               for b in map(int, args.batches.split(","))]
-    t = time.monotonic()
+    share = CpuShare(torch.get_num_threads())
     profile(engine, rounds, rng)
-    profile_s = time.monotonic() - t
+    profile_s, profile_share = share.stop()
     calib = list(recorder.records)
 
     model = load_model("smollm2-135m")
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recorder.records.clear()
     t = time.monotonic()
-    measured = run_live(engine, workload, rng)
+    measured = run_live(engine, workload, rng, torch.get_num_threads())
     live_s = time.monotonic() - t
     live_passes = list(recorder.records)
     predicted = summarize(simulate(workload, setup, cost.latency))
@@ -215,14 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                    "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
                    "num_gpu_blocks": setup.num_gpu_blocks, "block_size": setup.block_size},
         "profile": {"rounds_batch_prompt_output": rounds, "num_passes": len(calib),
-                    "wall_s": round(profile_s, 1)},
+                    "wall_s": round(profile_s, 1), "cpu_share": profile_share},
         "fitted_coefficients": coeffs.to_dict(), "fit": stats,
         "workload": {"spec": args.workload, "capacity_req_per_s_fitted": round(capacity, 4),
                      "load_fraction": args.load, "rate_req_per_s": rate,
                      "num_requests": len(workload.requests),
                      "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
                      "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
-                     "live_wall_s": round(live_s, 1)},
+                     "live_wall_s": round(live_s, 1),
+                     "live_cpu_share_in_steps": measured["cpu_share_in_steps"]},
         "measured": {k: measured[k] for k in KEYS + EXTRA},
         "predicted": {k: predicted[k] for k in KEYS + EXTRA},
         "relative_error": errors,

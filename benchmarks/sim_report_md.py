@@ -100,7 +100,10 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"{cal['model']}, on {m['cpu_count']} cores of an {m['cpu']} with "
         f"{m['torch_threads']} torch threads; 1-minute load average {m['load_avg_1m_start']:.2f} "
         f"at the start and {m['load_avg_1m_end']:.2f} at the end"
-        + ("" if quiet else " (**a shared, busy machine: timings are noisy**)") + ". "
+        + ("" if quiet else " (**a shared, busy machine: timings are noisy**)") + "; "
+        f"the process got {_share(prof.get('cpu_share'))} of its {m['torch_threads']} threads' "
+        f"cores while profiling and {_share(wl.get('live_cpu_share_in_steps'))} during the "
+        "measured workload's passes (CPU time / wall time / threads). "
         f"Engine: max_num_seqs {eng['max_num_seqs']}, budget {eng['max_num_batched_tokens']} "
         f"tokens, chunk {eng['chunk_size']}, {eng['num_gpu_blocks']} KV blocks of "
         f"{eng['block_size']}; the simulator gets exactly this config and pool.",
@@ -114,7 +117,7 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"Fit: R^2 = {fit['r2']:.3f}, mean |error| per pass "
         f"{100 * fit['mean_abs_rel_error']:.1f}%, "
         f"{100 * fit['fraction_compute_bound']:.0f}% of passes compute-bound. Coefficients: "
-        f"{_coefficients(c)}.",
+        f"{_coefficients(c, fit['fraction_compute_bound'])}.",
     ]
     out += [
         "",
@@ -146,11 +149,17 @@ def _real_calibration(cal: dict | None) -> list[str]:
     return out
 
 
-def _coefficients(c: dict) -> str:
+def _coefficients(c: dict, compute_bound: float) -> str:
     rate = lambda sec: f"{1e-9 / sec:.1f}" if sec else "unused"  # noqa: E731
-    return (f"{rate(c['sec_per_flop'])} GFLOP/s, {rate(c['sec_per_byte'])} GB/s, "
+    # With every pass compute-bound the byte coefficient is unconstrained: not a bandwidth.
+    memory = "memory term never binds" if compute_bound >= 1 else f"{rate(c['sec_per_byte'])} GB/s"
+    return (f"{rate(c['sec_per_flop'])} GFLOP/s, {memory}, "
             f"{1e3 * c['overhead_s']:.1f} ms per pass + {1e3 * c['overhead_per_seq_s']:.2f} ms "
             "per sequence")
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
 def _grid(rounds: list) -> str:
