@@ -13,8 +13,9 @@
     PYTHONPATH=src python benchmarks/sim_calibrate_real.py \
         --out benchmarks/results/sim/calibration_real.json
 
-Timings only mean something on a quiet machine: the 1-minute load average at start and end and
-the torch thread count go into the JSON. `--quick` is a tiny smoke run of the whole pipeline.
+Timings only mean something on a quiet machine: the 1-minute load average at start and end, the
+share of the cores other processes used during each phase, and the torch thread count go into
+the JSON. `--quick` is a tiny smoke run of the whole pipeline.
 """
 
 from __future__ import annotations
@@ -48,18 +49,28 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
-class CpuShare:
-    """How much of its `threads` cores the process really got over a phase: its CPU time over
-    wall time x threads. Near 1 on a quiet machine; well below it, other jobs stole time and the
-    wall-clock numbers measured in that phase are inflated."""
+def _jiffies() -> tuple[int, int]:
+    """CPU time used so far (clock ticks): by every process on the machine, and by this one."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return busy, int(after_name[11]) + int(after_name[12])  # utime + stime, all threads
 
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.wall, self.cpu = time.monotonic(), time.process_time()
+
+class OtherLoad:
+    """Share of the machine's cores that *other* processes used during a phase. Near 0 on a
+    quiet machine. This, not our own CPU time, is the contention signal: under contention
+    torch's worker threads spin-wait for a descheduled sibling, so this process keeps burning
+    CPU while its passes get many times slower."""
+
+    def __init__(self) -> None:
+        self.wall, (self.busy, self.mine) = time.monotonic(), _jiffies()
 
     def stop(self) -> tuple[float, float]:
         wall = time.monotonic() - self.wall
-        return wall, round((time.process_time() - self.cpu) / (wall * self.threads), 3)
+        busy, mine = _jiffies()
+        ticks = wall * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+        return wall, round(((busy - self.busy) - (mine - self.mine)) / ticks, 3)
 
 
 def cpu_name() -> str:
@@ -101,12 +112,11 @@ def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.R
         engine.run_until_done()
 
 
-def run_live(engine: LLMEngine, workload: Workload, rng: random.Random, threads: int) -> dict:
+def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
     """Real-time replay of `workload`; the same summary keys as the simulator's `summarize`."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
     prompts = {r.request_id: random_prompt(r.prompt_len, rng) for r in reqs}
     done = {}
-    shares = []  # (wall, cpu share) of each step: idle waits for arrivals are not contention
     t0 = time.monotonic()
     i = 0
     while i < len(reqs) or engine.has_unfinished_requests():
@@ -119,12 +129,9 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random, threads:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + reqs[i].arrival_s - time.monotonic()))
             continue
-        share = CpuShare(threads)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        shares.append(share.stop())
-    busy = sum(w for w, _ in shares)
     metrics = [o.metrics for o in done.values()]
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(m.finished_time - m.first_token_time) / (len(o.token_ids) - 1)
@@ -136,8 +143,7 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random, threads:
             "makespan_s": round(makespan, 4),
             "output_tokens_per_s": round(out_tokens / makespan, 1),
             "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
-            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99)),
-            "cpu_share_in_steps": round(sum(w * c for w, c in shares) / busy, 3)}
+            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99))}
 
 
 def sim_setup(engine: LLMEngine) -> SimSetup:
@@ -161,7 +167,7 @@ def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", default="n=60,prompt=uniform:16:200,output=uniform:4:32,seed=7",
+    p.add_argument("--workload", default="n=48,prompt=uniform:16:200,output=uniform:4:32,seed=7",
                    help="synthetic spec of the measured workload (no rate: see --load)")
     p.add_argument("--load", type=float, default=0.6,
                    help="Poisson rate as a fraction of the fitted model's capacity")
@@ -199,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     recorder.records.clear()
     rounds = [(b, n, args.profile_output) for n in map(int, args.prompts.split(","))
               for b in map(int, args.batches.split(","))]
-    share = CpuShare(torch.get_num_threads())
+    others = OtherLoad()
     profile(engine, rounds, rng)
-    profile_s, profile_share = share.stop()
+    profile_s, profile_others = others.stop()
     calib = list(recorder.records)
 
     model = load_model("smollm2-135m")
@@ -216,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     workload = base.with_rate(rate, seed=args.seed + 1)
 
     recorder.records.clear()
-    t = time.monotonic()
-    measured = run_live(engine, workload, rng, torch.get_num_threads())
-    live_s = time.monotonic() - t
+    others = OtherLoad()
+    measured = run_live(engine, workload, rng)
+    live_s, live_others = others.stop()
     live_passes = list(recorder.records)
     predicted = summarize(simulate(workload, setup, cost.latency))
     errors = {k: round((predicted[k] - measured[k]) / measured[k], 4) for k in KEYS
@@ -234,15 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                    "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
                    "num_gpu_blocks": setup.num_gpu_blocks, "block_size": setup.block_size},
         "profile": {"rounds_batch_prompt_output": rounds, "num_passes": len(calib),
-                    "wall_s": round(profile_s, 1), "cpu_share": profile_share},
+                    "wall_s": round(profile_s, 1), "other_processes_cpu": profile_others},
         "fitted_coefficients": coeffs.to_dict(), "fit": stats,
         "workload": {"spec": args.workload, "capacity_req_per_s_fitted": round(capacity, 4),
                      "load_fraction": args.load, "rate_req_per_s": rate,
                      "num_requests": len(workload.requests),
                      "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
                      "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
-                     "live_wall_s": round(live_s, 1),
-                     "live_cpu_share_in_steps": measured["cpu_share_in_steps"]},
+                     "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others},
         "measured": {k: measured[k] for k in KEYS + EXTRA},
         "predicted": {k: predicted[k] for k in KEYS + EXTRA},
         "relative_error": errors,
