@@ -32,6 +32,10 @@ class SchedulerConfig:
     # together until all finish.
     max_batch_size: int = 32
     static_batch_timeout_s: float = 0.5
+    # Static batching as a padded batch tensor runs it (Hugging Face `generate`): a finished
+    # member keeps its seat and its KV blocks, and is still computed, until the batch drains.
+    # False: finished members drop out of the pass (a kinder baseline than the usual one).
+    static_padding: bool = True
     max_model_len: int = 2048
     # Preemption: recompute, swap to host, or let the cost model choose per victim.
     preemption_mode: PreemptionMode = "auto"

@@ -175,6 +175,49 @@ def test_static_batching_waits_for_a_full_batch_and_admits_nothing_meanwhile() -
     assert h.outputs["d"] == reference_output([9], 3)
 
 
+def test_static_padding_keeps_finished_members_computed_until_the_batch_drains() -> None:
+    h = make_harness(scheduling="static", max_batch_size=3, static_batch_timeout_s=0.0)
+    lengths = {"a": 2, "b": 9, "c": 5}
+    for i, (rid, n) in enumerate(lengths.items()):
+        h.add(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3], n)
+    h.add("next", [99], 2)
+    blocks_used = h.scheduler.kv.pool.num_used_blocks
+    while "b" not in h.finish:
+        finished_before = set(h.finish)
+        sched, _ = h.step()
+        assert "next" not in {e.request_id for e in sched.scheduled}
+        if sched.num_prefill_tokens:
+            continue
+        # every decode step of the batch has all three seats computed, finished or not
+        assert len(sched.scheduled) == 3 == sched.num_decode_tokens
+        pads = [e for e in sched.scheduled if e.padding]
+        assert sched.num_padding_tokens == len(pads)
+        assert {e.request_id for e in pads} == {f"{r}#padding" for r in finished_before}
+        assert all(not e.sample for e in pads)
+        for r in ("a", "c"):  # a finished member keeps its blocks while it pads
+            assert (r in h.scheduler.kv.req_blocks) == ("b" not in h.finish)
+        h.scheduler.check_integrity()
+    # the batch drained: every block is back, and the next batch runs
+    assert h.scheduler.kv.pool.num_used_blocks == blocks_used
+    h.run()
+    for i, (rid, n) in enumerate(lengths.items()):
+        assert h.outputs[rid] == reference_output([10 * i + 1, 10 * i + 2, 10 * i + 3], n)
+    assert h.outputs["next"] == reference_output([99], 2)
+
+
+def test_static_without_padding_drops_finished_members_from_the_pass() -> None:
+    h = make_harness(scheduling="static", max_batch_size=2, static_batch_timeout_s=0.0,
+                     static_padding=False)
+    h.add("a", [1, 2], 2)
+    h.add("b", [3, 4], 8)
+    while h.scheduler.has_unfinished:
+        sched, _ = h.step()
+        assert not any(e.padding for e in sched.scheduled)
+        if "a" in h.finish:
+            assert "a" not in h.scheduler.kv.req_blocks
+    assert h.outputs["b"] == reference_output([3, 4], 8)
+
+
 def test_no_chunked_prefill_runs_whole_prompts() -> None:
     h = make_harness(enable_chunked_prefill=False, max_num_batched_tokens=64)
     h.add("a", list(range(50)), 3)

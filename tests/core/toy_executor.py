@@ -45,6 +45,8 @@ class ToyExecutor:
             self.gpu[dev] = list(self.cpu[host])
         bs = self.block_size
         for e in sched.scheduled:  # every layer writes all new K/V before attention reads
+            if e.padding:
+                continue  # compute only: a padding row must leave the cache as it was
             for i, tok in enumerate(e.token_ids):
                 pos = e.start_pos + i
                 self.gpu[e.block_ids[pos // bs]][pos % bs] = (tok, pos)

@@ -90,3 +90,19 @@ def test_kv_starved_engine_preempts_and_matches(ample, mode: str) -> None:
         assert sched.num_preemptions["swap"] == 0
     assert llm.engine.kv.pool.num_used_blocks == 0 and llm.engine.kv.num_swapped_blocks == 0
     llm.engine.scheduler.check_integrity()
+
+
+def test_static_padding_rows_leave_outputs_and_cache_intact(alone) -> None:
+    """Static batches of 8 with mixed lengths: finished members are still computed (padding
+    rows) until their batch drains; nobody's tokens change and every block comes back."""
+    llm = LLM(scheduling="static", max_batch_size=8, max_num_seqs=8, enable_chunked_prefill=False,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    lengths = [4 + (i * 7) % (NEW_TOKENS - 3) for i in range(len(PROMPTS))]
+    padding_rows: list[int] = []
+    llm.engine.iteration_listeners.append(
+        lambda rec, sched: padding_rows.append(rec.num_padding_tokens))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(alone, lengths)]
+    assert sum(padding_rows) > 0
+    assert llm.engine.kv.pool.num_used_blocks == 0

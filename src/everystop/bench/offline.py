@@ -29,6 +29,7 @@ class StepSample:
     num_waiting: int
     num_preempted: int
     latency_s: float
+    num_padding_tokens: int = 0  # static padding rows among num_seqs
 
 
 @dataclass
@@ -59,7 +60,7 @@ def run_engine(engine: Any, workload: Workload, arrivals: list[float] | None = N
     def on_step(rec: IterationRecord, sched: SchedulerOutput) -> None:
         steps.append(StepSample(rec.time - t0, rec.num_seqs, rec.num_decode_tokens,
                                 rec.num_prefill_tokens, rec.num_waiting, rec.num_preempted,
-                                rec.latency_s))
+                                rec.latency_s, rec.num_padding_tokens))
 
     engine.iteration_listeners.append(on_step)
     bar = _progress(len(order), desc) if progress else None
@@ -125,7 +126,8 @@ def straggler_stats(steps: list[StepSample]) -> dict[str, float]:
     """Static batching's waste, measured: among decode steps, the fraction where more than half
     of the batch that started together has already finished (its seats sit empty).
 
-    A static batch starts with an all-prefill step; its size is that step's sequence count."""
+    A static batch starts with an all-prefill step; its size is that step's sequence count.
+    Padding rows (finished members still computed) count as empty seats."""
     batch = 0
     decode_steps = over_half = 0
     seat_steps = used = 0
@@ -135,10 +137,11 @@ def straggler_stats(steps: list[StepSample]) -> dict[str, float]:
             continue
         if not batch or not s.num_decode_tokens:
             continue
+        live = s.num_seqs - s.num_padding_tokens
         decode_steps += 1
-        over_half += 2 * s.num_seqs < batch
+        over_half += 2 * live < batch
         seat_steps += batch
-        used += s.num_seqs
+        used += live
     return {"decode_steps": decode_steps,
             "frac_steps_over_half_finished": over_half / decode_steps if decode_steps else 0.0,
             "mean_occupancy": used / seat_steps if seat_steps else 0.0}

@@ -32,8 +32,11 @@ class ScheduledSequence:
     # sampler derives its random stream from (seed, output_index) so results do not depend on
     # batching or preemption.
     output_index: int = 0
-    # Token history for repetition-style penalties and stop checks in the sampler (optional).
     is_prefill: bool = False
+    # Static batching's padding: a finished member of a static batch keeps its seat until the
+    # whole batch drains and is recomputed at its last position (compute only: no K/V write,
+    # no sample), as a padded batch tensor would be.
+    padding: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -56,8 +59,10 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the previous step.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Decode-shaped rows, static padding rows included (they cost the same compute).
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_padding_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -156,3 +161,4 @@ class IterationRecord:
     num_waiting: int
     num_preempted: int
     latency_s: float
+    num_padding_tokens: int = 0  # static padding rows among the decode tokens

@@ -75,6 +75,8 @@ class Scheduler:
         self._queued_by_tenant: dict[str, int] = {}
         self._queued_by_tier: dict[int, int] = {}
         self._finished_ids: list[str] = []
+        # Static padding: finished members of the running static batch, holding their blocks.
+        self._padding: list[Request] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
@@ -156,6 +158,8 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         self._decodes, self._prefills, self._admitted_now = {}, {}, set()
 
+        if self._padding and (not self.running or self.config.scheduling != "static"):
+            self._release_padding()
         while len(self.running) > self.config.max_num_seqs:  # max_num_seqs lowered at runtime
             self._preempt(min(self.running, key=lambda r: victim_rank(r, self.config, now)),
                           now, out)
@@ -169,6 +173,7 @@ class Scheduler:
 
         out.scheduled = list(self._decodes.values()) + list(self._prefills.values())
         out.num_decode_tokens = len(self._decodes)
+        out.num_padding_tokens = sum(e.padding for e in self._decodes.values())
         out.num_prefill_tokens = sum(e.num_tokens for e in self._prefills.values())
         self.num_swap_out_blocks += len(out.blocks_to_swap_out)
         self.num_swap_in_blocks += len(out.blocks_to_swap_in)
@@ -195,6 +200,8 @@ class Scheduler:
             for req in list(self.running):
                 if req.status == RequestStatus.RUNNING and self._grow(req, 1, now, out):
                     self._emit(req, 1)
+            for req in self._padding:
+                self._emit_padding(req)
             return
         queued = len(self.preempted) + len(self.waiting)
         if not queued:
@@ -212,6 +219,20 @@ class Scheduler:
                     return
                 self._start_running(queue.pop(), computed, now)
                 self._emit(req, n)
+
+    def _emit_padding(self, req: Request) -> None:
+        pos = req.num_computed_tokens - 1
+        rid = req.request_id + "#padding"
+        self._decodes[rid] = ScheduledSequence(
+            request_id=rid, token_ids=req.token_slice(pos, pos + 1), start_pos=pos,
+            block_ids=self.kv.block_ids(req.request_id), sample=False,
+            sampling_params=req.sampling_params, padding=True)
+        self._budget -= 1
+
+    def _release_padding(self) -> None:
+        for req in self._padding:
+            self.kv.forget(req)
+        self._padding.clear()
 
     def _prefill_size(self, remaining: int) -> int:
         if self._budget <= 0 or remaining <= 0:
@@ -312,6 +333,8 @@ class Scheduler:
         if entry is not None:
             self._budget += entry.num_tokens
         self.running.remove(victim)
+        if not self.running and self._padding:
+            self._release_padding()  # the static batch is gone: nobody is left to pad for
         num_blocks = len(self.kv.req_blocks.get(victim.request_id, ()))
         can_swap = (self.kv.can_swap_out(victim)
                     and len(self.swapped) < self.config.max_swapped_seqs)
@@ -372,9 +395,13 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        """Free the request's blocks and slot now, whatever state it was in."""
+        """Free the request's blocks and slot now, whatever state it was in (a static batch
+        member with padding on keeps its blocks as a padding row until the batch drains)."""
+        keep_as_padding = False
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            keep_as_padding = (self.config.scheduling == "static" and self.config.static_padding
+                               and bool(self.running) and req.num_computed_tokens > 0)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
             self._count_queued(req, -1)
@@ -384,7 +411,12 @@ class Scheduler:
             self.swapped.remove(req)
         req.status = status
         req.finished_time = self.clock()
-        self.kv.forget(req)
+        if keep_as_padding:
+            self._padding.append(req)
+        else:
+            self.kv.forget(req)
+        if not self.running and self._padding:
+            self._release_padding()
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
 
@@ -425,4 +457,6 @@ class Scheduler:
         for r in self.swapped:
             if r.request_id not in self.kv.swapped_blocks:
                 raise AssertionError(f"swapped {r.request_id} has no host blocks")
-        self.kv.check_integrity(set(self.requests))
+        if self._padding and not self.running:
+            raise AssertionError("static padding rows outlived their batch")
+        self.kv.check_integrity(set(self.requests) | {r.request_id for r in self._padding})

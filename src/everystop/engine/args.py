@@ -61,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=None)
     g.add_argument("--scheduling", choices=["continuous", "static"], default=None)
     g.add_argument("--max-batch-size", type=int, default=None, help="static batching: batch size")
+    g.add_argument("--no-static-padding", dest="static_padding", action="store_false",
+                   default=None, help="static batching: drop finished members from the pass "
+                   "instead of computing them until the batch drains")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
     g.add_argument("--aging-interval", dest="aging_interval_s", type=float, default=None,
@@ -88,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
     "model", "tokenizer", "dtype", "device", "seed", "num_threads", "max_num_seqs", "max_num_batched_tokens",
-    "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "max_model_len",
+    "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size")

@@ -143,7 +143,7 @@ class LLMEngine:
             context_tokens=sum(e.seq_len for e in sched.scheduled),
             num_free_blocks=stats.num_free_blocks, num_running=stats.num_running,
             num_waiting=stats.num_waiting, num_preempted=len(sched.preempted_request_ids),
-            latency_s=self.clock() - start)
+            latency_s=self.clock() - start, num_padding_tokens=sched.num_padding_tokens)
         for listener in self.iteration_listeners:
             try:
                 listener(record, sched)

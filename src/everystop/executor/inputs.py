@@ -60,6 +60,11 @@ def build_inputs(seqs: Sequence[ScheduledSequence], block_size: int,
     cols = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
     table[rows, cols] = flat_blocks
     slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    padding = [i for i, s in enumerate(seqs) if s.padding]
+    write_rows = None
+    if padding:  # static padding rows are computed but write no K/V (see ScheduledSequence)
+        writes = ~np.isin(seq_of_token, padding)
+        write_rows = torch.from_numpy(np.flatnonzero(writes)).to(device, non_blocking=True)
 
     sample_seq = [i for i, s in enumerate(seqs) if s.sample]
     sample_rows = qsl[1:][sample_seq] - 1
@@ -71,6 +76,6 @@ def build_inputs(seqs: Sequence[ScheduledSequence], block_size: int,
         slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl), seq_lens=to_dev(seq_lens),
         block_tables=to_dev(table), block_size=block_size, max_query_len=int(lens.max()),
         max_seq_len=int(seq_lens.max()), query_start_loc_list=qsl.tolist(),
-        seq_lens_list=seq_lens.tolist())
+        seq_lens_list=seq_lens.tolist(), write_rows=write_rows)
     return ModelInputs(to_dev(input_ids), to_dev(positions), meta,
                        to_dev(np.asarray(sample_rows, dtype=np.int64)), sample_seq)

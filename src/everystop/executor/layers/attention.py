@@ -44,6 +44,8 @@ class AttentionMetadata:
     # Host copies, so per-sequence Python loops need no device sync.
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
+    # Rows whose K/V are stored; None = every row (only static padding rows are left out).
+    write_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,9 +53,13 @@ class AttentionMetadata:
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+             value: torch.Tensor, slot_mapping: torch.Tensor,
+             write_rows: torch.Tensor | None = None) -> None:
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots (only
+    the rows in `write_rows`, when given)."""
     num_blocks, block_size, kvh, d = key_cache.shape
+    if write_rows is not None:
+        slot_mapping, key, value = slot_mapping[write_rows], key[write_rows], value[write_rows]
     key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key)
     value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, value)
 

@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache
         # NOTE: K/V are written before attention so each token sees itself and the earlier
         # tokens of this same step through the block table.
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping, meta.write_rows)
         out = paged_attention(q, key_cache, value_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
