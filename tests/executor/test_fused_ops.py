@@ -80,7 +80,7 @@ def test_argmax_rows_first_maximum_and_nan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 def test_linear_small_matches_fp32_matmul(dtype, rows):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 100, generator=g).to(dtype)  # 100: a tail after the 16-wide chunks
@@ -93,12 +93,20 @@ def test_linear_small_matches_fp32_matmul(dtype, rows):
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def test_linear_routes_only_small_16bit_inputs():
-    w = torch.randn(16, 32).bfloat16()
-    for rows in (1, SMALL_ROWS, SMALL_ROWS + 1):
-        x = torch.randn(rows, 32).bfloat16()
-        torch.testing.assert_close(linear(x, w).float(), (x.float() @ w.float().T),
-                                   atol=0.1, rtol=2e-2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_agrees_with_f_linear_on_every_route(dtype):
+    """Small inputs take the GEMV, larger ones the packed fp32 GEMM (whose stand-in "original
+    weight" is zeros: if MKL ever fell back to it, the result would be zeros, not this)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 160, generator=g).to(dtype)
+    for rows in (0, 1, SMALL_ROWS, SMALL_ROWS + 1, 64, 300):
+        x = torch.randn(rows, 160, generator=g).to(dtype)
+        ref = x.float() @ w.float().T
+        out = linear(x, w)
+        assert out.dtype == dtype and out.shape == (rows, 96)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        scale = ref.abs().max().item() if rows else 1.0
+        torch.testing.assert_close(out.float(), ref, atol=tol * scale, rtol=tol)
 
 
 @pytest.mark.model

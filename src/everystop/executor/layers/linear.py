@@ -24,38 +24,69 @@ from torch import nn
 from everystop.executor.layers import cpu_ops
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
 
-# Up to this many rows (decode-sized inputs) 16-bit weights go through the weight-streaming
-# CPU GEMV: the library GEMM leaves most of the memory bandwidth unused there (see
-# docs/perf/profile.md). Larger inputs are compute-bound and stay on oneDNN / MKL, as do fp32
-# weights and every other device.
-SMALL_ROWS = 4
+# Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
+# the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
+# whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear; see
+# docs/perf/profile.md). Larger inputs are compute-bound and go to MKL's GEMM on prepacked
+# weights; other devices use F.linear.
+SMALL_ROWS = 8
 
 
 # NOTE: on CPUs without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (measured
-# here: ~180 vs ~310 GFLOP/s, docs/perf/profile.md), so 16-bit weights are multiplied in fp32
-# for compute-bound inputs, through an fp32 copy made on first use. The result is what the bf16
-# GEMM gives (fp32 accumulation of bf16 products, rounded once to bf16); the cost is memory
-# (fp32 copies next to the 16-bit weights, which still serve the bandwidth-bound decode).
-# EVERYSTOP_CPU_16BIT_GEMM=native keeps the library's 16-bit GEMM.
+# here: ~180 vs ~350 GFLOP/s, docs/perf/profile.md), so 16-bit weights are multiplied in fp32
+# for compute-bound inputs. The result is what the bf16 GEMM gives (fp32 accumulation of bf16
+# products, rounded once to bf16). EVERYSTOP_CPU_16BIT_GEMM=native keeps the library's 16-bit
+# GEMM.
 _FP32_GEMM = os.environ.get("EVERYSTOP_CPU_16BIT_GEMM", "fp32").strip().lower() != "native"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias), x: [rows, in]."""
-    if x.dim() == 2 and weight.dtype != torch.float32 and cpu_ops.use_fused(x):
-        if x.shape[0] <= SMALL_ROWS:
+    if x.dim() == 2 and x.shape[0] and cpu_ops.use_fused(x):
+        if x.shape[0] <= SMALL_ROWS and weight.is_contiguous():
             return cpu_ops.linear_small(x, weight)
-        if _FP32_GEMM:
-            return F.linear(x.float(), _fp32_copy(weight)).to(x.dtype)
+        if weight.dtype == torch.float32 or _FP32_GEMM:
+            out = _gemm_fp32(x.float(), weight)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
     return F.linear(x, weight)
 
 
-def _fp32_copy(weight: torch.Tensor) -> torch.Tensor:
-    copy = getattr(weight, "_everystop_fp32", None)
-    if copy is None or copy.shape != weight.shape:
-        copy = weight.float()
-        weight._everystop_fp32 = copy  # type: ignore[attr-defined]
-    return copy
+def _mkl_packing_available() -> bool:
+    try:
+        return (torch.backends.mkl.is_available()
+                and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+                and hasattr(torch.ops.mkl, "_mkl_linear"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_MKL_PACKED = _mkl_packing_available()
+
+
+def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ weight.T through MKL's packed-B GEMM: the weight is reordered once, on first
+    use, into MKL's internal layout (about 3x the fp32 bytes), so no call repacks it. Measured
+    1.2-1.5x faster than F.linear at 32-305 rows over the default model's projections
+    (docs/perf/profile.md). A 16-bit weight keeps only the packed fp32 form."""
+    packed = getattr(weight, "_everystop_packed", None)
+    if packed is None or packed[1] != tuple(weight.shape):
+        w32 = weight.float().contiguous()
+        if not _MKL_PACKED:
+            packed = (w32, tuple(weight.shape))
+        else:
+            packed = (torch.ops.mkl._mkl_reorder_linear_weight(w32, 128), tuple(weight.shape))
+        weight._everystop_packed = packed  # type: ignore[attr-defined]
+    data, shape = packed
+    if not _MKL_PACKED:
+        return F.linear(x, data)
+    # NOTE: _mkl_linear reads the packed weight only when its batch-size argument equals the
+    # input's rows (otherwise it falls back to the "original weight" argument, which is why a
+    # shape-only stand-in is safe here: it is never read).
+    return torch.ops.mkl._mkl_linear(x, data, _shape_only(shape), None, x.shape[0])
+
+
+def _shape_only(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.zeros(1).expand(shape)
 
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
@@ -115,7 +146,9 @@ class RowParallelLinear(nn.Module):
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         start, size = self.cols
-        return full if size == full.shape[1] else full[:, start:start + size]
+        # A copy, not a view: a view would keep the whole unsharded tensor alive, and the
+        # decode GEMV streams contiguous rows.
+        return full if size == full.shape[1] else full[:, start:start + size].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ctx.all_reduce(linear(x, self.weight))

@@ -8,7 +8,7 @@
 //   rope_(x, cos, sin)         in place, half-split ("rotate_half") layout, x: [T, heads, D]
 //   argmax_rows(x)             first index of each row's maximum (NaN counts as maximal)
 //   linear_small(x, w)         x @ w.T for a few rows of x (decode): a weight-streaming GEMV,
-//                              16-bit weights widened in registers, fp32 accumulation
+//                              fp32 accumulation (bf16 dot products where the CPU has them)
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -181,10 +181,22 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // --- linear_small --------------------------------------------------------------------------
 // At decode batch sizes a linear layer reads every weight once for a handful of rows, so it is
 // bound by how fast the weights stream in; the library GEMM paths leave much of that bandwidth
-// unused for 16-bit weights. Here each weight row is loaded once, widened to fp32 in registers
-// and multiplied into up to kMaxRows activation rows; four output columns are in flight at once
-// so the FMA chains overlap.
+// unused for 16-bit weights. Here each weight row is loaded once and multiplied into all R
+// activation rows (R a compile-time constant, so the accumulators stay in registers); several
+// output columns are in flight at once so the FMA chains overlap and the prefetchers see
+// several streams.
+//
+// bf16 weights with bf16 activations use AVX512-BF16's dot product (VDPBF16PS: 32 bf16 pairs
+// per instruction, fp32 accumulation) where the CPU has it; other 16-bit cases widen the
+// weights to fp32 in registers.
 constexpr int64_t kMaxRows = 8;
+
+template <typename W>
+inline float dot_tail(const float* x, const W* w, int64_t from, int64_t k) {
+  float sum = 0.f;
+  for (int64_t i = from; i < k; ++i) sum += x[i] * to_f(w[i]);
+  return sum;
+}
 
 #ifdef __AVX512F__
 inline __m512 load_w16(const float* p) { return _mm512_loadu_ps(p); }
@@ -196,51 +208,101 @@ inline __m512 load_w16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <typename W>
-void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
-                int64_t n_end, float* out, int64_t out_stride) {
+// One core alone cannot keep enough cache-line fills in flight to stream at the memory's
+// rate; asking for the next tile's rows while this tile computes does (a prefetch past the end
+// of the weight is harmless: it never faults).
+template <typename T>
+inline void prefetch_next_tile(const T* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// Output columns per inner iteration: as many as the registers allow next to R accumulators.
+template <int R>
+constexpr int kCols = R <= 2 ? 8 : (R <= 5 ? 4 : 2);
+
+template <typename W, int R>
+void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
+                float* out, int64_t out_stride) {
+  constexpr int C = kCols<R>;
   const int64_t k16 = k - k % 16;
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
-    __m512 acc[kMaxRows][4];
-    for (int64_t m = 0; m < rows; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (; n + C <= n_end; n += C) {
+    __m512 acc[R][C];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) acc[m][j] = _mm512_setzero_ps();
     const W* w0 = w + n * k;
     for (int64_t i = 0; i < k16; i += 16) {
-      const __m512 a0 = load_w16(w0 + i), a1 = load_w16(w0 + k + i);
-      const __m512 a2 = load_w16(w0 + 2 * k + i), a3 = load_w16(w0 + 3 * k + i);
-      for (int64_t m = 0; m < rows; ++m) {
+      __m512 a[C];
+      for (int j = 0; j < C; ++j) {
+        prefetch_next_tile(w0 + (C + j) * k + i);
+        a[j] = load_w16(w0 + j * k + i);
+      }
+      for (int m = 0; m < R; ++m) {
         const __m512 xv = _mm512_loadu_ps(x + m * k + i);
-        acc[m][0] = _mm512_fmadd_ps(xv, a0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(xv, a1, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(xv, a2, acc[m][2]);
-        acc[m][3] = _mm512_fmadd_ps(xv, a3, acc[m][3]);
+        for (int j = 0; j < C; ++j) acc[m][j] = _mm512_fmadd_ps(xv, a[j], acc[m][j]);
       }
     }
-    for (int64_t m = 0; m < rows; ++m) {
-      for (int j = 0; j < 4; ++j) {
-        float sum = _mm512_reduce_add_ps(acc[m][j]);
-        for (int64_t i = k16; i < k; ++i) sum += x[m * k + i] * to_f(w0[j * k + i]);
-        out[m * out_stride + n + j] = sum;
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j)
+        out[m * out_stride + n + j] =
+            _mm512_reduce_add_ps(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, k16, k);
+  }
+  for (; n < n_end; ++n)
+    for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
+}
+
+#ifdef __AVX512BF16__
+// x and w both bf16: 32 products per instruction. The tail (k % 32) runs in fp32 on the
+// widened values, which are exact.
+template <int R>
+void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int C = kCols<R>;
+  const int64_t k32 = k - k % 32;
+  auto tail = [&](const c10::BFloat16* xr, const c10::BFloat16* wr) {
+    float sum = 0.f;
+    for (int64_t i = k32; i < k; ++i) sum += to_f(xr[i]) * to_f(wr[i]);
+    return sum;
+  };
+  int64_t n = n_begin;
+  for (; n + C <= n_end; n += C) {
+    __m512 acc[R][C];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) acc[m][j] = _mm512_setzero_ps();
+    const c10::BFloat16* w0 = w + n * k;
+    for (int64_t i = 0; i < k32; i += 32) {
+      __m512bh a[C];
+      for (int j = 0; j < C; ++j) {
+        prefetch_next_tile(w0 + (C + j) * k + i);
+        a[j] = (__m512bh)_mm512_loadu_si512(w0 + j * k + i);
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * k + i);
+        for (int j = 0; j < C; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a[j], xv);
       }
     }
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j)
+        out[m * out_stride + n + j] =
+            _mm512_reduce_add_ps(acc[m][j]) + tail(x + m * k, w0 + j * k);
   }
   for (; n < n_end; ++n) {
-    const W* wr = w + n * k;
-    for (int64_t m = 0; m < rows; ++m) {
+    const c10::BFloat16* wr = w + n * k;
+    for (int m = 0; m < R; ++m) {
       float sum = 0.f;
-      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
+      for (int64_t i = 0; i < k; ++i) sum += to_f(x[m * k + i]) * to_f(wr[i]);
       out[m * out_stride + n] = sum;
     }
   }
 }
+#endif
 #else
-template <typename W>
-void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_begin,
-                int64_t n_end, float* out, int64_t out_stride) {
+template <typename W, int R>
+void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
+                float* out, int64_t out_stride) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const W* wr = w + n * k;
-    for (int64_t m = 0; m < rows; ++m) {
+    for (int m = 0; m < R; ++m) {
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
@@ -250,25 +312,86 @@ void gemv_block(const float* x, int64_t rows, int64_t k, const W* w, int64_t n_b
 }
 #endif
 
+// Columns are split into chunks of 64 so both threads get work even for the small
+// projections; a layer small enough to stream in a few microseconds stays on one thread,
+// where waking the other would cost more than it saves.
+template <typename F>
+void for_column_chunks(int64_t n, int64_t k, const F& body) {
+  const int64_t chunks = (n + 63) / 64;
+  if (n * k < (int64_t{1} << 16)) {
+    body(0, n);
+    return;
+  }
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    body(begin * 64, std::min(end * 64, n));
+  });
+}
+
+template <typename W, int R>
+void linear_small_rows(const float* xp, int64_t k, const W* wp, int64_t n, float* op) {
+  for_column_chunks(n, k, [&](int64_t b, int64_t e) { gemv_block<W, R>(xp, k, wp, b, e, op, n); });
+}
+
 template <typename W>
 void linear_small_impl(const at::Tensor& x32, const at::Tensor& w, at::Tensor& out32) {
   const int64_t rows = x32.size(0), k = x32.size(1), n = w.size(0);
   const float* xp = x32.data_ptr<float>();
   const W* wp = w.data_ptr<W>();
   float* op = out32.data_ptr<float>();
-  // Columns in chunks of 64 so both threads get work even for the small projections.
-  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    gemv_block<W>(xp, rows, k, wp, begin * 64, std::min(end * 64, n), op, n);
+  switch (rows) {
+    case 1: linear_small_rows<W, 1>(xp, k, wp, n, op); break;
+    case 2: linear_small_rows<W, 2>(xp, k, wp, n, op); break;
+    case 3: linear_small_rows<W, 3>(xp, k, wp, n, op); break;
+    case 4: linear_small_rows<W, 4>(xp, k, wp, n, op); break;
+    case 5: linear_small_rows<W, 5>(xp, k, wp, n, op); break;
+    case 6: linear_small_rows<W, 6>(xp, k, wp, n, op); break;
+    case 7: linear_small_rows<W, 7>(xp, k, wp, n, op); break;
+    case 8: linear_small_rows<W, 8>(xp, k, wp, n, op); break;
+    default: break;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+template <int R>
+void linear_small_bf16dp_rows(const c10::BFloat16* xp, int64_t k, const c10::BFloat16* wp,
+                              int64_t n, float* op) {
+  for_column_chunks(n, k, [&](int64_t b, int64_t e) {
+    gemv_block_bf16dp<R>(xp, k, wp, b, e, op, n);
   });
 }
+
+void linear_small_bf16dp(const at::Tensor& x, const at::Tensor& w, at::Tensor& out32) {
+  const int64_t k = x.size(1), n = w.size(0);
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  float* op = out32.data_ptr<float>();
+  switch (x.size(0)) {
+    case 1: linear_small_bf16dp_rows<1>(xp, k, wp, n, op); break;
+    case 2: linear_small_bf16dp_rows<2>(xp, k, wp, n, op); break;
+    case 3: linear_small_bf16dp_rows<3>(xp, k, wp, n, op); break;
+    case 4: linear_small_bf16dp_rows<4>(xp, k, wp, n, op); break;
+    case 5: linear_small_bf16dp_rows<5>(xp, k, wp, n, op); break;
+    case 6: linear_small_bf16dp_rows<6>(xp, k, wp, n, op); break;
+    case 7: linear_small_bf16dp_rows<7>(xp, k, wp, n, op); break;
+    case 8: linear_small_bf16dp_rows<8>(xp, k, wp, n, op); break;
+    default: break;
+  }
+}
+#endif
 
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "linear_small: x [rows, k] and w [n, k] expected");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "linear_small: at most ", kMaxRows, " rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "linear_small: 1 to ", kMaxRows, " rows");
   TORCH_CHECK(w.is_contiguous(), "linear_small: weight must be contiguous");
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out32 = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    linear_small_bf16dp(x.contiguous(), w, out32);
+    return out32.to(at::kBFloat16);
+  }
+#endif
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
   switch (w.scalar_type()) {
     case at::kFloat: linear_small_impl<float>(x32, w, out32); break;
     case at::kBFloat16: linear_small_impl<c10::BFloat16>(x32, w, out32); break;
