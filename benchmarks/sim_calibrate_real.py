@@ -6,9 +6,12 @@
 2. Fit `latency = max(a*FLOPs, b*bytes) + c0 + c1*seqs` to those passes (`everystop.sim.fit`).
 3. Measure: run a *different* workload (another length mix, Poisson arrivals below capacity)
    through the real engine in real time. Each request is added once its scheduled arrival time
-   passes; TTFT = first token time (RequestOutput.metrics) - scheduled arrival time.
-4. Predict: run the same workload through the simulator (the same scheduler, the engine's KV
-   pool size and config) with the fitted cost model, and report the relative errors.
+   passes; TTFT = first token time (RequestOutput.metrics) - scheduled arrival time. Repeat with
+   other length draws and arrival seeds (`--repeats`).
+4. Predict: run the same workloads through the simulator (the same scheduler, the engine's KV
+   pool size and config) with the fitted cost model, and report the relative errors, per run and
+   over all runs' requests pooled (the goal: a p99 over 48 requests is one or two requests, so a
+   single run's p99 error swings by about +/-10% with the seed).
 
     PYTHONPATH=src python benchmarks/sim_calibrate_real.py \
         --out benchmarks/results/sim/calibration_real.json
@@ -42,6 +45,7 @@ from everystop.sim.workload import Workload, synthetic
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 GOAL_KEYS = KEYS[:3]  # the goal: these within 10%
 EXTRA = ("makespan_s", "output_tokens")
+QUIET_OTHERS_CPU = 0.05  # share of the cores other processes may use during a counted run
 VOCAB_LO, VOCAB_HI = 200, 49_000  # ordinary token ids of the default model's vocabulary
 
 
@@ -104,10 +108,18 @@ def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.Random) -> None:
-    """Each round: `batch` requests of `prompt` tokens and `out` outputs, all at once."""
+def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.Random,
+            staggered: bool = False) -> None:
+    """Each round: `batch` requests of `prompt` tokens and `out` outputs, all at once; with
+    `staggered`, half of them join three passes after the first half, so passes mix prefill
+    chunks with running decodes as they do under live traffic."""
     for batch, prompt, out in rounds:
-        for _ in range(batch):
+        late = batch // 2 if staggered else 0
+        for _ in range(batch - late):
+            engine.add_request(random_prompt(prompt, rng), params(out))
+        for _ in range(3 if late else 0):
+            engine.step()
+        for _ in range(late):
             engine.add_request(random_prompt(prompt, rng), params(out))
         engine.run_until_done()
 
@@ -133,17 +145,41 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
             if out.finished:
                 done[out.request_id] = out
     metrics = [o.metrics for o in done.values()]
-    ttft = [m.first_token_time - m.arrival_time for m in metrics]
-    tpot = [(m.finished_time - m.first_token_time) / (len(o.token_ids) - 1)
-            for o, m in zip(done.values(), metrics) if len(o.token_ids) > 1]
-    out_tokens = sum(len(o.token_ids) for o in done.values())
-    makespan = max(m.finished_time for m in metrics) - (t0 + reqs[0].arrival_s)
+    return {"ttft": [m.first_token_time - m.arrival_time for m in metrics],
+            "tpot": [(m.finished_time - m.first_token_time) / (len(o.token_ids) - 1)
+                     for o, m in zip(done.values(), metrics) if len(o.token_ids) > 1],
+            "output_tokens": sum(len(o.token_ids) for o in done.values()),
+            "makespan_s": max(m.finished_time for m in metrics) - (t0 + reqs[0].arrival_s)}
+
+
+def sim_raw(result) -> dict:
+    """The same raw per-request numbers as `run_live`, from a simulation."""
+    done = [r for r in result.requests if r.finished_time is not None]
+    return {"ttft": [r.first_token_time - r.arrival_time for r in done],
+            "tpot": [(r.finished_time - r.first_token_time) / (r.num_output_tokens - 1)
+                     for r in done if r.num_output_tokens > 1],
+            "output_tokens": sum(r.num_output_tokens for r in done),
+            "makespan_s": (max(r.finished_time for r in done)
+                           - min(r.arrival_time for r in result.requests))}
+
+
+def summary_of(raws: list[dict]) -> dict:
+    """Summary keys over one or more runs pooled: throughput = all tokens / all makespans,
+    percentiles over every request of every run."""
+    ttft = [x for r in raws for x in r["ttft"]]
+    tpot = [x for r in raws for x in r["tpot"]]
+    tokens = sum(r["output_tokens"] for r in raws)
+    makespan = sum(r["makespan_s"] for r in raws)
     ms = lambda x: round(x * 1e3, 3)  # noqa: E731
-    return {"num_finished": len(done), "output_tokens": out_tokens,
-            "makespan_s": round(makespan, 4),
-            "output_tokens_per_s": round(out_tokens / makespan, 1),
+    return {"num_requests": len(ttft), "output_tokens": tokens, "makespan_s": round(makespan, 4),
+            "output_tokens_per_s": round(tokens / makespan, 1),
             "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
             "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99))}
+
+
+def rel_errors(predicted: dict, measured: dict) -> dict:
+    return {k: round((predicted[k] - measured[k]) / measured[k], 4) for k in KEYS
+            if measured.get(k) and predicted.get(k) is not None}
 
 
 def sim_setup(engine: LLMEngine) -> SimSetup:
@@ -153,6 +189,13 @@ def sim_setup(engine: LLMEngine) -> SimSetup:
                     block_size=cache.block_size, num_cpu_blocks=engine.executor.num_cpu_blocks,
                     enable_prefix_caching=cache.enable_prefix_caching, watermark=cache.watermark,
                     preemption_cost=engine.scheduler.cost_model)
+
+
+def _with_seed(spec: str, k: int) -> str:
+    """The spec with its length seed moved by k (k = 0: the spec as given)."""
+    items = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
+    items["seed"] = str(int(items.get("seed", 0)) + k)
+    return ",".join(f"{key}={value}" for key, value in items.items())
 
 
 def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
@@ -174,12 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,2,4,8,16", help="profile batch sizes")
     p.add_argument("--prompts", default="24,96,320", help="profile prompt lengths")
     p.add_argument("--profile-output", type=int, default=10, help="profile output tokens")
+    p.add_argument("--no-staggered", dest="staggered", action="store_false",
+                   help="profile only rounds whose requests all arrive at once")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured workloads (other lengths and arrival seeds each); the goal is "
+                        "judged on all their requests pooled")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers meaningless)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -207,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
               for b in map(int, args.batches.split(","))]
     others = OtherLoad()
     profile(engine, rounds, rng)
+    if args.staggered:
+        profile(engine, rounds, rng, staggered=True)
     profile_s, profile_others = others.stop()
     calib = list(recorder.records)
 
@@ -214,21 +264,43 @@ def main(argv: list[str] | None = None) -> int:
     coeffs, stats = fit_coefficients(model, calib)
     cost = CostModel(model, 1, coeffs)
     setup = sim_setup(engine)
-    base = synthetic(args.workload)
-    # Capacity of the fitted model on this length mix (everything at t=0), then a rate below it.
-    saturated = summarize(simulate(base, setup, cost.latency))
-    capacity = len(base.requests) / saturated["makespan_s"]
-    rate = round(args.load * capacity, 4)
-    workload = base.with_rate(rate, seed=args.seed + 1)
-
-    recorder.records.clear()
-    others = OtherLoad()
-    measured = run_live(engine, workload, rng)
-    live_s, live_others = others.stop()
-    live_passes = list(recorder.records)
-    predicted = summarize(simulate(workload, setup, cost.latency))
-    errors = {k: round((predicted[k] - measured[k]) / measured[k], 4) for k in KEYS
-              if measured.get(k) and predicted.get(k) is not None}
+    repeats, live_passes = [], []
+    for k in range(max(1, args.repeats)):
+        # Each repeat: another length draw and other arrivals of the same mix.
+        base = synthetic(_with_seed(args.workload, k))
+        # Capacity of the fitted model on this draw (everything at t=0), then a rate below it.
+        saturated = summarize(simulate(base, setup, cost.latency))
+        capacity = len(base.requests) / saturated["makespan_s"]
+        rate = round(args.load * capacity, 4)
+        workload = base.with_rate(rate, seed=args.seed + 1 + k)
+        recorder.records.clear()
+        others = OtherLoad()
+        live = run_live(engine, workload, rng)
+        live_s, live_others = others.stop()
+        live_passes += recorder.records
+        sim_result = simulate(workload, setup, cost.latency)
+        sim = sim_raw(sim_result)
+        m, p = summary_of([live]), summary_of([sim])
+        repeats.append({
+            "spec": workload.name, "capacity_req_per_s_fitted": round(capacity, 4),
+            "rate_req_per_s": rate, "num_requests": len(workload.requests),
+            "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
+            "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
+            "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others,
+            "num_passes": {"live": len(recorder.records),
+                           "simulated": len(sim_result.iterations)},
+            "measured": m, "predicted": p, "relative_error": rel_errors(p, m),
+            "_raw": (live, sim)})
+    # A run during which other processes took a real share of the cores measured them, not
+    # us: it is reported but left out of the pooled goal (unless every run was disturbed).
+    quiet = [r for r in repeats if r["other_processes_cpu"] < QUIET_OTHERS_CPU] or repeats
+    measured = summary_of([r["_raw"][0] for r in quiet])
+    predicted = summary_of([r["_raw"][1] for r in quiet])
+    errors = rel_errors(predicted, measured)
+    for i, r in enumerate(repeats):
+        r["in_pooled_goal"] = any(r is q for q in quiet)
+    for r in repeats:
+        del r["_raw"]
     report["machine"]["load_avg_1m_end"] = load_avg()
     report.update({
         "mode": "real engine" + (" (--quick smoke run: numbers meaningless)" if args.quick else ""),
@@ -240,21 +312,25 @@ def main(argv: list[str] | None = None) -> int:
                    "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
                    "num_gpu_blocks": setup.num_gpu_blocks, "block_size": setup.block_size},
         "profile": {"rounds_batch_prompt_output": rounds, "num_passes": len(calib),
+                    "staggered_rounds_too": args.staggered,
                     "wall_s": round(profile_s, 1), "other_processes_cpu": profile_others},
         "fitted_coefficients": coeffs.to_dict(), "fit": stats,
-        "workload": {"spec": args.workload, "capacity_req_per_s_fitted": round(capacity, 4),
-                     "load_fraction": args.load, "rate_req_per_s": rate,
-                     "num_requests": len(workload.requests),
-                     "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
-                     "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
-                     "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others},
+        "workload": {"spec": args.workload, "load_fraction": args.load,
+                     "repeats": len(repeats),
+                     "other_processes_cpu": max(r["other_processes_cpu"] for r in quiet),
+                     "num_requests": sum(r["num_requests"] for r in quiet),
+                     "quiet_rule": f"runs with other processes under {QUIET_OTHERS_CPU:.0%} of "
+                                   "the cores count toward the pooled goal"},
+        # The goal is judged here: every request of every repeat pooled.
         "measured": {k: measured[k] for k in KEYS + EXTRA},
         "predicted": {k: predicted[k] for k in KEYS + EXTRA},
         "relative_error": errors,
         "within_10pct": all(abs(errors[k]) <= 0.10 for k in GOAL_KEYS if k in errors),
-        # Out of sample, pass by pass: the fitted model on the measured workload's own passes.
+        "live_runs": repeats,
+        "live_runs_within_10pct": [all(abs(r["relative_error"][k]) <= 0.10 for k in GOAL_KEYS
+                                     if k in r["relative_error"]) for r in repeats],
+        # Out of sample, pass by pass: the fitted model on the measured workloads' own passes.
         "holdout_passes": per_pass_error(cost, live_passes),
-        "num_passes": {"live": len(live_passes), "simulated": predicted["num_iterations"]},
         "total_wall_s": round(time.monotonic() - wall0, 1),
         "calibration_records": calib,
     })
@@ -264,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     summary = {k: report[k] for k in ("machine", "fit", "workload", "measured", "predicted",
-                                      "relative_error", "within_10pct", "holdout_passes",
-                                      "num_passes", "total_wall_s")}
+                                      "relative_error", "within_10pct",
+                                      "live_runs_within_10pct", "holdout_passes",
+                                      "total_wall_s")}
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -121,13 +121,8 @@ def _calibrations(args: argparse.Namespace) -> dict:
     real one without its raw per-pass records, which stay in its own file."""
     read = lambda path: json.loads(path.read_text()) if path.is_file() else None  # noqa: E731
     real = read(args.calibration_real)
-    repeats = [read(path) for path in sorted(args.calibration_real.parent.glob(
-        args.calibration_real.stem + "_*.json"))]  # the same command, other seeds
-    for cal in [real, *repeats]:
-        if cal is not None:
-            cal.pop("calibration_records", None)
     if real is not None:
-        real["repeats"] = repeats
+        real.pop("calibration_records", None)
     return {"calibration": read(args.calibration), "calibration_real": real}
 
 
