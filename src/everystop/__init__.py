@@ -3,13 +3,18 @@
 import os
 import sys
 
-# NOTE: OpenMP threads that spin while waiting for work make torch's CPU ops collapse when the
-# machine is shared: a spinning thread holds a core the thread it waits for needs (measured on
-# 2 shared cores: bf16 decode median 2,024 ms/token spinning vs 43 ms passive). The policy is
-# read once, when torch loads its OpenMP runtime, so it is set here before anything imports
-# torch; an explicit OMP_WAIT_POLICY (or torch imported first) wins.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: how OpenMP worker threads wait between parallel regions decides decode speed on CPU:
+# a decode step runs ~300 short regions. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a
+# wake-up per region (quiet 2-core machine: single-stream bf16 decode 67 ms/token); spinning
+# forever collapses when the cores are shared (a spinning thread holds the core its partner
+# needs: 2,024 ms/token measured under heavy load). A short spin (GOMP_SPINCOUNT=10000, then
+# sleep) gets the quiet-machine speed (22 ms/token) and, under heavy load, stays far from the
+# spinning collapse (112 ms/token; passive 43). On an oversubscribed machine set
+# OMP_WAIT_POLICY=PASSIVE (docs/perf/profile.md). Read once, when torch loads its OpenMP runtime, so it is set here
+# before anything imports torch; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT (or torch
+# imported first) wins.
+if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from everystop.sampling_params import SamplingParams
 
