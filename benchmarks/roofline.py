@@ -107,6 +107,7 @@ def main() -> None:
     if args.peaks:
         with open(args.peaks) as f:
             peaks = json.load(f)
+        peaks = peaks.get("roofline", peaks)  # a whole earlier report, or just its peaks
     else:
         peaks = measure(args.repeats)
     report: dict[str, Any] = {"roofline": peaks, "results": {}}

@@ -5,9 +5,10 @@ token ids, ignore_eos, greedy), in one run: output tok/s and TTFT percentiles of
         --gguf /tmp/smollm2-f16.gguf --dtype bfloat16 --out benchmarks/results/vs_llamacpp.json
 
 llama.cpp is not built here: pass the binary (built outside this tree). Its server runs on
-127.0.0.1 with one slot per request (--parallel = the number of requests, unified KV cache) and
-is driven by an asyncio streaming client; everystop runs the same requests through its offline
-API (LLM.generate) at the same concurrency (max_num_seqs).
+127.0.0.1 with one slot per request (--parallel = the number of requests, unified KV cache;
+`--slots N` for fewer, the rest queue) and is driven by an asyncio streaming client; everystop
+runs the same requests through its offline API (LLM.generate) at the same concurrency
+(max_num_seqs).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dic
 
 def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     ctx = sum(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64 * len(reqs)
-    cmd = _server_cmd(args, len(reqs), ctx)
+    cmd = _server_cmd(args, args.slots or len(reqs), ctx)
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -109,7 +110,7 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
     from throughput import run_workload
 
     start = time.perf_counter()
-    llm = LLM(dtype=args.dtype, max_num_seqs=len(workload["requests"]),
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.slots or len(workload["requests"]),
               kv_cache_memory=int(args.kv_cache_gib * (1 << 30)))
     startup = time.perf_counter() - start
     warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--workload", help="workload JSON (default: perf_workload seed 0)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--slots", type=int, default=0,
+                    help="concurrency of both engines: llama.cpp slots (-np) and everystop's "
+                         "max_num_seqs (default: one per request); the rest queue")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--extra", default="", help="extra llama-server flags")
@@ -148,6 +152,7 @@ def main() -> None:
         workload = make_workload(load_tokenizer(), 0, args.num_requests)
     reqs = workload["requests"]
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
+                           "concurrency": args.slots or len(reqs),
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),
                            "expected_output_tokens": sum(r["max_tokens"] for r in reqs),
                            "load_avg_before": os.getloadavg()}
