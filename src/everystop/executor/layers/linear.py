@@ -88,6 +88,7 @@ def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _shape_only(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.zeros(1).expand(shape)
 
+
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
 
