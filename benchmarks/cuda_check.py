@@ -12,10 +12,11 @@ to the pure-torch path).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from bench_json import emit
 
 PROMPTS = [list(range(1000, 1037)), list(range(3000, 3003)), list(range(200, 290))]
 
@@ -124,11 +125,7 @@ def main() -> int:
     result["wall_s"] = time.perf_counter() - start
     c = result["correctness"]
     result["ok"] = all(v["ok"] for v in c.values())
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0 if result["ok"] else 1
 
 

@@ -13,7 +13,6 @@ torch.profiler to split it into: linear layers, lm_head, attention, KV write, ot
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,8 @@ from collections import defaultdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_json import emit  # noqa: E402
 
 LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"}
 ATTENTION_OPS = {"everystop::paged_attention"}
@@ -140,11 +141,7 @@ def main() -> None:
                                ("schedule_ms", "execute_ms", "update_ms", "prefill")}},
            "decode_steps_at_128": {f"mean_{k}": mean(decode_only, k) for k in
                                    ("schedule_ms", "execute_ms", "update_ms")}}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
 
 
 def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, Any]:

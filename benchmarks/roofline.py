@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any
 
+from bench_json import emit
+
 # SmolLM2-135M: 30 layers of (qkv 576x960, o 576x576, gate_up 576x3072, down 1536x576).
 HIDDEN, VOCAB, LAYERS = 576, 49152, 30
 NON_EMBED_PARAMS = LAYERS * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
@@ -114,11 +116,7 @@ def main() -> None:
     for path in args.results:
         with open(path) as f:
             report["results"][path] = annotate(json.load(f), peaks)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

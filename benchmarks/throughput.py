@@ -20,6 +20,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_json import emit  # noqa: E402
+
 
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
@@ -133,11 +135,7 @@ def main() -> None:
         result["workload"] = {"name": workload.get("name"), "seed": workload.get("seed")}
         result.update(max(runs, key=lambda r: r["output_tok_s"]))
     result["load_avg_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_json import emit  # noqa: E402
 from throughput import _percentile  # noqa: E402
 
 
@@ -163,11 +164,7 @@ def main() -> None:
         out["throughput_ratio"] = out["everystop"]["output_tok_s"] / out["llamacpp"]["output_tok_s"]
         out["ttft_p99_ratio"] = out["everystop"]["ttft_p99_s"] / out["llamacpp"]["ttft_p99_s"]
     out["load_avg_after"] = os.getloadavg()
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
