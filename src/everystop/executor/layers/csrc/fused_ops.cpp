@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -191,11 +192,25 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // weights to fp32 in registers.
 constexpr int64_t kMaxRows = 8;
 
-template <typename W>
-inline float dot_tail(const float* x, const W* w, int64_t from, int64_t k) {
+// sum of x[i] * w[i] for i in [from, k), in fp32: the columns and the k remainder the vector
+// loops leave over.
+template <typename X, typename W>
+inline float dot_tail(const X* x, const W* w, int64_t from, int64_t k) {
   float sum = 0.f;
-  for (int64_t i = from; i < k; ++i) sum += x[i] * to_f(w[i]);
+  for (int64_t i = from; i < k; ++i) sum += to_f(x[i]) * to_f(w[i]);
   return sum;
+}
+
+// Calls f(std::integral_constant<int, rows>{}): the kernels take the row count as a template
+// argument so their accumulators stay in registers.
+template <int R = 1, typename F>
+void with_row_count(int64_t rows, const F& f) {
+  if constexpr (R <= kMaxRows) {
+    if (rows == R)
+      f(std::integral_constant<int, R>{});
+    else
+      with_row_count<R + 1>(rows, f);
+  }
 }
 
 #ifdef __AVX512F__
@@ -252,18 +267,13 @@ void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t 
 }
 
 #ifdef __AVX512BF16__
-// x and w both bf16: 32 products per instruction. The tail (k % 32) runs in fp32 on the
-// widened values, which are exact.
+// x and w both bf16: 32 products per instruction. The k remainder (k % 32) runs in fp32 on
+// the widened values, which are exact.
 template <int R>
 void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
                        int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
   constexpr int C = kCols<R>;
   const int64_t k32 = k - k % 32;
-  auto tail = [&](const c10::BFloat16* xr, const c10::BFloat16* wr) {
-    float sum = 0.f;
-    for (int64_t i = k32; i < k; ++i) sum += to_f(xr[i]) * to_f(wr[i]);
-    return sum;
-  };
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
     __m512 acc[R][C];
@@ -284,16 +294,10 @@ void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w
     for (int m = 0; m < R; ++m)
       for (int j = 0; j < C; ++j)
         out[m * out_stride + n + j] =
-            _mm512_reduce_add_ps(acc[m][j]) + tail(x + m * k, w0 + j * k);
+            _mm512_reduce_add_ps(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, k32, k);
   }
-  for (; n < n_end; ++n) {
-    const c10::BFloat16* wr = w + n * k;
-    for (int m = 0; m < R; ++m) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < k; ++i) sum += to_f(x[m * k + i]) * to_f(wr[i]);
-      out[m * out_stride + n] = sum;
-    }
-  }
+  for (; n < n_end; ++n)
+    for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
 }
 #endif
 #else
@@ -327,55 +331,30 @@ void for_column_chunks(int64_t n, int64_t k, const F& body) {
   });
 }
 
-template <typename W, int R>
-void linear_small_rows(const float* xp, int64_t k, const W* wp, int64_t n, float* op) {
-  for_column_chunks(n, k, [&](int64_t b, int64_t e) { gemv_block<W, R>(xp, k, wp, b, e, op, n); });
-}
-
 template <typename W>
 void linear_small_impl(const at::Tensor& x32, const at::Tensor& w, at::Tensor& out32) {
-  const int64_t rows = x32.size(0), k = x32.size(1), n = w.size(0);
+  const int64_t k = x32.size(1), n = w.size(0);
   const float* xp = x32.data_ptr<float>();
   const W* wp = w.data_ptr<W>();
   float* op = out32.data_ptr<float>();
-  switch (rows) {
-    case 1: linear_small_rows<W, 1>(xp, k, wp, n, op); break;
-    case 2: linear_small_rows<W, 2>(xp, k, wp, n, op); break;
-    case 3: linear_small_rows<W, 3>(xp, k, wp, n, op); break;
-    case 4: linear_small_rows<W, 4>(xp, k, wp, n, op); break;
-    case 5: linear_small_rows<W, 5>(xp, k, wp, n, op); break;
-    case 6: linear_small_rows<W, 6>(xp, k, wp, n, op); break;
-    case 7: linear_small_rows<W, 7>(xp, k, wp, n, op); break;
-    case 8: linear_small_rows<W, 8>(xp, k, wp, n, op); break;
-    default: break;
-  }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-template <int R>
-void linear_small_bf16dp_rows(const c10::BFloat16* xp, int64_t k, const c10::BFloat16* wp,
-                              int64_t n, float* op) {
-  for_column_chunks(n, k, [&](int64_t b, int64_t e) {
-    gemv_block_bf16dp<R>(xp, k, wp, b, e, op, n);
+  with_row_count(x32.size(0), [&](auto rows) {
+    for_column_chunks(n, k, [&](int64_t b, int64_t e) {
+      gemv_block<W, decltype(rows)::value>(xp, k, wp, b, e, op, n);
+    });
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 void linear_small_bf16dp(const at::Tensor& x, const at::Tensor& w, at::Tensor& out32) {
   const int64_t k = x.size(1), n = w.size(0);
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   float* op = out32.data_ptr<float>();
-  switch (x.size(0)) {
-    case 1: linear_small_bf16dp_rows<1>(xp, k, wp, n, op); break;
-    case 2: linear_small_bf16dp_rows<2>(xp, k, wp, n, op); break;
-    case 3: linear_small_bf16dp_rows<3>(xp, k, wp, n, op); break;
-    case 4: linear_small_bf16dp_rows<4>(xp, k, wp, n, op); break;
-    case 5: linear_small_bf16dp_rows<5>(xp, k, wp, n, op); break;
-    case 6: linear_small_bf16dp_rows<6>(xp, k, wp, n, op); break;
-    case 7: linear_small_bf16dp_rows<7>(xp, k, wp, n, op); break;
-    case 8: linear_small_bf16dp_rows<8>(xp, k, wp, n, op); break;
-    default: break;
-  }
+  with_row_count(x.size(0), [&](auto rows) {
+    for_column_chunks(n, k, [&](int64_t b, int64_t e) {
+      gemv_block_bf16dp<decltype(rows)::value>(xp, k, wp, b, e, op, n);
+    });
+  });
 }
 #endif
 
