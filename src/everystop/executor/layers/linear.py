@@ -69,24 +69,18 @@ def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     1.2-1.5x faster than F.linear at 32-305 rows over the default model's projections
     (docs/perf/profile.md). A 16-bit weight keeps only the packed fp32 form."""
     packed = getattr(weight, "_everystop_packed", None)
-    if packed is None or packed[1] != tuple(weight.shape):
+    if packed is None or packed[1].shape != weight.shape:
         w32 = weight.float().contiguous()
-        if not _MKL_PACKED:
-            packed = (w32, tuple(weight.shape))
-        else:
-            packed = (torch.ops.mkl._mkl_reorder_linear_weight(w32, 128), tuple(weight.shape))
+        data = torch.ops.mkl._mkl_reorder_linear_weight(w32, 128) if _MKL_PACKED else w32
+        packed = (data, torch.zeros(1).expand(weight.shape))  # (weight, shape-only stand-in)
         weight._everystop_packed = packed  # type: ignore[attr-defined]
-    data, shape = packed
+    data, stand_in = packed
     if not _MKL_PACKED:
         return F.linear(x, data)
     # NOTE: _mkl_linear reads the packed weight only when its batch-size argument equals the
     # input's rows (otherwise it falls back to the "original weight" argument, which is why a
     # shape-only stand-in is safe here: it is never read).
-    return torch.ops.mkl._mkl_linear(x, data, _shape_only(shape), None, x.shape[0])
-
-
-def _shape_only(shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.zeros(1).expand(shape)
+    return torch.ops.mkl._mkl_linear(x, data, stand_in, None, x.shape[0])
 
 
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
