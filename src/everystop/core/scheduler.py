@@ -158,7 +158,7 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         self._decodes, self._prefills, self._admitted_now = {}, {}, set()
 
-        if self._padding and (not self.running or self.config.scheduling != "static"):
+        if self._padding and self.config.scheduling != "static":  # switched at run time
             self._release_padding()
         while len(self.running) > self.config.max_num_seqs:  # max_num_seqs lowered at runtime
             self._preempt(min(self.running, key=lambda r: victim_rank(r, self.config, now)),
@@ -228,6 +228,11 @@ class Scheduler:
             block_ids=self.kv.block_ids(req.request_id), sample=False,
             sampling_params=req.sampling_params, padding=True)
         self._budget -= 1
+
+    def _leave_running(self, req: Request) -> None:
+        self.running.remove(req)
+        if not self.running and self._padding:
+            self._release_padding()  # the static batch has drained: nobody is left to pad for
 
     def _release_padding(self) -> None:
         for req in self._padding:
@@ -332,9 +337,7 @@ class Scheduler:
             victim.request_id, None)
         if entry is not None:
             self._budget += entry.num_tokens
-        self.running.remove(victim)
-        if not self.running and self._padding:
-            self._release_padding()  # the static batch is gone: nobody is left to pad for
+        self._leave_running(victim)
         num_blocks = len(self.kv.req_blocks.get(victim.request_id, ()))
         can_swap = (self.kv.can_swap_out(victim)
                     and len(self.swapped) < self.config.max_swapped_seqs)
@@ -399,7 +402,7 @@ class Scheduler:
         member with padding on keeps its blocks as a padding row until the batch drains)."""
         keep_as_padding = False
         if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._leave_running(req)
             keep_as_padding = (self.config.scheduling == "static" and self.config.static_padding
                                and bool(self.running) and req.num_computed_tokens > 0)
         elif req.status == RequestStatus.WAITING:
@@ -415,8 +418,6 @@ class Scheduler:
             self._padding.append(req)
         else:
             self.kv.forget(req)
-        if not self.running and self._padding:
-            self._release_padding()
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
 
