@@ -177,6 +177,10 @@ def summary_of(raws: list[dict]) -> dict:
             "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99))}
 
 
+def within_goal(errors: dict) -> bool:
+    return all(abs(errors[k]) <= 0.10 for k in GOAL_KEYS if k in errors)
+
+
 def rel_errors(predicted: dict, measured: dict) -> dict:
     return {k: round((predicted[k] - measured[k]) / measured[k], 4) for k in KEYS
             if measured.get(k) and predicted.get(k) is not None}
@@ -324,9 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = summary_of([r["_raw"][0] for r in quiet])
     predicted = summary_of([r["_raw"][1] for r in quiet])
     errors = rel_errors(predicted, measured)
-    for i, r in enumerate(repeats):
-        r["in_pooled_goal"] = any(r is q for q in quiet)
     for r in repeats:
+        r["in_pooled_goal"] = any(r is q for q in quiet)
         del r["_raw"]
     report["machine"]["load_avg_1m_end"] = load_avg()
     report.update({
@@ -352,10 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         "measured": {k: measured[k] for k in KEYS + EXTRA},
         "predicted": {k: predicted[k] for k in KEYS + EXTRA},
         "relative_error": errors,
-        "within_10pct": all(abs(errors[k]) <= 0.10 for k in GOAL_KEYS if k in errors),
+        "within_10pct": within_goal(errors),
         "live_runs": repeats,
-        "live_runs_within_10pct": [all(abs(r["relative_error"][k]) <= 0.10 for k in GOAL_KEYS
-                                     if k in r["relative_error"]) for r in repeats],
+        "live_runs_within_10pct": [within_goal(r["relative_error"]) for r in repeats],
         # Out of sample, pass by pass: the fitted model on the measured workloads' own passes.
         "holdout_passes": per_pass_error(cost, live_passes),
         "live_passes_vs_idle_gap": idle_stats,
