@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 # Built into the same library: fused norm / activation / rope / argmax ops (layers/cpu_ops.py).
 _EXTRA_SOURCES = [Path(__file__).with_name("csrc") / "fused_ops.cpp"]
+_HEADERS = [Path(__file__).with_name("csrc") / "vec16.h"]  # included by both sources
 _EXTENSION_NAME = "everystop_paged_attention"
 # -fno-math-errno lets GCC vectorize expf (libmvec) in the fused activation.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -60,14 +61,15 @@ def _load_or_build() -> None:
     """Load the built library straight from its cache directory, or build it there first.
 
     NOTE: the directory is named after a hash of the sources, flags and torch version, and the
-    sources are copied into it, so checkouts at different paths (or an installed package next
+    sources (and the header they include) are copied into it, so checkouts at different paths (or an installed package next
     to a source tree) share one build instead of rebuilding each other's, and a cached build is
     loaded without running the compiler's up-to-date check (seconds at startup).
     """
     from torch.utils.cpp_extension import get_default_build_root, load
 
     sources = [_SOURCE, *_EXTRA_SOURCES]
-    texts = [src.read_bytes() for src in sources]
+    files = [*sources, *_HEADERS]
+    texts = [src.read_bytes() for src in files]
     digest = hashlib.sha256(b"\0".join([*texts, " ".join(_CFLAGS).encode(),
                                           torch.__version__.encode()])).hexdigest()[:12]
     name = f"{_EXTENSION_NAME}_{digest}"
@@ -79,13 +81,14 @@ def _load_or_build() -> None:
         return
     build_dir.mkdir(parents=True, exist_ok=True)
     copies = []
-    for src, text in zip(sources, texts):
+    for src, text in zip(files, texts):
         copy = build_dir / src.name
         if not copy.is_file() or copy.read_bytes() != text:
             tmp = copy.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_bytes(text)
             os.replace(tmp, copy)
-        copies.append(str(copy))
+        if src in sources:
+            copies.append(str(copy))
     # NOTE: -march=native is safe because the extension is built on the machine that runs
     # it (the cache dir is per machine).
     load(name=name, sources=copies, build_directory=str(build_dir), extra_cflags=_CFLAGS,

@@ -13,11 +13,14 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -30,8 +33,6 @@ struct WorkItem {
   int64_t cost;  // rows x context, used to start the heaviest items first
 };
 
-// 16 floats: one AVX-512 register (two AVX2 ones); GCC lowers it to whatever -march offers.
-typedef float v16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 
 // Load n <= 16 elements as fp32, zero-filling the tail (head_dim need not be a multiple of 16).
@@ -51,7 +52,6 @@ inline v16 load16(const cache_t* src, int64_t n) {
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -81,37 +81,54 @@ inline float hsum(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x) for x <= 0 (scores minus their running max), 16 at a time: 2^n * p(r) with
-// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (rel. error ~1e-7).
-// Inputs below -87 (including -inf) give 0.
-inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.f;
-  const v16i underflow = x < lo;
-  x = x < lo ? lo : x;
-  const v16 fn = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), v16i), v16);
-  const v16 r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
-  v16 p = v16{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16i scale_bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &scale_bits, sizeof(two_n));
-  const v16 res = p * two_n;
-  v16i res_bits;
-  std::memcpy(&res_bits, &res, sizeof(res));
-  res_bits &= ~underflow;
+
+// Sixteen vectors in, one out: lane i holds the sum of a[i]'s lanes. A shuffle tree that
+// halves the vector count each level (45 instructions) instead of 16 separate horizontal sums.
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)
+    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)
+    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)
+    d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+inline float hmax(v16 v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 c = a > b ? a : b;
+  float m = c[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, c[i]);
+  return m;
+}
+
+inline v16 loadv(const float* p) {
   v16 out;
-  std::memcpy(&out, &res_bits, sizeof(out));
+  std::memcpy(&out, p, sizeof(out));
   return out;
 }
 
 // kNV: head_dim / 16 fixed at compile time (4 for 64, 8 for 128) so the per-row vectors live in
 // registers; 0 means "read it at run time" for other head sizes.
+//
+// Keys are taken 16 at a time (a "tile", within one block): each row's 16 dot products are
+// reduced together into one vector of scores, so the online softmax runs on whole vectors.
+// An fp32 cache whose head_dim is a multiple of 16 is read in place; other caches are first
+// converted (and zero-padded) into a small fp32 copy of the block shared by all rows.
 template <typename cache_t, int kNV>
 void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
               const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
@@ -122,10 +139,12 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
   const int64_t D = head_dim;
   const int64_t nv = kNV > 0 ? kNV : (D + kLanes - 1) / kLanes;
   const int64_t T = block_size;
+  const bool in_place = std::is_same<cache_t, float>::value && D % kLanes == 0;
   // Row r = (token r / group, head kv_head * group + r % group): every query head of the kv
   // group for every token of the tile, so one load of a K/V block serves them all.
-  std::vector<v16> qbuf(rows * nv), acc(rows * nv, v16{}), kbuf(T * nv), vbuf(T * nv);
-  std::vector<float> m(rows, -INFINITY), l(rows, 0.f), s(T + kLanes);
+  std::vector<v16> qbuf(rows * nv), acc(rows * nv, v16{});
+  std::vector<v16> kbuf(in_place ? 0 : T * nv), vbuf(in_place ? 0 : T * nv);
+  std::vector<float> m(rows, -INFINITY), l(rows, 0.f);
   std::vector<int64_t> last_pos(rows);  // highest key position row r may attend to
   const int64_t first_pos = seq_len - qlen;  // position of the sequence's first query token
   for (int64_t r = 0; r < rows; ++r) {
@@ -139,52 +158,82 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
   const int64_t ctx = first_pos + w.q_begin + w.q_count;  // keys the tile's last row sees
   const int64_t n_blocks = (ctx + T - 1) / T;
   const int64_t row_stride = num_kv_heads * D;  // between slots of one block
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
     const int64_t base = (block_table[b] * T * num_kv_heads + w.kv_head) * D;
-    for (int64_t t = 0; t < n_tok; ++t) {
-      for (int64_t j = 0; j < nv; ++j) {
-        const int64_t off = base + t * row_stride + j * kLanes, n = std::min(kLanes, D - j * kLanes);
-        kbuf[t * nv + j] = load16(k_cache + off, n);
-        vbuf[t * nv + j] = load16(v_cache + off, n);
-      }
+    // The next block is a random jump in the pool, which the hardware prefetcher cannot guess:
+    // ask for it now so its lines arrive while this block is computed.
+    if (b + 1 < n_blocks) {
+      const int64_t ahead = (block_table[b + 1] * T * num_kv_heads + w.kv_head) * D;
+      const int64_t n_next = std::min(T, ctx - pos0 - T);
+      for (int64_t t = 0; t < n_next; ++t)
+        for (int64_t byte = 0; byte < D * (int64_t)sizeof(cache_t); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + ahead + t * row_stride) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + ahead + t * row_stride) + byte);
+        }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(n_tok, last_pos[r] - pos0 + 1);
-      if (visible <= 0) continue;
-      const v16* qsrc = qbuf.data() + r * nv;
-      float block_max = -INFINITY;
-      for (int64_t t = 0; t < visible; ++t) {
-        v16 dot = qsrc[0] * kbuf[t * nv];
-        for (int64_t j = 1; j < nv; ++j) dot += qsrc[j] * kbuf[t * nv + j];
-        s[t] = hsum(dot);
-        block_max = std::max(block_max, s[t]);
-      }
-      const float m_new = std::max(m[r], block_max);
-      v16* acc_r = acc.data() + r * nv;
-      const float corr = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
-      l[r] *= corr;
-      m[r] = m_new;
-      float sum = 0.f;
-      for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
-        v16 x;
-        for (int64_t i = 0; i < kLanes; ++i) x[i] = t0 + i < visible ? s[t0 + i] - m_new : -INFINITY;
-        const v16 e = exp16(x);
-        for (int64_t i = 0; i < kLanes && t0 + i < visible; ++i) s[t0 + i] = e[i];
-        sum += hsum(e);
-      }
-      l[r] += sum;
-      if constexpr (kNV > 0) {
-        v16 ar[kNV > 0 ? kNV : 1];  // the row's output accumulator, kept in registers
-        for (int64_t j = 0; j < nv; ++j) ar[j] = acc_r[j] * corr;
-        for (int64_t t = 0; t < visible; ++t)
-          for (int64_t j = 0; j < nv; ++j) ar[j] += s[t] * vbuf[t * nv + j];
-        for (int64_t j = 0; j < nv; ++j) acc_r[j] = ar[j];
-      } else {
-        for (int64_t j = 0; j < nv; ++j) acc_r[j] *= corr;
-        for (int64_t t = 0; t < visible; ++t)
-          for (int64_t j = 0; j < nv; ++j) acc_r[j] += s[t] * vbuf[t * nv + j];
+    const float* kb;
+    const float* vb;
+    int64_t stride;  // floats between consecutive keys in kb / vb
+    if (in_place) {
+      kb = reinterpret_cast<const float*>(k_cache) + base;
+      vb = reinterpret_cast<const float*>(v_cache) + base;
+      stride = row_stride;
+    } else {
+      for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t j = 0; j < nv; ++j) {
+          const int64_t off = base + t * row_stride + j * kLanes, n = std::min(kLanes, D - j * kLanes);
+          kbuf[t * nv + j] = load16(k_cache + off, n);
+          vbuf[t * nv + j] = load16(v_cache + off, n);
+        }
+      kb = reinterpret_cast<const float*>(kbuf.data());
+      vb = reinterpret_cast<const float*>(vbuf.data());
+      stride = nv * kLanes;
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kLanes) {
+      const int64_t tile = std::min(kLanes, n_tok - t0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t visible = std::min(tile, last_pos[r] - pos0 - t0 + 1);
+        if (visible <= 0) continue;
+        const v16* qr = qbuf.data() + r * nv;
+        v16 dots[kLanes];
+        for (int64_t t = 0; t < kLanes; ++t) {
+          if (t >= visible) {
+            dots[t] = v16{};
+            continue;
+          }
+          const float* kt = kb + (t0 + t) * stride;
+          v16 dot = qr[0] * loadv(kt);
+          for (int64_t j = 1; j < nv; ++j) dot += qr[j] * loadv(kt + j * kLanes);
+          dots[t] = dot;
+        }
+        v16 sc = reduce16(dots);
+        sc = lane < (int)visible ? sc : v16{} - INFINITY;
+        const float m_new = std::max(m[r], hmax(sc));
+        const float corr = m[r] == -INFINITY ? 0.f : exp16(v16{} + (m[r] - m_new))[0];
+        const v16 e = exp16(sc - m_new);
+        l[r] = l[r] * corr + hsum(e);
+        m[r] = m_new;
+        float ev[kLanes];
+        std::memcpy(ev, &e, sizeof(ev));
+        v16* acc_r = acc.data() + r * nv;
+        if constexpr (kNV > 0) {
+          v16 ar[kNV];  // the row's output accumulator, kept in registers
+          for (int64_t j = 0; j < kNV; ++j) ar[j] = acc_r[j] * corr;
+          for (int64_t t = 0; t < visible; ++t) {
+            const float* vt = vb + (t0 + t) * stride;
+            for (int64_t j = 0; j < kNV; ++j) ar[j] += ev[t] * loadv(vt + j * kLanes);
+          }
+          for (int64_t j = 0; j < kNV; ++j) acc_r[j] = ar[j];
+        } else {
+          for (int64_t j = 0; j < nv; ++j) acc_r[j] *= corr;
+          for (int64_t t = 0; t < visible; ++t) {
+            const float* vt = vb + (t0 + t) * stride;
+            for (int64_t j = 0; j < nv; ++j) acc_r[j] += ev[t] * loadv(vt + j * kLanes);
+          }
+        }
       }
     }
   }

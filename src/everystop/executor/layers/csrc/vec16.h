@@ -1,0 +1,38 @@
+// 16-float vectors (one AVX-512 register, two AVX2 ones; GCC lowers them to whatever -march
+// offers) and the vector math the CPU kernels share.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0, 16 at a time: 2^n * p(r) with
+// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (rel. error ~1e-7).
+// Inputs below -87 (including -inf) give 0.
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.f;
+  const v16i underflow = x < lo;
+  x = x < lo ? lo : x;
+  const v16 fn = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), v16i), v16);
+  const v16 r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+  v16 p = v16{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16i scale_bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &scale_bits, sizeof(two_n));
+  const v16 res = p * two_n;
+  v16i res_bits;
+  std::memcpy(&res_bits, &res, sizeof(res));
+  res_bits &= ~underflow;
+  v16 out;
+  std::memcpy(&out, &res_bits, sizeof(out));
+  return out;
+}
