@@ -97,15 +97,33 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       // NOTE: GCC does not vectorize std::exp here (glibc declares its vector variants only
-      // under -ffast-math), so the exponential is taken 16 at a time with exp16.
-      for (int64_t i0 = 0; i0 < inter; i0 += 16) {
+      // under -ffast-math), so the exponential is taken 16 at a time with exp16; fp32 and
+      // bf16 rows convert as whole vectors too. Results are rounded like F.silu(gate) * up in
+      // the activation dtype.
+      int64_t i0 = 0;
+      if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value) {
+        for (; i0 + 16 <= inter; i0 += 16) {
+          if constexpr (std::is_same<T, float>::value) {
+            v16 gv, uv;
+            std::memcpy(&gv, g + i0, sizeof(gv));
+            std::memcpy(&uv, u + i0, sizeof(uv));
+            const v16 ov = silu16(gv) * uv;
+            std::memcpy(o + i0, &ov, sizeof(ov));
+          } else {
+            const v16 sv = round_to_bf16(silu16(bf16x16_to_v16(g + i0)));
+            const v16h oh = v16_to_bf16x16(sv * bf16x16_to_v16(u + i0));
+            std::memcpy(o + i0, &oh, sizeof(oh));
+          }
+        }
+      }
+      for (; i0 < inter; i0 += 16) {
         const int64_t n = std::min<int64_t>(16, inter - i0);
         for (int64_t i = 0; i < 16; ++i) a[i] = i < n ? to_f(g[i0 + i]) : 0.f;
         v16 av;
         std::memcpy(&av, a, sizeof(av));
         const v16 sv = silu16(av);
         std::memcpy(s, &sv, sizeof(sv));
-        for (int64_t i = 0; i < n; ++i)  // rounded like F.silu(gate) * up in the activation dtype
+        for (int64_t i = 0; i < n; ++i)
           o[i0 + i] = from_f<T>(to_f(from_f<T>(s[i])) * to_f(u[i0 + i]));
       }
     }

@@ -52,11 +52,8 @@ inline v16 load16(const cache_t* src, int64_t n) {
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 
-// Full 16-wide loads of 16-bit floats convert as whole vectors (the scalar c10 conversion
-// does not vectorize well). bf16 is the top half of an fp32.
+// Full 16-wide bf16 loads convert as whole vectors.
 template <>
 inline v16 load16<c10::BFloat16>(const c10::BFloat16* src, int64_t n) {
   if (n != kLanes) {
@@ -66,12 +63,7 @@ inline v16 load16<c10::BFloat16>(const c10::BFloat16* src, int64_t n) {
     std::memcpy(&out, tmp, sizeof(out));
     return out;
   }
-  v16h h;
-  std::memcpy(&h, src, sizeof(h));
-  const v16u bits = __builtin_convertvector(h, v16u) << 16;
-  v16 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
+  return bf16x16_to_v16(src);
 }
 
 inline float hsum(v16 v) {

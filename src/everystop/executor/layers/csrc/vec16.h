@@ -7,6 +7,35 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// 16 bf16 values (raw bits) to fp32: bf16 is the top half of an fp32. The scalar c10
+// conversions do not vectorize well.
+inline v16 bf16x16_to_v16(const void* src) {
+  v16h h;
+  std::memcpy(&h, src, sizeof(h));
+  const v16u bits = __builtin_convertvector(h, v16u) << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Rounds each fp32 to its nearest bf16 (ties to even) and returns the bf16 bits; NaN stays NaN.
+inline v16h v16_to_bf16x16(v16 x) {
+  v16u bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const v16u nan = (bits >> 16) | 0x40u;  // keep the sign and payload, force a quiet NaN
+  return __builtin_convertvector(x != x ? nan : rounded, v16h);
+}
+
+inline v16 round_to_bf16(v16 x) {
+  const v16u bits = __builtin_convertvector(v16_to_bf16x16(x), v16u) << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 // exp(x) for x <= 0, 16 at a time: 2^n * p(r) with
 // r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (rel. error ~1e-7).
