@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_json import emit  # noqa: E402
 
-LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"}
+LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+              "mkl::_mkl_linear", "everystop::linear_small"}  # packed GEMM, decode GEMV
 ATTENTION_OPS = {"everystop::paged_attention"}
 KV_WRITE_OPS = {"aten::index_copy_", "everystop::write_kv"}
 # Ranges added by this script; anything under them is charged to them whole.
