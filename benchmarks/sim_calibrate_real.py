@@ -11,7 +11,9 @@
 4. Predict: run the same workloads through the simulator (the same scheduler, the engine's KV
    pool size and config) with the fitted cost model, and report the relative errors, per run and
    over all runs' requests pooled (the goal: a p99 over 48 requests is one or two requests, so a
-   single run's p99 error swings by about +/-10% with the seed).
+   single run's p99 error swings by about +/-10% with the seed). Right before each run a short
+   probe of fixed profile shapes measures how fast the machine is at that moment against the
+   model (reported; `--scale-by-probe` also scales that run's prediction by it).
 
     PYTHONPATH=src python benchmarks/sim_calibrate_real.py \
         --out benchmarks/results/sim/calibration_real.json
@@ -46,6 +48,9 @@ KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 GOAL_KEYS = KEYS[:3]  # the goal: these within 10%
 EXTRA = ("makespan_s", "output_tokens")
 QUIET_OTHERS_CPU = 0.05  # share of the cores other processes may use during a counted run
+# A short fixed load run right before each measured run (batch x prompt x output, staggered):
+# how fast the machine is *now* against the fitted model.
+PROBE_ROUNDS = [(8, 96, 10), (16, 24, 10)]
 VOCAB_LO, VOCAB_HI = 200, 49_000  # ordinary token ids of the default model's vocabulary
 
 
@@ -220,6 +225,20 @@ def error_after_idle(cost: CostModel, records: list[dict], idle_s: float = 0.005
             for k, v in groups.items()} | {"idle_gap_s": idle_s}
 
 
+def speed_probe(engine: LLMEngine, recorder: Recorder, cost: CostModel,
+                rng: random.Random) -> float:
+    """Measured / predicted time of a few fixed profile rounds run now: how fast the machine is
+    at this moment against the model fitted at start-up (on this shared VM the same shapes ran
+    0.85-1.13x the model's time from one minute to the next). With --scale-by-probe the next
+    run's prediction is scaled by it; the probe's shapes are the profile's, never the measured
+    workload's."""
+    recorder.records.clear()
+    profile(engine, PROBE_ROUNDS, rng, staggered=True)
+    measured = sum(r["latency_s"] for r in recorder.records)
+    predicted = sum(cost.latency(IterationShape.from_record(r)) for r in recorder.records)
+    return measured / predicted
+
+
 def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
     rel = [abs(cost.latency(IterationShape.from_record(r)) - r["latency_s"]) / r["latency_s"]
            for r in records]
@@ -252,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                         "judged on all their requests pooled")
     p.add_argument("--warmup-runs", type=int, default=1,
                    help="live replays run and discarded before the measured ones")
+    p.add_argument("--scale-by-probe", action="store_true",
+                   help="scale each run's prediction by the speed probe taken right before it "
+                        "(default: the fitted model as is; the probe is only reported)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers meaningless)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -303,14 +325,18 @@ def main(argv: list[str] | None = None) -> int:
         capacity = _capacity(base, setup, cost)
         rate = round(args.load * capacity, 4)
         workload = base.with_rate(rate, seed=args.seed + 1 + k)
+        speed = speed_probe(engine, recorder, cost, rng)
         recorder.records.clear()
         others = OtherLoad()
         live = run_live(engine, workload, rng)
         live_s, live_others = others.stop()
         live_passes += recorder.records
         idle_stats.append(error_after_idle(cost, recorder.records))
-        sim_result = simulate(workload, setup, cost.latency)
+        scale = speed if args.scale_by_probe else 1.0
+        sim_result = simulate(workload, setup, lambda shape: scale * cost.latency(shape))
         sim = sim_raw(sim_result)
+        scaled = sim if args.scale_by_probe else sim_raw(
+            simulate(workload, setup, lambda shape: speed * cost.latency(shape)))
         m, p = summary_of([live]), summary_of([sim])
         repeats.append({
             "spec": workload.name, "capacity_req_per_s_fitted": round(capacity, 4),
@@ -318,16 +344,19 @@ def main(argv: list[str] | None = None) -> int:
             "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
             "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
             "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others,
+            "speed_factor": round(speed, 4),
             "num_passes": {"live": len(recorder.records),
                            "simulated": len(sim_result.iterations)},
             "measured": m, "predicted": p, "relative_error": rel_errors(p, m),
-            "_raw": (live, sim)})
+            "relative_error_probe_scaled": rel_errors(summary_of([scaled]), m),
+            "_raw": (live, sim, scaled)})
     # A run during which other processes took a real share of the cores measured them, not
     # us: it is reported but left out of the pooled goal (unless every run was disturbed).
     quiet = [r for r in repeats if r["other_processes_cpu"] < QUIET_OTHERS_CPU] or repeats
     measured = summary_of([r["_raw"][0] for r in quiet])
     predicted = summary_of([r["_raw"][1] for r in quiet])
     errors = rel_errors(predicted, measured)
+    errors_scaled = rel_errors(summary_of([r["_raw"][2] for r in quiet]), measured)
     for r in repeats:
         r["in_pooled_goal"] = any(r is q for q in quiet)
         del r["_raw"]
@@ -356,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         "predicted": {k: predicted[k] for k in KEYS + EXTRA},
         "relative_error": errors,
         "within_10pct": within_goal(errors),
+        "speed_probe": {"rounds_batch_prompt_output": PROBE_ROUNDS,
+                        "predictions_scaled_by_it": args.scale_by_probe,
+                        "factors": [r["speed_factor"] for r in repeats],
+                        "relative_error_probe_scaled": errors_scaled,
+                        "within_10pct_probe_scaled": within_goal(errors_scaled)},
         "live_runs": repeats,
         "live_runs_within_10pct": [within_goal(r["relative_error"]) for r in repeats],
         # Out of sample, pass by pass: the fitted model on the measured workloads' own passes.

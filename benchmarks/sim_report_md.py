@@ -155,30 +155,54 @@ def _real_calibration(cal: dict | None) -> list[str]:
         "",
         f"Which runs count: {wl.get('quiet_rule', 'every run')}.",
         "",
-        "| run | requests | rate req/s | others' CPU | counted | passes live / sim | "
+        "| run | requests | rate req/s | others' CPU | counted | speed probe | passes live / sim | "
         + " | ".join(f"{k} error" for k in err) + " |",
-        "|---" * (6 + len(err)) + "|",
+        "|---" * (7 + len(err)) + "|",
     ]
     for i, run in enumerate(runs):
+        probe = f"{run['speed_factor']:.2f}x" if "speed_factor" in run else "-"
         out.append(f"| {i} | {run['num_requests']} | {run['rate_req_per_s']:.2f} | "
                    f"{_share(run.get('other_processes_cpu'))} | "
-                   f"{'yes' if run.get('in_pooled_goal', True) else 'no'} | "
+                   f"{'yes' if run.get('in_pooled_goal', True) else 'no'} | {probe} | "
                    f"{run['num_passes']['live']} / {run['num_passes']['simulated']} | "
                    + " | ".join(f"{100 * run['relative_error'][k]:+.1f}%" for k in err) + " |")
+    out += _speed_probe(cal.get("speed_probe"))
     out += [
         "",
         "How to read it: below capacity, output tokens/s is set by the arrivals (the engine "
         "keeps up), so its error says little about the cost model; TTFT is the real test, since "
         "it adds up queueing and the length of the passes a prompt waits behind and rides in. "
-        "A p99 over one run's 48 requests is essentially its worst one or two, so it moves by "
-        "about +/-10% between runs (table above); pooled, it rests on a few more. Per pass the "
-        "fit is rougher than per request: errors on single passes average out over the dozens "
-        "of passes behind each TTFT. The fit finds the FLOP term binding in "
-        f"{100 * fit['fraction_compute_bound']:.0f}% of passes, and a large per-sequence term: "
-        "per-sequence work outside the big matrix multiplies (attention over each sequence's "
-        "blocks, sampling, output processing) costs as much as a sizeable slice of a pass.",
+        f"A p99 over one run's {runs[0]['num_requests']} requests rests on its worst "
+        f"{max(1, round(runs[0]['num_requests'] / 100))} or so, so it moves between runs (table "
+        "above); pooled, it rests on a few more. Per pass the fit is rougher than per request: "
+        "errors on single passes average out over the dozens of passes behind each TTFT. The "
+        f"fit finds the FLOP term binding in {100 * fit['fraction_compute_bound']:.0f}% of "
+        "passes.",
     ]
     return out
+
+
+def _speed_probe(probe: dict | None) -> list[str]:
+    if not probe or not probe.get("factors"):
+        return []
+    f = probe["factors"]
+    e = probe["relative_error_probe_scaled"]
+    scaled = probe.get("predictions_scaled_by_it")
+    return [
+        "",
+        "**Speed probe.** Right before each run the engine ran the same few profile rounds "
+        "(" + ", ".join(f"{b} requests of {n} prompt tokens"
+                        for b, n, _ in probe["rounds_batch_prompt_output"])
+        + ", staggered): their measured time over "
+        f"the model's ('speed probe' above) ranged {min(f):.2f}-{max(f):.2f}x: the model's own "
+        "error on these shapes (the same in every run) plus how much slower or faster the "
+        "machine ran them than during the profile a few minutes before. "
+        + ("The predictions above are scaled by it. " if scaled else
+           "The predictions above are the fitted model as is. ")
+        + ("Had each run's prediction been scaled by its probe instead, the pooled errors would "
+           if not scaled else "Unscaled, the pooled errors would ")
+        + "be " + ", ".join(f"{k} {100 * v:+.1f}%" for k, v in e.items()) + ".",
+    ]
 
 
 def _coefficients(c: dict, compute_bound: float) -> str:
