@@ -182,6 +182,37 @@ def _real_calibration(cal: dict | None) -> list[str]:
     return out
 
 
+def _repeatability(main: dict | None, repeats: list[dict]) -> list[str]:
+    """The committed run next to other runs of the same script (benchmarks/results/sim/repeats)."""
+    if not main or not repeats:
+        return []
+    probe = lambda fs: (f"{min(fs):.2f}-{max(fs):.2f}x" if fs else "-")  # noqa: E731
+    rows = [("calibration_real.json (above)", main["workload"]["load_fraction"],
+             main["workload"]["num_requests"], main["relative_error"], main["within_10pct"],
+             main.get("speed_probe", {}).get("factors", []))]
+    rows += [(r["file"], r["load_fraction"], r["num_requests"], r["relative_error"],
+              r["within_10pct"], r["speed_probe_factors"]) for r in repeats]
+    keys = list(main["relative_error"])
+    out = ["", "**Repeatability.** The same script, other arrival seeds (`--seed`) and loads; "
+           "each row is a whole run (its own profile, fit and measured workloads), errors "
+           "pooled over its requests:", "",
+           "| run | load | requests | speed probe | " + " | ".join(f"{k} error" for k in keys)
+           + " | within 10% |", "|---" * (5 + len(keys)) + "|"]
+    for name, load, n, err, ok, factors in rows:
+        out.append(f"| {name} | {load:.0%} | {n} | {probe(factors)} | "
+                   + " | ".join(f"{100 * err[k]:+.1f}%" if k in err else "-" for k in keys)
+                   + f" | {'yes' if ok else 'no'} |")
+    factors = [f for row in rows for f in row[5]]
+    out += ["", f"Within 10%: {sum(1 for row in rows if row[4])} of {len(rows)} runs."
+            + (f" Across them the speed probe (the same fixed shapes, against each run's own fit) "
+               f"ranged {min(factors):.2f}-{max(factors):.2f}x: the same work took that much "
+               "less or more time minutes apart, and TTFT, which adds queueing to pass times, "
+               "moves further than the pass times do. On this shared machine one run's TTFT "
+               "within 10% says more about the minute it ran in than about the model."
+               if factors else "")]
+    return out
+
+
 def _speed_probe(probe: dict | None) -> list[str]:
     if not probe or not probe.get("factors"):
         return []
@@ -375,6 +406,7 @@ def render(d: dict) -> str:
     ]
     lines += ["### 4.1 The real engine on this CPU", ""]
     lines += _real_calibration(d.get("calibration_real"))
+    lines += _repeatability(d.get("calibration_real"), d.get("calibration_real_repeats") or [])
     lines += ["", "### 4.2 Synthetic self-test (a pipeline check, not a measurement)", ""]
     lines += _calibration(d.get("calibration"))
     lines += [
