@@ -155,7 +155,8 @@ def _real_calibration(cal: dict | None) -> list[str]:
         "",
         f"Which runs count: {wl.get('quiet_rule', 'every run')}.",
         "",
-        "| run | requests | rate req/s | others' CPU | counted | speed probe | passes live / sim | "
+        "| run | requests | rate req/s | others' CPU | counted | speed probe "
+        "| passes live / sim | "
         + " | ".join(f"{k} error" for k in err) + " |",
         "|---" * (7 + len(err)) + "|",
     ]

@@ -24,7 +24,8 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 _EXTRA_SOURCES = [Path(__file__).with_name("csrc") / "fused_ops.cpp"]
 _HEADERS = [Path(__file__).with_name("csrc") / "vec16.h"]  # included by both sources
 _EXTENSION_NAME = "everystop_paged_attention"
-# -fno-math-errno lets GCC vectorize expf (libmvec) in the fused activation.
+# -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
+# glibc declares its vector variants only under -ffast-math, hence exp16 in csrc/vec16.h.)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # Rows (query tokens x heads of one kv group) that share one pass over the K/V blocks: large
 # enough to amortize loading a block, small enough that a prefill chunk splits into many items
@@ -60,10 +61,11 @@ def _build() -> bool:
 def _load_or_build() -> None:
     """Load the built library straight from its cache directory, or build it there first.
 
-    NOTE: the directory is named after a hash of the sources, flags and torch version, and the
-    sources (and the header they include) are copied into it, so checkouts at different paths (or an installed package next
-    to a source tree) share one build instead of rebuilding each other's, and a cached build is
-    loaded without running the compiler's up-to-date check (seconds at startup).
+    NOTE: the directory is named after a hash of the sources, their header, the flags and the
+    torch version, and those files are copied into it, so checkouts at different paths (or an
+    installed package next to a source tree) share one build instead of rebuilding each
+    other's, and a cached build is loaded without running the compiler's up-to-date check
+    (seconds at startup).
     """
     from torch.utils.cpp_extension import get_default_build_root, load
 

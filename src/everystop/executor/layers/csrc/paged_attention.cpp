@@ -160,11 +160,14 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
     if (b + 1 < n_blocks) {
       const int64_t ahead = (block_table[b + 1] * T * num_kv_heads + w.kv_head) * D;
       const int64_t n_next = std::min(T, ctx - pos0 - T);
-      for (int64_t t = 0; t < n_next; ++t)
+      for (int64_t t = 0; t < n_next; ++t) {
+        const char* k_line = reinterpret_cast<const char*>(k_cache + ahead + t * row_stride);
+        const char* v_line = reinterpret_cast<const char*>(v_cache + ahead + t * row_stride);
         for (int64_t byte = 0; byte < D * (int64_t)sizeof(cache_t); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + ahead + t * row_stride) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + ahead + t * row_stride) + byte);
+          __builtin_prefetch(k_line + byte);
+          __builtin_prefetch(v_line + byte);
         }
+      }
     }
     const float* kb;
     const float* vb;
@@ -176,7 +179,8 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
     } else {
       for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t j = 0; j < nv; ++j) {
-          const int64_t off = base + t * row_stride + j * kLanes, n = std::min(kLanes, D - j * kLanes);
+          const int64_t off = base + t * row_stride + j * kLanes;
+          const int64_t n = std::min(kLanes, D - j * kLanes);
           kbuf[t * nv + j] = load16(k_cache + off, n);
           vbuf[t * nv + j] = load16(v_cache + off, n);
         }
