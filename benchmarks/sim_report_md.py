@@ -144,7 +144,8 @@ def _real_calibration(cal: dict | None) -> list[str]:
     out += [
         "",
         "Goal (throughput, TTFT p50 and p99 within 10%, pooled): "
-        f"**{'met' if cal['within_10pct'] else 'not met'}**; the largest pooled error is "
+        f"**{'met' if cal['within_10pct'] else 'not met'}** in this run (other runs: "
+        "Repeatability below); the largest pooled error is "
         f"{worst} at {100 * err[worst]:+.1f}%. "
         f"Runs within 10% on their own: {sum(cal['live_runs_within_10pct'])} of {len(runs)}. "
         "Out of sample, pass by pass, the fitted model is off by "
