@@ -73,7 +73,13 @@ def model_flops(prompt_tokens: int, output_tokens: int) -> float:
 def annotate(result: dict[str, Any], peaks: dict[str, Any]) -> dict[str, Any]:
     """MFU and bounds for one throughput.py result."""
     dtype = result.get("dtype", "float32")
-    peak = peaks["matmul_gflops"][dtype if dtype in peaks["matmul_gflops"] else "float32"]
+    # The engine multiplies 16-bit weights in fp32 on CPUs where that is faster (linear.py:
+    # without AMX a bf16 GEMM runs at about half the fp32 rate), so the binding compute peak
+    # for any dtype is the faster of its own and fp32's.
+    rates = peaks["matmul_gflops"]
+    peak_dtype = max((d for d in (dtype, "float32") if d in rates),
+                     key=lambda d: rates[d]["peak"])
+    peak = rates[peak_dtype]
     peak_flops = peak["peak"] * 1e9
     weight_bytes = (NON_EMBED_PARAMS + LM_HEAD_PARAMS) * DTYPE_BYTES[dtype]
     bw = peaks["read_gb_s"] * 1e9
@@ -92,7 +98,8 @@ def annotate(result: dict[str, Any], peaks: dict[str, Any]) -> dict[str, Any]:
     memory_s = result.get("num_steps", 0) * weight_bytes / bw
     bound_s = max(compute_s, memory_s)
     return {"dtype": dtype, "model_gflop": flops / 1e9, "achieved_gflops": flops / elapsed / 1e9,
-            "peak_gflops": peak["peak"], "mfu": flops / elapsed / peak_flops,
+            "peak_gflops": peak["peak"], "peak_of": peak_dtype,
+            "mfu": flops / elapsed / peak_flops,
             "compute_bound_s": compute_s, "weight_bandwidth_bound_s": memory_s,
             "bound": "compute" if compute_s >= memory_s else "weight bandwidth",
             "bound_output_tok_s": result["output_tokens"] / bound_s,
