@@ -91,7 +91,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t gs = gu.stride(0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t begin, int64_t end) {
-    float a[16], s[16];
+    float s[16];
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * gs;
       const T* u = g + inter;
@@ -103,25 +103,19 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       int64_t i0 = 0;
       if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value) {
         for (; i0 + 16 <= inter; i0 += 16) {
+          const v16 sv = silu16(load16(g + i0, 16)), uv = load16(u + i0, 16);
           if constexpr (std::is_same<T, float>::value) {
-            v16 gv, uv;
-            std::memcpy(&gv, g + i0, sizeof(gv));
-            std::memcpy(&uv, u + i0, sizeof(uv));
-            const v16 ov = silu16(gv) * uv;
+            const v16 ov = sv * uv;
             std::memcpy(o + i0, &ov, sizeof(ov));
           } else {
-            const v16 sv = round_to_bf16(silu16(bf16x16_to_v16(g + i0)));
-            const v16h oh = v16_to_bf16x16(sv * bf16x16_to_v16(u + i0));
+            const v16h oh = v16_to_bf16x16(round_to_bf16(sv) * uv);
             std::memcpy(o + i0, &oh, sizeof(oh));
           }
         }
       }
       for (; i0 < inter; i0 += 16) {
         const int64_t n = std::min<int64_t>(16, inter - i0);
-        for (int64_t i = 0; i < 16; ++i) a[i] = i < n ? to_f(g[i0 + i]) : 0.f;
-        v16 av;
-        std::memcpy(&av, a, sizeof(av));
-        const v16 sv = silu16(av);
+        const v16 sv = silu16(load16(g + i0, n));
         std::memcpy(s, &sv, sizeof(sv));
         for (int64_t i = 0; i < n; ++i)
           o[i0 + i] = from_f<T>(to_f(from_f<T>(s[i])) * to_f(u[i0 + i]));

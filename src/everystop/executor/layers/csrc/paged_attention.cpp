@@ -35,36 +35,8 @@ struct WorkItem {
 
 constexpr int64_t kLanes = 16;
 
-// Load n <= 16 elements as fp32, zero-filling the tail (head_dim need not be a multiple of 16).
-template <typename cache_t>
-inline v16 load16(const cache_t* src, int64_t n) {
-  float tmp[kLanes];
-  if (n == kLanes) {
-#pragma omp simd
-    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
-  } else {
-    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = i < n ? static_cast<float>(src[i]) : 0.f;
-  }
-  v16 out;
-  std::memcpy(&out, tmp, sizeof(out));
-  return out;
-}
-
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-
-// Full 16-wide bf16 loads convert as whole vectors.
-template <>
-inline v16 load16<c10::BFloat16>(const c10::BFloat16* src, int64_t n) {
-  if (n != kLanes) {
-    float tmp[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = i < n ? static_cast<float>(src[i]) : 0.f;
-    v16 out;
-    std::memcpy(&out, tmp, sizeof(out));
-    return out;
-  }
-  return bf16x16_to_v16(src);
-}
 
 inline float hsum(v16 v) {
   const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

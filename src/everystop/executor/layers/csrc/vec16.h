@@ -2,8 +2,11 @@
 // offers) and the vector math the CPU kernels share.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -63,5 +66,28 @@ inline v16 exp16(v16 x) {
   res_bits &= ~underflow;
   v16 out;
   std::memcpy(&out, &res_bits, sizeof(out));
+  return out;
+}
+
+// Loads n <= 16 values as fp32, zero-filling the rest (a row need not be a multiple of 16).
+// Whole vectors of fp32 and bf16 convert without a scalar loop.
+template <typename T>
+inline v16 load16(const T* src, int64_t n) {
+  v16 out;
+  float tmp[16];
+  if (n == 16) {
+    if constexpr (std::is_same<T, float>::value) {
+      std::memcpy(&out, src, sizeof(out));
+      return out;
+    } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+      return bf16x16_to_v16(src);
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < 16; ++i) tmp[i] = static_cast<float>(src[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < 16; ++i) tmp[i] = i < n ? static_cast<float>(src[i]) : 0.f;
+  }
+  std::memcpy(&out, tmp, sizeof(out));
   return out;
 }
