@@ -12,6 +12,10 @@ from typing import Literal
 
 SchedulingMode = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "recompute", "swap"]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The CPU kernel builds (best first; executor/layers/cpu_kernels.ISAS), "auto" or "off".
+CPU_KERNEL_CHOICES = ("auto", "off", "avx512bf16", "avx512", "avx2", "generic")
+ATTENTION_BACKENDS = ("auto", "kernel", "torch", "reference")
 
 
 class ConfigError(ValueError):
@@ -88,9 +92,13 @@ class CacheConfig:
     watermark: float = 0.02
     enable_prefix_caching: bool = True
     # CUDA: the KV pool is what is left of this fraction of device memory after weights and
-    # peak activations. CPU: the pool is kv_cache_memory bytes.
+    # peak activations. CPU: the pool is kv_cache_memory bytes; None = sized from the machine
+    # (a fraction of the memory available at start-up, capped; see ModelRunner).
     gpu_memory_utilization: float = 0.90
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int | None = None
+    # Element type of the KV pool. "auto": 16-bit where the CPU kernels run (attention streams
+    # half the bytes and a pool holds twice the tokens), else the model's dtype.
+    kv_cache_dtype: str = "auto"
     # Overrides both when set (tests, simulator): exactly this many device blocks.
     num_gpu_blocks_override: int | None = None
     swap_space_gib: float = 1.0
@@ -101,8 +109,11 @@ class CacheConfig:
             raise ConfigError("watermark must be in [0, 0.5)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory must be > 0 bytes")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                              f"not {self.kv_cache_dtype!r}")
         if self.swap_space_gib < 0:
             raise ConfigError("swap_space_gib must be >= 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
@@ -120,8 +131,21 @@ class ModelConfig:
     seed: int = 0
     # CPU compute threads (torch intra-op); None = the cores this process may run on.
     num_threads: int | None = None
+    # Which CPU kernel build the layers call (CPU_KERNEL_CHOICES); "auto" = the best this CPU
+    # runs, "off" = plain torch everywhere.
+    cpu_kernels: str = "auto"
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS
+    # 16-bit weights on CPU: multiply compute-bound inputs in fp32 ("fp32", faster without
+    # AMX) or with the library's 16-bit GEMM ("native").
+    cpu_16bit_gemm: Literal["fp32", "native"] = "fp32"
 
     def __post_init__(self) -> None:
+        for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
+                              ("attention_backend", ATTENTION_BACKENDS),
+                              ("cpu_16bit_gemm", ("fp32", "native"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, not "
+                                  f"{getattr(self, name)!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

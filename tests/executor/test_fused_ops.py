@@ -1,5 +1,6 @@
-"""The fused CPU ops agree with the plain-torch layers they replace (fp32 tightly, 16-bit up to
-one rounding), and the model gives the same logits with them on or off."""
+"""The fused CPU ops of every kernel build this CPU can run (AVX-512 with BF16, AVX-512, AVX2,
+generic) agree with the plain-torch layers they replace (fp32 tightly, 16-bit up to one
+rounding), and the model gives the same logits with them on or off."""
 
 from __future__ import annotations
 
@@ -7,96 +8,122 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from everystop.executor.layers import attention_cpu, cpu_ops
+from everystop.config import CacheConfig, ModelConfig
+from everystop.executor.layers.attention import write_kv
+from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import SMALL_ROWS, linear
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from everystop.executor.model_runner import ModelRunner
 
 from .conftest import greedy_generate
 
-pytestmark = pytest.mark.skipif(not attention_cpu.kernel_available(),
-                                reason="the CPU kernel library did not build")
 
-
-@pytest.fixture
-def torch_path():
-    """Run the block under plain torch ops, then restore the fused path."""
-    cpu_ops.set_enabled(False)
-    yield
-    cpu_ops.set_enabled(True)
-
-
-def _both(fn):
-    fused = fn()
-    cpu_ops.set_enabled(False)
-    try:
-        plain = fn()
-    finally:
-        cpu_ops.set_enabled(True)
-    return fused, plain
+@pytest.fixture(params=runnable_isas())
+def kernels(request) -> CpuKernels:
+    """Each kernel build this CPU can execute (a build failure fails the test)."""
+    loaded = load_cpu_kernels(request.param)
+    assert loaded is not None
+    return loaded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_torch(dtype):
+def test_rms_norm_matches_torch(dtype, kernels):
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(96, 1e-5).to(dtype)
-    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
     x = (3 * torch.randn(7, 96, generator=g)).to(dtype)
-    fused, plain = _both(lambda: norm(x))
+    fused_norm, plain_norm = RMSNorm(96, 1e-5, kernels).to(dtype), RMSNorm(96, 1e-5).to(dtype)
+    fused_norm.weight.data = plain_norm.weight.data = weight
+    fused, plain = fused_norm(x), plain_norm(x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused.float(), plain.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype):
+def test_add_rms_norm_matches_add_then_norm(dtype, kernels):
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(96, generator=g).to(dtype)
+    x, residual = (3 * torch.randn(2, 7, 96, generator=g)).to(dtype)
+    fused_norm, plain_norm = RMSNorm(96, 1e-5, kernels).to(dtype), RMSNorm(96, 1e-5).to(dtype)
+    fused_norm.weight.data = plain_norm.weight.data = weight
+    plain_out, plain_sum = plain_norm(x, residual.clone())
+    stream = residual.clone()
+    fused_out, fused_sum = fused_norm(x, stream)
+    assert fused_sum is stream  # updated in place: the stream the caller owns
+    assert torch.equal(fused_sum, plain_sum)  # the add rounds exactly as torch's
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused_out.float(), plain_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype, kernels):
     gu = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(1))
     gu[0] *= 60  # gates far into both tails: exp must neither overflow nor lose the sign
     gu = gu.to(dtype)
     ref = F.silu(gu[:, :40]) * gu[:, 40:]
     tol = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(cpu_ops.silu_mul(gu).float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kernels.silu_mul(gu).float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_silu_mul_bf16_rounds_like_torch():
+def test_silu_mul_bf16_rounds_like_torch(kernels):
     # The vector path rounds silu(gate) and the product to bf16 as torch does; only the
     # exponential's last-bit error may flip a rounding, so nearly every value is identical.
     gu = (torch.randn(32, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     ref = F.silu(gu[:, :1536]) * gu[:, 1536:]
-    assert (cpu_ops.silu_mul(gu) == ref).float().mean().item() > 0.999
+    assert (kernels.silu_mul(gu) == ref).float().mean().item() > 0.999
 
 
-def test_rope_in_place_matches_torch_on_a_strided_view():
+def test_rope_in_place_matches_torch_on_a_strided_view(kernels):
     g = torch.Generator().manual_seed(2)
     cos, sin = rope_cos_sin(torch.tensor([0, 5, 17, 300]), rope_inv_freq(32, 1e4, None))
     qkv = torch.randn(4, 5 * 32, generator=g)
     k_view = qkv[:, 3 * 32:].view(4, 2, 32)  # rows strided by the fused qkv width
-    cpu_ops.set_enabled(False)
     expected = apply_rope(k_view.clone(), cos, sin)
-    cpu_ops.set_enabled(True)
     before = qkv[:, :3 * 32].clone()
-    out = apply_rope(k_view, cos, sin)
+    out = apply_rope(k_view, cos, sin, kernels)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(qkv[:, 3 * 32:].view(4, 2, 32), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, :3 * 32], before)  # neighbours untouched
 
 
-def test_argmax_rows_first_maximum_and_nan():
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.float32, torch.float16),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_rope_write_kv_matches_rope_then_write_kv(dtype, cache_dtype, kernels):
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, tokens = 3, 1, 32, 5
+    cos, sin = rope_cos_sin(torch.tensor([0, 3, 17, 40, 41]), rope_inv_freq(d, 1e4, None))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    slots = torch.tensor([9, 2, 30, 31, 0])
+    shape = (4, 8, kv_heads, d)  # 4 blocks of 8 slots
+    ref_k, ref_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    q, k, v = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    ref_q = apply_rope(q.reshape(tokens, heads, d), cos, sin, kernels)
+    k = apply_rope(k.reshape(tokens, kv_heads, d), cos, sin, kernels)
+    write_kv(ref_k, ref_v, k, v.reshape(tokens, kv_heads, d), slots)
+    kc, vc = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    kernels.rope_write_kv_(qkv, cos, sin, kc, vc, slots, heads, kv_heads)
+    assert torch.equal(qkv[:, :heads * d].reshape(tokens, heads, d), ref_q)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_argmax_rows_first_maximum_and_nan(kernels):
     x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
     x[1] = 2.0  # all tied: first index
     x[2, 10] = x[2, 900] = 50.0
     x[3, 77] = float("nan")
     x[4, :] = float("-inf")
-    assert cpu_ops.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_linear_small_matches_fp32_matmul(dtype, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8])
+def test_linear_small_matches_fp32_matmul(dtype, rows, kernels):
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(rows, 100, generator=g).to(dtype)  # 100: a tail after the 16-wide chunks
-    w = torch.randn(70, 100, generator=g).to(dtype)  # 70: a tail after the 4-column groups
+    x = torch.randn(rows, 100, generator=g).to(dtype)  # 100: a tail after the 8/16-wide chunks
+    w = torch.randn(70, 100, generator=g).to(dtype)  # 70: a tail after the column groups
     ref = x.float() @ w.float().T
-    out = cpu_ops.linear_small(x, w)
+    out = kernels.linear_small(x, w)
     assert out.dtype == dtype and out.shape == (rows, 70)
     # fp32 accumulation: only the final rounding to the output dtype differs.
     tol = 1e-4 if dtype == torch.float32 else 1e-2
@@ -104,7 +131,7 @@ def test_linear_small_matches_fp32_matmul(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_agrees_with_f_linear_on_every_route(dtype):
+def test_linear_agrees_with_f_linear_on_every_route(dtype, kernels):
     """Small inputs take the GEMV, larger ones the packed fp32 GEMM (whose stand-in "original
     weight" is zeros: if MKL ever fell back to it, the result would be zeros, not this)."""
     g = torch.Generator().manual_seed(5)
@@ -112,7 +139,7 @@ def test_linear_agrees_with_f_linear_on_every_route(dtype):
     for rows in (0, 1, SMALL_ROWS, SMALL_ROWS + 1, 64, 300):
         x = torch.randn(rows, 160, generator=g).to(dtype)
         ref = x.float() @ w.float().T
-        out = linear(x, w)
+        out = linear(x, w, kernels)
         assert out.dtype == dtype and out.shape == (rows, 96)
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         scale = ref.abs().max().item() if rows else 1.0
@@ -122,7 +149,11 @@ def test_linear_agrees_with_f_linear_on_every_route(dtype):
 @pytest.mark.model
 def test_model_logits_same_with_and_without_fused_ops(default_runner):
     prompts = [list(range(1000, 1037)), list(range(3000, 3005))]
-    (fused_tokens, fused_logits), (plain_tokens, plain_logits) = _both(
-        lambda: greedy_generate(default_runner, prompts, 4, per_seq=4))
+    assert default_runner.backends.kernels is not None
+    plain_runner = ModelRunner(ModelConfig(cpu_kernels="off"),
+                               CacheConfig(num_gpu_blocks_override=16,
+                                           kv_cache_dtype="float32"), max_model_len=2048)
+    fused_tokens, fused_logits = greedy_generate(default_runner, prompts, 4, per_seq=4)
+    plain_tokens, plain_logits = greedy_generate(plain_runner, prompts, 4, per_seq=4)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-3, rtol=1e-4)
     assert fused_tokens == plain_tokens

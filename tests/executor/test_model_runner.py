@@ -116,3 +116,18 @@ def test_cpu_pool_sized_from_kv_cache_memory():
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     out = runner.execute(SchedulerOutput(scheduled=[_seq("a", PROMPT, 0, [0, 1, 2])]))
     assert 0 <= out.sampled_token_ids["a"] < 49152
+
+
+def test_cpu_pool_default_is_a_capped_share_of_available_memory(monkeypatch):
+    from everystop.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 1 << 30)
+    runner = ModelRunner(ModelConfig(), CacheConfig(kv_cache_dtype="float16", swap_space_gib=0.0),
+                         256)
+    # 20% of 1 GiB is under the 256 MiB floor.
+    assert runner.num_gpu_blocks == model_runner.CPU_KV_MIN_BYTES // runner.bytes_per_block
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 100 << 30)
+    monkeypatch.setattr(model_runner, "CPU_KV_MAX_BYTES", 300 << 20)
+    runner = ModelRunner(ModelConfig(), CacheConfig(kv_cache_dtype="float16", swap_space_gib=0.0),
+                         256)
+    assert runner.num_gpu_blocks == (300 << 20) // runner.bytes_per_block

@@ -11,9 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from everystop.executor.layers import attention_cpu
+from everystop.executor.layers import cpu_kernels
 from everystop.executor.layers.attention import (
-    BACKEND_ENV,
     AttentionMetadata,
     paged_attention,
     paged_attention_reference,
@@ -21,7 +20,9 @@ from everystop.executor.layers.attention import (
     write_kv,
 )
 
-IMPLS = ("torch", "cpp")
+# Every kernel build this CPU can execute (on an AVX-512 machine the AVX2 and generic builds
+# too), and the pure-torch path.
+IMPLS = ("torch", *(f"kernel-{isa}" for isa in cpu_kernels.runnable_isas()))
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -69,23 +70,25 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
 MIXED = [(1, 1), (17, 1), (300, 1), (33, 1), (40, 24), (64, 64), (97, 31), (16, 1), (250, 5)]
 
 
-def run(impl: str, monkeypatch: pytest.MonkeyPatch, *args) -> torch.Tensor:
-    monkeypatch.setenv(BACKEND_ENV, impl)
-    return paged_attention(*args)
+def run(impl: str, *args) -> torch.Tensor:
+    if impl.startswith("kernel-"):
+        kernels = cpu_kernels.load_cpu_kernels(impl.removeprefix("kernel-"))
+        return paged_attention(*args, kernels=kernels, backend="kernel")
+    return paged_attention(*args, backend=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# Block sizes that are not a multiple of the kernel's 16-key tile, and a head_dim that is not a
-# multiple of its 16-float vector, take the kernel's partial-tile and padded-copy paths.
+# Block sizes that are not a multiple of the kernel's 8- or 16-key tile, and a head_dim that is
+# not a multiple of its vector width, take the kernel's partial-tile and padded-copy paths.
 @pytest.mark.parametrize("block_size", [16, 24, 32])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 2, 40)])
-def test_mixed_batch_matches_reference(impl, dtype, block_size, heads, monkeypatch):
+def test_mixed_batch_matches_reference(impl, dtype, block_size, heads):
     h, kvh, d = heads
     q, kc, vc, meta = make_batch(MIXED, h, kvh, d, block_size, dtype, seed=block_size + h)
     scale = d ** -0.5
     ref = paged_attention_reference(q, kc, vc, meta, scale)
-    out = run(impl, monkeypatch, q, kc, vc, meta, scale)
+    out = run(impl, q, kc, vc, meta, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
@@ -106,12 +109,11 @@ def test_random_batches_match_reference(data, impl, heads, block_size, dtype):
         st.integers(0, 2**16)))
     scale = d ** -0.5
     ref = paged_attention_reference(q, kc, vc, meta, scale)
-    with pytest.MonkeyPatch.context() as mp:
-        out = run(impl, mp, q, kc, vc, meta, scale)
+    out = run(impl, q, kc, vc, meta, scale)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-def test_reads_what_write_kv_wrote(monkeypatch):
+def test_reads_what_write_kv_wrote():
     """A prefill written through write_kv and then a decode over it: the cached prefix is
     what the new token attends to, in every implementation."""
     h, kvh, d, bs = 9, 3, 64, 16
@@ -127,36 +129,47 @@ def test_reads_what_write_kv_wrote(monkeypatch):
     dense = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k, v, is_causal=True, scale=d ** -0.5).transpose(0, 1)
     for impl in ("reference",) + IMPLS:
-        out = run(impl, monkeypatch, q, kc, vc, meta, d ** -0.5)
+        out = run(impl, q, kc, vc, meta, d ** -0.5)
         torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
-def test_default_backend_on_cpu_is_the_kernel(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+def test_auto_picks_the_best_build_this_cpu_runs():
+    kernels = cpu_kernels.load_cpu_kernels("auto")
+    assert kernels is not None and kernels.isa == cpu_kernels.runnable_isas()[0]
     q, kc, _, _ = make_batch([(5, 1)], 2, 1, 8, 16, torch.float32, seed=0)
-    assert select_backend(q, kc) == "cpp"
+    assert select_backend(q, kc, kernels) == "kernel"
+    assert select_backend(q, kc, None) == "torch"
+
+
+def test_isa_flags_decide_what_runs():
+    avx2_only = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "sse2"})
+    names = cpu_kernels.runnable_isas(avx2_only)
+    assert names[-1] == "generic" and "avx512" not in names and "avx512bf16" not in names
+    assert cpu_kernels.runnable_isas(frozenset()) == ["generic"]
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog, tmp_path):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(attention_cpu, "_state", {})
-    monkeypatch.setattr(attention_cpu, "_SOURCE", attention_cpu._SOURCE.with_name("missing.cpp"))
-    monkeypatch.setattr(attention_cpu, "_EXTENSION_NAME", "everystop_missing_for_test")
-    q, kc, vc, meta = make_batch([(20, 3), (9, 1)], 4, 2, 16, 16, torch.float32, seed=1)
+    monkeypatch.setattr(cpu_kernels, "_libraries", {})
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", [cpu_kernels._CSRC / "missing.cpp"])
     with caplog.at_level("WARNING"):
-        out = paged_attention(q, kc, vc, meta, 0.25)
-        paged_attention(q, kc, vc, meta, 0.25)
-    assert select_backend(q, kc) == "torch"
-    assert sum("unavailable" in r.message for r in caplog.records) == 1
+        kernels = cpu_kernels.load_cpu_kernels("auto")
+        assert cpu_kernels.load_cpu_kernels("auto") is None  # tried once per ISA, not again
+    assert kernels is None
+    assert sum("unavailable" in r.message for r in caplog.records) == len(
+        cpu_kernels.runnable_isas())
+    q, kc, vc, meta = make_batch([(20, 3), (9, 1)], 4, 2, 16, 16, torch.float32, seed=1)
+    out = paged_attention(q, kc, vc, meta, 0.25, kernels)
     torch.testing.assert_close(out, paged_attention_reference(q, kc, vc, meta, 0.25))
-    monkeypatch.setenv(BACKEND_ENV, "cpp")
     with pytest.raises(RuntimeError):
-        paged_attention(q, kc, vc, meta, 0.25)
+        paged_attention(q, kc, vc, meta, 0.25, kernels, backend="kernel")
+    with pytest.raises(RuntimeError):
+        cpu_kernels.load_cpu_kernels("generic")
 
 
-def test_unknown_backend_is_rejected(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+def test_unknown_backend_and_isa_are_rejected():
     q, kc, vc, meta = make_batch([(5, 1)], 2, 1, 8, 16, torch.float32, seed=0)
     with pytest.raises(ValueError):
-        paged_attention(q, kc, vc, meta, 1.0)
+        paged_attention(q, kc, vc, meta, 1.0, backend="triton")
+    with pytest.raises(ValueError):
+        cpu_kernels.load_cpu_kernels("sse9")

@@ -12,7 +12,8 @@ import re
 import sys
 from typing import Any
 
-from everystop.config import ConfigError, EngineConfig
+from everystop.config import (ATTENTION_BACKENDS, CPU_KERNEL_CHOICES, KV_CACHE_DTYPES, ConfigError,
+                              EngineConfig)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -51,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--threads", dest="num_threads", type=int, default=None,
                    help="CPU compute threads (default: the cores this process may use)")
+    g.add_argument("--cpu-kernels", choices=CPU_KERNEL_CHOICES, default=None,
+                   help="CPU kernel build: auto (the best this CPU runs), an ISA, or off")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
+    g.add_argument("--cpu-16bit-gemm", choices=["fp32", "native"], default=None,
+                   help="16-bit weights on CPU: prefill GEMMs in fp32 (default) or native")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -73,7 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="N or N0,N1,N2 (tiers 0, 1, 2); 0 = no cap")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="CPU KV pool size, e.g. 2GiB")
+                   help="CPU KV pool size, e.g. 2GiB (default: sized from available memory)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="KV pool element type (auto: 16-bit where the CPU kernels run)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--num-gpu-blocks", dest="num_gpu_blocks_override", type=int, default=None,
                    help="exactly this many KV blocks (overrides the memory flags)")
@@ -90,7 +98,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
-    "model", "tokenizer", "dtype", "device", "seed", "num_threads", "max_num_seqs", "max_num_batched_tokens",
+    "model", "tokenizer", "dtype", "device", "seed", "num_threads", "cpu_kernels",
+    "attention_backend", "cpu_16bit_gemm", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
     "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",

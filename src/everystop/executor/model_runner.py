@@ -8,6 +8,7 @@ and samples.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -18,13 +19,21 @@ from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
+from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.models.llama import KVCache, LlamaForCausalLM
+from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model
 from everystop.executor.sampler import Sampler
 from everystop.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+logger = logging.getLogger(__name__)
+
+# CPU KV pool when --kv-cache-memory is not given: this share of the memory available at
+# start-up (after the weights are loaded), within these bounds.
+CPU_KV_FRACTION = 0.2
+CPU_KV_MIN_BYTES = 256 << 20
+CPU_KV_MAX_BYTES = 2 << 30
 
 
 def usable_cpus() -> int:
@@ -35,17 +44,51 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-# Loaded weights by (path, dtype, device). Inference never writes to them, so engines in one
-# process (tests, benchmarks comparing modes) share one copy instead of reloading each time.
-_MODELS: "OrderedDict[tuple[str | None, str, str], LlamaForCausalLM]" = OrderedDict()
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def select_backends(config: ModelConfig) -> Backends:
+    """The kernels the layers call, chosen once from the config and the CPU's flags."""
+    kernels = None
+    if torch.device(config.device).type == "cpu":
+        kernels = load_cpu_kernels(config.cpu_kernels, config.cpu_16bit_gemm == "fp32")
+    return Backends(kernels, config.attention_backend)
+
+
+def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,
+                   backends: Backends) -> torch.dtype:
+    """The KV pool's element type: as configured, or for "auto" 16-bit where the CPU kernels
+    run (their attention reads 16-bit blocks in place or widens each block once; it streams
+    half the bytes: benchmarks/results/attention_bench*.json), else the model's dtype."""
+    if cache_config.kv_cache_dtype != "auto":
+        return DTYPES[cache_config.kv_cache_dtype]
+    if backends.kernels is not None and backends.attention in ("auto", "kernel"):
+        # bf16 activations keep bf16 K/V (same range); otherwise fp16's finer mantissa.
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16
+    return model_dtype
+
+
+# Loaded weights by (path, dtype, device, backends). Inference never writes to them, so engines
+# in one process (tests, benchmarks comparing modes) share one copy instead of reloading.
+_MODELS: "OrderedDict[tuple[str | None, str, str, Backends], LlamaForCausalLM]" = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 
-def _shared_model(path: str | None, dtype: str, device: str) -> LlamaForCausalLM:
-    key = (path, dtype, device)
+def _shared_model(path: str | None, dtype: str, device: str,
+                  backends: Backends) -> LlamaForCausalLM:
+    key = (path, dtype, device, backends)
     model = _MODELS.get(key)
     if model is None:
-        model = load_model(path, dtype, device)
+        model = load_model(path, dtype, device, backends=backends)
         _MODELS[key] = model
         while len(_MODELS) > _MAX_SHARED_MODELS:
             _MODELS.popitem(last=False)
@@ -67,16 +110,24 @@ class ModelRunner:
             # Tensor-parallel CPU ranks share the cores: each takes its share.
             threads = model_config.num_threads or usable_cpus()
             torch.set_num_threads(max(1, threads // parallel.world_size))
+        self.backends = select_backends(model_config)
+        if parallel.rank == 0:
+            kernels = self.backends.kernels
+            logger.info("CPU kernels: %s; attention: %s",
+                        kernels.isa if kernels else "off (plain torch)", self.backends.attention)
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
-            _shared_model(model_config.model, model_config.dtype, model_config.device)
+            _shared_model(model_config.model, model_config.dtype, model_config.device,
+                          self.backends)
             if parallel.world_size == 1 else
-            load_model(model_config.model, model_config.dtype, model_config.device, parallel))
+            load_model(model_config.model, model_config.dtype, model_config.device, parallel,
+                       self.backends))
         args = self.model.args
         if max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                               f"length {args.max_position_embeddings}")
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_dtype = kv_cache_dtype(cache_config, self.dtype, self.backends)
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.num_kv_heads = self.model.num_local_kv_heads
         # K and V, every layer, every KV head this rank caches: bytes per token *per shard*.
         self.bytes_per_token = 2 * args.num_layers * self.num_kv_heads * args.head_dim * elem
@@ -87,8 +138,8 @@ class ModelRunner:
         num_device_blocks = parallel.all_min(self._num_device_blocks())
         num_cpu_blocks = parallel.all_min(num_cpu_blocks)
         self.pool = KVPool(args.num_layers, self.num_kv_heads, args.head_dim, self.block_size,
-                           num_device_blocks, num_cpu_blocks, self.dtype, self.device)
-        self.sampler = Sampler(self.device, model_config.seed)
+                           num_device_blocks, num_cpu_blocks, self.kv_dtype, self.device)
+        self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -104,7 +155,9 @@ class ModelRunner:
         mib = self.num_gpu_blocks * self.bytes_per_block / 2**20
         shard = (f"rank 0 of {self.parallel.world_size} (per shard): "
                  if self.parallel.world_size > 1 else "")
-        return (f"KV cache: {shard}{self.bytes_per_token} B/token, "
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        auto = " (auto)" if self.cache_config.kv_cache_dtype == "auto" else ""
+        return (f"KV cache: {shard}{dtype}{auto}, {self.bytes_per_token} B/token, "
                 f"{self.num_gpu_blocks} device blocks "
                 f"x {self.block_size} tokens ({mib:.0f} MiB), {self.num_cpu_blocks} host swap "
                 f"blocks; fits "
@@ -117,7 +170,7 @@ class ModelRunner:
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return max(cc.kv_cache_memory // self.bytes_per_block, 1)
+            return max(self._cpu_kv_bytes() // self.bytes_per_block, 1)
         # CUDA: what is left of the allowed fraction after weights and peak activations.
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -134,11 +187,17 @@ class ModelRunner:
                                f"{cc.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB")
         return int(free // self.bytes_per_block)
 
+    def _cpu_kv_bytes(self) -> int:
+        if self.cache_config.kv_cache_memory is not None:
+            return self.cache_config.kv_cache_memory
+        available = available_memory_bytes() or 4 * CPU_KV_MAX_BYTES
+        return int(min(max(CPU_KV_FRACTION * available, CPU_KV_MIN_BYTES), CPU_KV_MAX_BYTES))
+
     def _scratch_caches(self, num_blocks: int) -> list[KVCache]:
         a = self.model.args
         shape = (num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                 for _ in range(a.num_layers)]
 
     @torch.inference_mode()
@@ -175,8 +234,8 @@ class ModelRunner:
         """Device->host->device copy bandwidth over scratch blocks (the real pools untouched)."""
         a = self.model.args
         shape = (a.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
-        dev = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        dev = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        host = torch.empty(shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
         host.copy_(dev)
         self._sync()
         start = time.perf_counter()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from everystop.core.outputs import TokenLogprob
-from everystop.executor.layers import cpu_ops
+from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.sampling_params import SamplingParams
 
 
@@ -34,8 +34,10 @@ def seed_for_step(seed: int, output_index: int) -> int:
 class Sampler:
     """Samples one token per row. Unseeded rows draw from this sampler's own generator."""
 
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0,
+                 kernels: CpuKernels | None = None) -> None:
         self.device = torch.device(device)
+        self.kernels = kernels
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -43,7 +45,7 @@ class Sampler:
         """logits: [N, vocab] float32 (unmodified); one SamplingParams and output index per row."""
         n, vocab = logits.shape
         greedy_rows = [p.greedy for p in params]
-        tokens = _argmax(logits)
+        tokens = _argmax(logits, self.kernels)
         if not all(greedy_rows):
             greedy = torch.tensor(greedy_rows, device=logits.device)
             sampled = self._sample(logits, params, output_indices, vocab)
@@ -65,7 +67,7 @@ class Sampler:
                                         torch.tensor(top_p, device=dev, dtype=torch.float32))
         probs = torch.softmax(scaled, dim=-1)
         noise = self._noise(params, output_indices, probs.shape, dev)
-        return _argmax(probs.div_(noise))
+        return _argmax(probs.div_(noise), self.kernels)
 
     def _noise(self, params: Sequence[SamplingParams], output_indices: Sequence[int],
                shape: torch.Size, dev: torch.device) -> torch.Tensor:
@@ -89,10 +91,11 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def _argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
     """Row argmax (first maximal index), through the fused CPU op where it applies."""
-    if x.dtype == torch.float32 and x.stride(-1) == 1 and cpu_ops.use_fused(x):
-        return cpu_ops.argmax_rows(x)
+    if kernels is not None and kernels.handles(x) and x.dtype == torch.float32 and \
+            x.stride(-1) == 1:
+        return kernels.argmax_rows(x)
     return x.argmax(dim=-1)
 
 

@@ -19,17 +19,16 @@ Token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to p
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from everystop.executor.layers import attention_cpu
 from everystop.executor.layers.attention_torch import paged_attention_torch
+from everystop.executor.layers.cpu_kernels import CACHE_DTYPES, CpuKernels
 
-# Forces one implementation: "reference", "torch" or "cpp" (an error if the kernel is missing).
-BACKEND_ENV = "EVERYSTOP_ATTENTION"
-BACKENDS = ("reference", "torch", "cpp")
+# ModelConfig.attention_backend: "auto" = the CPU kernel where it applies, else pure torch;
+# "kernel" (an error where it cannot run), "torch" or "reference" force one implementation.
+BACKENDS = ("auto", "kernel", "torch", "reference")
 
 
 @dataclass
@@ -58,6 +57,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots (only
     the rows in `write_rows`, when given)."""
     num_blocks, block_size, kvh, d = key_cache.shape
+    if key.dtype != key_cache.dtype:  # a 16-bit cache under fp32 activations
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if write_rows is not None:
         slot_mapping, key, value = slot_mapping[write_rows], key[write_rows], value[write_rows]
     key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key)
@@ -99,32 +100,34 @@ def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
     return out
 
 
-def select_backend(q: torch.Tensor, key_cache: torch.Tensor) -> str:
-    """Which implementation paged_attention uses for these inputs: $EVERYSTOP_ATTENTION if set,
-    else the C++ kernel on CPU when it builds, else the pure-torch path."""
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={forced!r}; expected one of {BACKENDS}")
-        if forced == "cpp" and not (attention_cpu.supports(q, key_cache)
-                                    and attention_cpu.kernel_available()):
-            raise RuntimeError(f"{BACKEND_ENV}=cpp but the CPU kernel cannot run these inputs "
-                               f"(device {q.device}, dtype {key_cache.dtype})")
-        return forced
-    if attention_cpu.supports(q, key_cache) and attention_cpu.kernel_available():
-        return "cpp"
-    return "torch"
+def select_backend(q: torch.Tensor, key_cache: torch.Tensor, kernels: CpuKernels | None,
+                   backend: str = "auto") -> str:
+    """Which implementation paged_attention runs for these inputs: "kernel", "torch" or
+    "reference"."""
+    usable = (kernels is not None and kernels.handles(q) and kernels.handles(key_cache)
+              and key_cache.dtype in CACHE_DTYPES)
+    if backend == "auto":
+        return "kernel" if usable else "torch"
+    if backend == "kernel" and not usable:
+        raise RuntimeError(f"attention backend 'kernel' cannot run these inputs (device "
+                           f"{q.device}, cache dtype {key_cache.dtype}, CPU kernels "
+                           f"{kernels.isa if kernels else 'off'})")
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}; expected one of {BACKENDS}")
+    return backend
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a packed batch through the block tables. Dispatches to the fastest
-    available implementation for the device (see select_backend); returns q's dtype."""
-    backend = select_backend(q, key_cache)
-    if backend == "cpp":
-        return attention_cpu.paged_attention_cpu(q, key_cache, value_cache, meta.block_tables,
-                                                 meta.query_start_loc, meta.seq_lens, scale)
-    if backend == "torch":
+                    meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None,
+                    backend: str = "auto") -> torch.Tensor:
+    """Attention for a packed batch through the block tables (see select_backend); returns
+    q's dtype."""
+    chosen = select_backend(q, key_cache, kernels, backend)
+    if chosen == "kernel":
+        assert kernels is not None
+        return kernels.paged_attention(q, key_cache, value_cache, meta.block_tables,
+                                       meta.query_start_loc, meta.seq_lens, scale)
+    if chosen == "torch":
         return paged_attention_torch(q, key_cache, value_cache, meta.block_tables,
                                      meta.seq_lens, meta.query_start_loc_list,
                                      meta.seq_lens_list, scale)

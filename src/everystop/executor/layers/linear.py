@@ -14,14 +14,13 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from everystop.executor.layers import cpu_ops
+from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
 
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
@@ -32,20 +31,13 @@ from everystop.executor.layers.parallel import ParallelContext, shard_heads, sha
 SMALL_ROWS = 8
 
 
-# NOTE: on CPUs without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (measured
-# here: ~180 vs ~350 GFLOP/s, docs/perf/profile.md), so 16-bit weights are multiplied in fp32
-# for compute-bound inputs. The result is what the bf16 GEMM gives (fp32 accumulation of bf16
-# products, rounded once to bf16). EVERYSTOP_CPU_16BIT_GEMM=native keeps the library's 16-bit
-# GEMM.
-_FP32_GEMM = os.environ.get("EVERYSTOP_CPU_16BIT_GEMM", "fp32").strip().lower() != "native"
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T (no bias), x: [rows, in]."""
-    if x.dim() == 2 and x.shape[0] and cpu_ops.use_fused(x):
+def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = None
+           ) -> torch.Tensor:
+    """x @ weight.T (no bias), x: [rows, in]; through the CPU kernels where they apply."""
+    if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
         if x.shape[0] <= SMALL_ROWS and weight.is_contiguous():
-            return cpu_ops.linear_small(x, weight)
-        if weight.dtype == torch.float32 or _FP32_GEMM:
+            return kernels.linear_small(x, weight)
+        if weight.dtype == torch.float32 or kernels.fp32_gemm_for_16bit:
             out = _gemm_fp32(x.float(), weight)
             return out if out.dtype == x.dtype else out.to(x.dtype)
     return F.linear(x, weight)
@@ -91,8 +83,10 @@ class ColumnParallelLinear(nn.Module):
     every block, stacked in the same order, so a fused output still splits block by block."""
 
     def __init__(self, in_features: int, block_sizes: Sequence[int], ctx: ParallelContext,
-                 rows: Sequence[RowRange] | None = None) -> None:
+                 rows: Sequence[RowRange] | None = None,
+                 kernels: CpuKernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels
         if rows is None:
             offsets = [sum(block_sizes[:i]) for i in range(len(block_sizes))]
             shares = [shard_range(n, ctx.world_size, ctx.rank) for n in block_sizes]
@@ -109,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([full[start:start + size] for start, size in self.rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.kernels)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -117,13 +111,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     its slice is [q_r; k_r; v_r] (KV heads replicated when there are fewer than ranks)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 ctx: ParallelContext) -> None:
+                 ctx: ParallelContext, kernels: CpuKernels | None = None) -> None:
         self.heads = shard_heads(num_heads, num_kv_heads, ctx.world_size, ctx.rank)
         h, d = self.heads, head_dim
         q_full, kv_full = num_heads * d, num_kv_heads * d
         rows = [(h.q_start * d, h.num_q * d), (q_full + h.kv_start * d, h.num_kv * d),
                 (q_full + kv_full + h.kv_start * d, h.num_kv * d)]
-        super().__init__(hidden_size, [q_full, kv_full, kv_full], ctx, rows)
+        super().__init__(hidden_size, [q_full, kv_full, kv_full], ctx, rows, kernels)
         if rows == [(0, q_full), (q_full, kv_full), (q_full + kv_full, kv_full)]:
             self.rows = ((0, q_full + 2 * kv_full),)  # the whole tensor: no copy on load
 
@@ -132,9 +126,10 @@ class RowParallelLinear(nn.Module):
     """Keeps the input columns [start, start+size) and sums partial outputs over ranks."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
-                 cols: RowRange | None = None) -> None:
+                 cols: RowRange | None = None, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.ctx = ctx
+        self.kernels = kernels
         self.cols = cols or shard_range(in_features, ctx.world_size, ctx.rank)
         self.full_in_features = in_features
         self.weight = nn.Parameter(torch.empty(out_features, self.cols[1]), requires_grad=False)
@@ -146,16 +141,18 @@ class RowParallelLinear(nn.Module):
         return full if size == full.shape[1] else full[:, start:start + size].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(linear(x, self.weight))
+        return self.ctx.all_reduce(linear(x, self.weight, self.kernels))
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds embedding rows [start, start+size). A token outside the range looks up
     zeros, so the all-reduce sum is exactly the one rank's row (x + 0 = x: no rounding)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext,
+                 kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.ctx = ctx
+        self.kernels = kernels
         self.vocab_size = vocab_size
         self.start, self.size = shard_range(vocab_size, ctx.world_size, ctx.rank)
         self.weight = nn.Parameter(torch.empty(self.size, hidden_size), requires_grad=False)
@@ -174,7 +171,8 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Use the rows as a vocabulary projection (an LM head, or a tied embedding): float32
         logits [N, vocab] on rank 0 (the only rank that samples), None on the others."""
-        full = self.ctx.gather_last_dim(linear(hidden, self.weight), self.vocab_size)
+        full = self.ctx.gather_last_dim(linear(hidden, self.weight, self.kernels),
+                                        self.vocab_size)
         return None if full is None else full.float()
 
 

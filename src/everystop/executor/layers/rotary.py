@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from everystop.executor.layers import cpu_ops
+from everystop.executor.layers.cpu_kernels import CpuKernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -62,13 +62,14 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kernels: CpuKernels | None = None) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] by the per-token angles (half tables from rope_cos_sin).
 
     May rotate x in place (the fused CPU op does); use the returned tensor.
     """
-    if cpu_ops.use_fused(x) and x.stride(-1) == 1:
-        return cpu_ops.rope_(x, cos, sin)
+    if kernels is not None and kernels.handles(x) and x.stride(-1) == 1:
+        return kernels.rope_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     # As the reference models: the tables are cast to the activation dtype first, and

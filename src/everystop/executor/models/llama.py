@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from everystop.executor.layers.attention import AttentionMetadata, paged_attention, write_kv
+from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (ParallelLMHead, QKVParallelLinear,
                                               RowParallelLinear, VocabParallelEmbedding)
 from everystop.executor.layers.mlp import SwiGLU
@@ -49,14 +50,29 @@ class LlamaArgs:
                              f"num_kv_heads ({self.num_kv_heads})")
 
 
+@dataclass(frozen=True)
+class Backends:
+    """How the layers compute, fixed when the model is built: the CPU kernel library (None =
+    plain torch) and the attention implementation (see layers/attention.select_backend)."""
+
+    kernels: CpuKernels | None = None
+    attention: str = "auto"
+
+
+TORCH_ONLY = Backends()
+
+
 class LlamaAttention(nn.Module):
     """Under tensor parallelism this rank's heads only (see `shard_heads`): the head counts and
     sizes below are local; o_proj sums the ranks' partial outputs."""
 
-    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE) -> None:
+    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
         super().__init__()
+        self.backends = backends
+        kernels = backends.kernels
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.num_heads, args.num_kv_heads,
-                                          args.head_dim, ctx)
+                                          args.head_dim, ctx, kernels)
         heads = self.qkv_proj.heads
         self.num_heads, self.num_kv_heads, self.head_dim = (heads.num_q, heads.num_kv,
                                                             args.head_dim)
@@ -64,45 +80,69 @@ class LlamaAttention(nn.Module):
         self.kv_size = heads.num_kv * args.head_dim
         self.scale = args.head_dim ** -0.5
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, ctx,
-                                        (heads.q_start * args.head_dim, self.q_size))
+                                        (heads.q_start * args.head_dim, self.q_size), kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        kernels = self.backends.kernels
         key_cache, value_cache = kv_cache
         # NOTE: K/V are written before attention so each token sees itself and the earlier
         # tokens of this same step through the block table.
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping, meta.write_rows)
-        out = paged_attention(q, key_cache, value_cache, meta, self.scale)
+        if (kernels is not None and kernels.handles(qkv) and kernels.handles(key_cache)
+                and meta.write_rows is None and qkv.is_contiguous()):
+            kernels.rope_write_kv_(qkv, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                                   self.num_heads, self.num_kv_heads)
+            q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin, kernels)
+            k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin, kernels)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            write_kv(key_cache, value_cache, k, v, meta.slot_mapping, meta.write_rows)
+        out = paged_attention(q, key_cache, value_cache, meta, self.scale, kernels,
+                              self.backends.attention)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE) -> None:
+    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = LlamaAttention(args, ctx)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx)
+        kernels = backends.kernels
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.self_attn = LlamaAttention(args, ctx, backends)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings at layer 0, residual None).
+        Returns this layer's MLP output and the residual stream it is to be added to: each add
+        is fused into the norm that follows it (the stream is updated in place)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE) -> None:
+    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
         super().__init__()
+        kernels = backends.kernels
         # Vocab-sharded rather than replicated: a tied LM head then reuses this slice, and the
         # rank saves (1 - 1/world) of vocab x hidden (1.6 GiB/GPU for Llama-3-70B in bf16 at
         # TP=4) for one extra all-reduce of [tokens, hidden] per step (vs 2 per layer).
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, ctx) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx,
+                                                   kernels)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, ctx, backends)
+                                    for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,13 +152,15 @@ class LlamaForCausalLM(nn.Module):
     With a tensor-parallel `ctx` the module holds rank `ctx.rank`'s shard of every weight; the
     loader cuts shards with each sharded layer's `shard_weight`."""
 
-    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE) -> None:
+    def __init__(self, args: LlamaArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
         super().__init__()
         self.args = args
         self.ctx = ctx
-        self.model = LlamaModel(args, ctx)
+        self.backends = backends
+        self.model = LlamaModel(args, ctx, backends)
         self.lm_head = (None if args.tie_word_embeddings else
-                        ParallelLMHead(args.vocab_size, args.hidden_size, ctx))
+                        ParallelLMHead(args.vocab_size, args.hidden_size, ctx, backends.kernels))
         self.inv_freq: torch.Tensor = rope_inv_freq(args.head_dim, args.rope_theta,
                                                     args.rope_scaling)
 
@@ -133,9 +175,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for a packed batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     @property
     def num_local_kv_heads(self) -> int:

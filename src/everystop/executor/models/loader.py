@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM, hf_sources
+from everystop.executor.models.llama import (TORCH_ONLY, Backends, LlamaArgs, LlamaForCausalLM,
+                                             hf_sources)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -64,7 +65,8 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+               parallel: ParallelContext = SINGLE,
+               backends: Backends = TORCH_ONLY) -> LlamaForCausalLM:
     """Load weights from `path` (GGUF file or HF directory; None = default model).
 
     Under tensor parallelism (`parallel.world_size > 1`) only rank `parallel.rank`'s shard of
@@ -81,7 +83,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     torch_dtype = DTYPES[dtype]
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(args, parallel)
+            model = LlamaForCausalLM(args, parallel, backends)
     except ValueError as e:  # heads that cannot be split over this many ranks
         raise ModelLoadError(f"{path}: {e}") from None
     expected = model.state_dict()

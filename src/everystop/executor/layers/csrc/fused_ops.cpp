@@ -4,8 +4,11 @@
 // costs. All arithmetic is fp32; 16-bit inputs are widened on load and rounded once on store.
 //
 //   rms_norm(x, w, eps)        w * to_dtype(x * rsqrt(mean(x^2) + eps))   (Llama's order)
+//   add_rms_norm_(r, x, w, eps) r += x in place, then rms_norm(r, w, eps)
 //   silu_mul(gate_up)          silu(gate_up[:, :I]) * gate_up[:, I:]
 //   rope_(x, cos, sin)         in place, half-split ("rotate_half") layout, x: [T, heads, D]
+//   rope_write_kv_(qkv, ...)   rope_ on a fused qkv row's q and k heads, then k and v stored
+//                              into their KV cache slots
 //   argmax_rows(x)             first index of each row's maximum (NaN counts as maximal)
 //   linear_small(x, w)         x @ w.T for a few rows of x (decode): a weight-streaming GEMV,
 //                              fp32 accumulation (bf16 dot products where the CPU has them)
@@ -22,11 +25,7 @@
 #include <cstring>
 #include <type_traits>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
-#include "vec16.h"
+#include "simd.h"
 
 namespace {
 
@@ -78,10 +77,62 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// residual += x (rounded to the dtype, as torch's x + residual), then out = rms_norm(residual):
+// the residual add before each norm of a pre-norm decoder, in one pass instead of two ops.
+template <typename T>
+void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
+                       double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  T* rp = residual.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t rs = residual.stride(0), xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* rr = rp + r * rs;
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) {
+        const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
+        rr[i] = sum;
+        const float v = to_f(sum);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {
+        const float n = to_f(from_f<T>(to_f(rr[i]) * inv));
+        orow[i] = from_f<T>(to_f(wp[i]) * n);
+      }
+    }
+  });
+}
+
+at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& x, const at::Tensor& w,
+                         double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.dim() == 2 &&
+                  residual.stride(1) == 1 && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: residual and x must be [rows, dim] of one dtype, row-contiguous");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: weight must be contiguous [dim] of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(residual, x, w, eps, out); break;
+    case at::kBFloat16: add_rms_norm_impl<c10::BFloat16>(residual, x, w, eps, out); break;
+    case at::kHalf: add_rms_norm_impl<c10::Half>(residual, x, w, eps, out); break;
+    default: TORCH_CHECK(false, "add_rms_norm_: unsupported dtype");
+  }
+  return out;
+}
+
 // silu(a) = a * sigmoid(a), with sigmoid from z = exp(-|a|) <= 1 so it never overflows.
-inline v16 silu16(v16 a) {
-  const v16 z = exp16(a < 0 ? a : -a);
-  return a * ((a >= 0 ? v16{} + 1.f : z) / (1.f + z));
+inline vf silu_v(vf a) {
+  const vf z = exp_v(a < 0 ? a : -a);
+  return a * ((a >= 0 ? vf{} + 1.f : z) / (1.f + z));
 }
 
 template <typename T>
@@ -91,31 +142,31 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t gs = gu.stride(0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t begin, int64_t end) {
-    float s[16];
+    float s[ES_W];
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * gs;
       const T* u = g + inter;
       T* o = op + r * inter;
       // NOTE: GCC does not vectorize std::exp here (glibc declares its vector variants only
-      // under -ffast-math), so the exponential is taken 16 at a time with exp16; fp32 and
+      // under -ffast-math), so the exponential is taken a vector at a time with exp_v; fp32 and
       // bf16 rows convert as whole vectors too. Results are rounded like F.silu(gate) * up in
       // the activation dtype.
       int64_t i0 = 0;
       if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value) {
-        for (; i0 + 16 <= inter; i0 += 16) {
-          const v16 sv = silu16(load16(g + i0, 16)), uv = load16(u + i0, 16);
+        for (; i0 + kW <= inter; i0 += kW) {
+          const vf sv = silu_v(loadv(g + i0)), uv = loadv(u + i0);
           if constexpr (std::is_same<T, float>::value) {
-            const v16 ov = sv * uv;
+            const vf ov = sv * uv;
             std::memcpy(o + i0, &ov, sizeof(ov));
           } else {
-            const v16h oh = v16_to_bf16x16(round_to_bf16(sv) * uv);
+            const vh oh = vf_to_bf16(round_to_bf16(sv) * uv);
             std::memcpy(o + i0, &oh, sizeof(oh));
           }
         }
       }
-      for (; i0 < inter; i0 += 16) {
-        const int64_t n = std::min<int64_t>(16, inter - i0);
-        const v16 sv = silu16(load16(g + i0, n));
+      for (; i0 < inter; i0 += kW) {
+        const int64_t n = std::min<int64_t>(kW, inter - i0);
+        const vf sv = silu_v(loadv_n(g + i0, n));
         std::memcpy(s, &sv, sizeof(sv));
         for (int64_t i = 0; i < n; ++i)
           o[i0 + i] = from_f<T>(to_f(from_f<T>(s[i])) * to_f(u[i0 + i]));
@@ -177,6 +228,98 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
+// The attention block's glue in one pass per token: rotate the q and k heads of a fused qkv row
+// in place (as rope_), then store the rotated k and the v heads into their cache slot
+// (converted to the cache's dtype, as write_kv).
+template <typename T, typename C>
+void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& key_cache, at::Tensor& value_cache,
+                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t tokens = qkv.size(0), D = key_cache.size(3), half = D / 2;
+  T* xp = qkv.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  C* kc = key_cache.data_ptr<C>();
+  C* vc = value_cache.data_ptr<C>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t ts = qkv.stride(0), slot_stride = num_kv_heads * D;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      T* row = xp + t * ts;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        T* a = row + h * D;
+        T* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(a[i]), x2 = to_f(b[i]);
+          a[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
+          b[i] = from_f<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      const T* k = row + num_heads * D;
+      const T* v = k + num_kv_heads * D;
+      C* kd = kc + slot[t] * slot_stride;
+      C* vd = vc + slot[t] * slot_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < slot_stride; ++i) {
+        kd[i] = from_f<C>(to_f(k[i]));
+        vd[i] = from_f<C>(to_f(v[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_write_kv_for_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots,
+                             int64_t nh, int64_t nkv) {
+  switch (kc.scalar_type()) {
+    case at::kFloat: rope_write_kv_impl<T, float>(qkv, cos, sin, kc, vc, slots, nh, nkv); break;
+    case at::kBFloat16:
+      rope_write_kv_impl<T, c10::BFloat16>(qkv, cos, sin, kc, vc, slots, nh, nkv);
+      break;
+    case at::kHalf: rope_write_kv_impl<T, c10::Half>(qkv, cos, sin, kc, vc, slots, nh, nkv); break;
+    default: TORCH_CHECK(false, "rope_write_kv_: unsupported cache dtype");
+  }
+}
+
+void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots,
+                    int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "rope_write_kv_: caches must be contiguous [blocks, block_size, kv_heads, dim]");
+  const int64_t D = key_cache.size(3);
+  TORCH_CHECK(key_cache.size(2) == num_kv_heads && D % 2 == 0, "rope_write_kv_: head shape");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "rope_write_kv_: qkv must be [tokens, (heads + 2 kv_heads) * dim], row-contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == qkv.size(0) && cos.size(1) * 2 == D && sin.sizes() == cos.sizes(),
+              "rope_write_kv_: cos/sin must be contiguous float32 [tokens, dim / 2]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == qkv.size(0),
+              "rope_write_kv_: one int64 slot per token");
+  switch (qkv.scalar_type()) {
+    case at::kFloat:
+      rope_write_kv_for_cache<float>(qkv, cos, sin, key_cache, value_cache, slots, num_heads,
+                                     num_kv_heads);
+      break;
+    case at::kBFloat16:
+      rope_write_kv_for_cache<c10::BFloat16>(qkv, cos, sin, key_cache, value_cache, slots,
+                                             num_heads, num_kv_heads);
+      break;
+    case at::kHalf:
+      rope_write_kv_for_cache<c10::Half>(qkv, cos, sin, key_cache, value_cache, slots, num_heads,
+                                         num_kv_heads);
+      break;
+    default: TORCH_CHECK(false, "rope_write_kv_: unsupported dtype");
+  }
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "argmax_rows: x must be float32 [rows, cols], row-contiguous");
@@ -214,8 +357,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // several streams.
 //
 // bf16 weights with bf16 activations use AVX512-BF16's dot product (VDPBF16PS: 32 bf16 pairs
-// per instruction, fp32 accumulation) where the CPU has it; other 16-bit cases widen the
-// weights to fp32 in registers.
+// per instruction, fp32 accumulation) in the build for CPUs that have it; other cases widen
+// the weights to fp32 in registers, a vector (8 or 16 floats) at a time.
 constexpr int64_t kMaxRows = 8;
 
 // sum of x[i] * w[i] for i in [from, k), in fp32: the columns and the k remainder the vector
@@ -239,60 +382,52 @@ void with_row_count(int64_t rows, const F& f) {
   }
 }
 
-#ifdef __AVX512F__
-inline __m512 load_w16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_w16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load_w16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // One core alone cannot keep enough cache-line fills in flight to stream at the memory's
 // rate; asking for the next tile's rows while this tile computes does (a prefetch past the end
 // of the weight is harmless: it never faults).
 template <typename T>
 inline void prefetch_next_tile(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  __builtin_prefetch(reinterpret_cast<const char*>(p));
 }
 
-// Output columns per inner iteration: as many as the registers allow next to R accumulators.
+// Output columns per inner iteration: as many as the vector registers allow next to R
+// accumulators (R x C accumulators + C weight vectors + 1 activation vector): 32 registers
+// with AVX-512, 16 with AVX2.
 template <int R>
-constexpr int kCols = R <= 2 ? 8 : (R <= 5 ? 4 : 2);
+constexpr int kCols = ES_W == 16 ? (R <= 2 ? 8 : (R <= 5 ? 4 : 2))
+                                 : (R <= 2 ? 4 : (R <= 5 ? 2 : 1));
 
 template <typename W, int R>
 void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
                 float* out, int64_t out_stride) {
   constexpr int C = kCols<R>;
-  const int64_t k16 = k - k % 16;
+  const int64_t kv = k - k % kW;
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
-    __m512 acc[R][C];
+    vf acc[R][C];
     for (int m = 0; m < R; ++m)
-      for (int j = 0; j < C; ++j) acc[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < C; ++j) acc[m][j] = vf{};
     const W* w0 = w + n * k;
-    for (int64_t i = 0; i < k16; i += 16) {
-      __m512 a[C];
+    for (int64_t i = 0; i < kv; i += kW) {
+      vf a[C];
       for (int j = 0; j < C; ++j) {
         prefetch_next_tile(w0 + (C + j) * k + i);
-        a[j] = load_w16(w0 + j * k + i);
+        a[j] = loadv(w0 + j * k + i);
       }
       for (int m = 0; m < R; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * k + i);
-        for (int j = 0; j < C; ++j) acc[m][j] = _mm512_fmadd_ps(xv, a[j], acc[m][j]);
+        const vf xv = loadv(x + m * k + i);
+        for (int j = 0; j < C; ++j) acc[m][j] += xv * a[j];
       }
     }
     for (int m = 0; m < R; ++m)
       for (int j = 0; j < C; ++j)
-        out[m * out_stride + n + j] =
-            _mm512_reduce_add_ps(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, k16, k);
+        out[m * out_stride + n + j] = hsum(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, kv, k);
   }
   for (; n < n_end; ++n)
     for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // x and w both bf16: 32 products per instruction. The k remainder (k % 32) runs in fp32 on
 // the widened values, which are exact.
 template <int R>
@@ -324,21 +459,6 @@ void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w
   }
   for (; n < n_end; ++n)
     for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
-}
-#endif
-#else
-template <typename W, int R>
-void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
-                float* out, int64_t out_stride) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const W* wr = w + n * k;
-    for (int m = 0; m < R; ++m) {
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * to_f(wr[i]);
-      out[m * out_stride + n] = sum;
-    }
-  }
 }
 #endif
 
@@ -408,18 +528,23 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(everystop, m) {
+ES_LIBRARY_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("rope_write_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
+        "Tensor(c!) value_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("linear_small(Tensor x, Tensor weight) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(everystop, CPU, m) {
+ES_LIBRARY_IMPL(m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("rope_write_kv_", &rope_write_kv_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_small", &linear_small);
 }

@@ -1,0 +1,239 @@
+"""The CPU kernels (csrc/*.cpp): paged attention, the decode GEMV and the fused element-wise
+ops, built once per instruction set and chosen at run time from the CPU's flags.
+
+The same sources compile into one library per ISA, each with its own vector width (8 floats
+for AVX2, 16 for AVX-512) and its own op namespace (``torch.ops.everystop_<isa>``), so one
+install serves AVX2, AVX-512 and AVX512-BF16 machines and a machine can run (and test) every
+build it can execute. Libraries are built lazily into the torch extensions dir
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
+afterwards. A failed build logs a warning and the next ISA down is tried; with none, the
+layers run plain torch.
+
+The choice is made once, when the model is built (``ModelConfig.cpu_kernels``), and handed to
+the layers as a `CpuKernels` object: nothing is read from the environment on the hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp"]
+_HEADERS = [_CSRC / "simd.h"]  # included by both sources
+
+# -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
+# glibc declares its vector variants only under -ffast-math, hence exp_v in csrc/simd.h.)
+_COMMON_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]  # /proc/cpuinfo flags the build's instructions require
+
+
+# Best first. "generic" has no -march: the compiler's baseline (SSE2 on x86-64, NEON on arm64).
+ISAS: tuple[Isa, ...] = (
+    Isa("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-DES_W=16"), _V4 | {"avx512_bf16"}),
+    Isa("avx512", ("-march=x86-64-v4", "-DES_W=16"), _V4),
+    Isa("avx2", ("-march=x86-64-v3", "-DES_W=8"), _V3),
+    Isa("generic", ("-DES_W=8",), frozenset()),
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
+CHOICES = ("auto", "off", *ISA_NAMES)  # values of ModelConfig.cpu_kernels
+
+# Rows (query tokens x heads of one kv group) that share one pass over the K/V blocks: large
+# enough to amortize loading a block, small enough that a prefill chunk splits into many items
+# for the threads to share.
+ROWS_PER_ITEM = 24
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo has none, e.g. not Linux on x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The builds this CPU can execute, best first ("generic" always)."""
+    flags = cpu_flags() if flags is None else flags
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return [isa.name for isa in ISAS if isa.name == "generic" or (x86 and isa.needs <= flags)]
+
+
+_lock = threading.Lock()
+_libraries: dict[str, bool] = {}  # ISA -> whether its library loaded (absent: not tried yet)
+
+
+def library_available(isa: str) -> bool:
+    """Build/load the library for `isa` if not tried yet; True if its ops can be called."""
+    if isa not in _libraries:
+        with _lock:
+            if isa not in _libraries:
+                _libraries[isa] = _build(_isa(isa))
+    return _libraries[isa]
+
+
+def _isa(name: str) -> Isa:
+    for isa in ISAS:
+        if isa.name == name:
+            return isa
+    raise ValueError(f"unknown CPU kernel ISA {name!r}; expected one of {ISA_NAMES}")
+
+
+def _build(isa: Isa) -> bool:
+    try:
+        _load_or_build(isa)
+        getattr(torch.ops, f"everystop_{isa.name}").paged_attention  # noqa: B018 - registered?
+        return True
+    except Exception as exc:  # any compiler/loader failure means "try the next one down"
+        logger.warning("CPU kernels for %s unavailable: %s", isa.name, exc)
+        return False
+
+
+def _load_or_build(isa: Isa) -> None:
+    """Load the built library straight from its cache directory, or build it there first.
+
+    NOTE: the directory is named after a hash of the sources, their header, the flags and the
+    torch version, and those files are copied into it, so checkouts at different paths (or an
+    installed package next to a source tree) share one build instead of rebuilding each
+    other's, and a cached build is loaded without running the compiler's up-to-date check
+    (seconds at startup).
+    """
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    cflags = [*_COMMON_CFLAGS, *isa.cflags, f"-DES_NS=everystop_{isa.name}"]
+    files = [*_SOURCES, *_HEADERS]
+    texts = [src.read_bytes() for src in files]
+    digest = hashlib.sha256(b"\0".join([*texts, " ".join(cflags).encode(),
+                                          torch.__version__.encode()])).hexdigest()[:12]
+    name = f"everystop_kernels_{isa.name}_{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    build_dir = Path(root) / name
+    library = build_dir / f"{name}.so"
+    if library.is_file() and not (build_dir / "lock").exists():
+        torch.ops.load_library(str(library))
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for src, text in zip(files, texts, strict=True):
+        copy = build_dir / src.name
+        if not copy.is_file() or copy.read_bytes() != text:
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(text)
+            os.replace(tmp, copy)
+        if src in _SOURCES:
+            copies.append(str(copy))
+    load(name=name, sources=copies, build_directory=str(build_dir), extra_cflags=cflags,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """One ISA's kernel library, as the layers call it.
+
+    `fp32_gemm_for_16bit`: multiply 16-bit weights in fp32 for compute-bound inputs. On CPUs
+    without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (docs/perf/profile.md);
+    the result is what the bf16 GEMM gives (fp32 accumulation, rounded once to bf16).
+    """
+
+    isa: str
+    fp32_gemm_for_16bit: bool = True
+
+    @property
+    def ops(self) -> Any:
+        return getattr(torch.ops, f"everystop_{self.isa}")
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu"
+
+    def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """Attention through the block tables; returns q's dtype."""
+        # q is small next to the caches, so it is handed over in fp32 and the output cast
+        # back: one kernel instantiation per cache dtype instead of one per (q, cache) pair.
+        out = self.ops.paged_attention(
+            q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+            block_tables.long().contiguous(), query_start_loc.long().contiguous(),
+            seq_lens.long().contiguous(), float(scale), ROWS_PER_ITEM)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * to_dtype(x * rsqrt(mean(x^2) + eps)) over the last dim, fp32 inside."""
+        shape = x.shape
+        return self.ops.rms_norm(x.reshape(-1, shape[-1]), weight, eps).view(shape)
+
+    def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """residual += x in place; returns rms_norm(residual) (both [rows, dim])."""
+        return self.ops.add_rms_norm_(residual, x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+        return self.ops.silu_mul(gate_up)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] in place by fp32 half tables [T, head_dim // 2]."""
+        self.ops.rope_(x, cos, sin)
+        return x
+
+    def rope_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        """Rotate the q and k heads of qkv [T, (heads + 2 kv_heads) * head_dim] in place, then
+        store k and v into their cache slots (one per token)."""
+        self.ops.rope_write_kv_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                num_heads, num_kv_heads)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """First index of each row's maximum of a float32 [N, V] (torch.argmax is ~10x
+        slower)."""
+        return self.ops.argmax_rows(x)
+
+    def linear_small(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [rows <= 8, in] @ weight.T streaming the weights once, fp32 accumulation."""
+        return self.ops.linear_small(x, weight)
+
+
+def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True
+                     ) -> CpuKernels | None:
+    """The kernels for `choice`: "auto" = the best build this CPU runs that compiles, "off" =
+    None (plain torch), or an ISA name (an error if this CPU cannot run it or it fails to
+    build)."""
+    if choice == "off":
+        return None
+    if choice == "auto":
+        for name in runnable_isas():
+            if library_available(name):
+                return CpuKernels(name, fp32_gemm_for_16bit)
+        return None
+    _isa(choice)  # an unknown name is a ValueError
+    if choice not in runnable_isas():
+        raise ValueError(f"CPU kernels {choice!r} need CPU flags this machine lacks "
+                         f"(it runs: {', '.join(runnable_isas())})")
+    if not library_available(choice):
+        raise RuntimeError(f"CPU kernels {choice!r} failed to build (see the warning above)")
+    return CpuKernels(choice, fp32_gemm_for_16bit)
