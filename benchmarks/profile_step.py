@@ -23,10 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_json import emit  # noqa: E402
 
+# Our kernels' ops live in one namespace per ISA build (everystop_avx2::..., ...): they are
+# matched as "everystop::<op>".
 LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
               "mkl::_mkl_linear", "everystop::linear_small"}  # packed GEMM, decode GEMV
 ATTENTION_OPS = {"everystop::paged_attention"}
 KV_WRITE_OPS = {"aten::index_copy_", "everystop::write_kv"}
+
+
+def _op_name(name: str) -> str:
+    namespace, sep, op = name.partition("::")
+    return f"everystop::{op}" if sep and namespace.startswith("everystop_") else name
 # Ranges added by this script; anything under them is charged to them whole.
 RANGES = {"build_inputs": "input_prep", "sampler": "sampling", "lm_head": "lm_head",
           "forward": "python_overhead", "step": "python_overhead"}
@@ -55,7 +62,7 @@ def _categorize(events: Any) -> dict[str, float]:
     acc: dict[str, float] = defaultdict(float)
 
     def walk(ev: Any, inherited: str) -> None:
-        name = ev.name
+        name = _op_name(ev.name)
         if inherited in ("input_prep", "sampling", "lm_head"):
             cat = inherited
         elif name in RANGES:
@@ -84,10 +91,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole workload (~47k tokens) must fit to run 128")
     ap.add_argument("--max-steps", type=int, default=60, help="stop the run after this many")
+    ap.add_argument("--single", action="store_true",
+                    help="one request alone (a ~280-token prompt): profile its 32nd decode step")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -101,13 +112,23 @@ def main() -> None:
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
     if args.threads is not None:
         options["num_threads"] = args.threads
+    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM(**options)
     engine = llm.engine
     runner = engine.executor.runner
     workload = make_workload(llm.get_tokenizer(), 0)
-    for i, r in enumerate(workload["requests"]):
+    requests = workload["requests"]
+    if args.single:
+        requests = [max(requests, key=lambda r: r["prompt_len"] if r["prompt_len"] <= 300 else 0)]
+        requests[0] = dict(requests[0], max_tokens=64)
+    for i, r in enumerate(requests):
         engine.add_request(r["prompt_token_ids"], SamplingParams(
             max_tokens=r["max_tokens"], temperature=0.0, seed=i, ignore_eos=True))
+    # The step to profile: a mixed step at 128 sequences, or (--single) the 32nd decode step.
+    def wanted(sched: Any, step: int) -> bool:
+        if args.single:
+            return step == 32
+        return len(sched.scheduled) == 128 and sched.num_prefill_tokens > 0
 
     steps: list[dict[str, Any]] = []
     picked: dict[str, Any] | None = None
@@ -117,7 +138,7 @@ def main() -> None:
         t1 = time.perf_counter()
         if sched.is_empty:
             continue
-        if picked is None and len(sched.scheduled) == 128 and sched.num_prefill_tokens > 0:
+        if picked is None and wanted(sched, len(steps)):
             picked = _profile(engine, runner, sched, args.repeats)
         t2 = time.perf_counter()
         result = engine.executor.execute(sched)
@@ -134,7 +155,9 @@ def main() -> None:
     def mean(rows: list[dict[str, Any]], key: str) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
 
-    out = {"dtype": args.dtype, "threads": torch.get_num_threads(),
+    out = {"dtype": args.dtype, "threads": torch.get_num_threads(), "single": args.single,
+           "cpu_kernels": runner.backends.kernels.isa if runner.backends.kernels else "off",
+           "kv_cache": engine.executor.describe_capacity(),
            "load_avg": os.getloadavg(), "num_steps": len(steps),
            "mixed_step": picked,
            "steps_at_128": {"count": len(full), "decode_only_count": len(decode_only),

@@ -41,6 +41,7 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
     if args.threads is not None:
         options["num_threads"] = args.threads
+    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM(**options)
     return llm, time.perf_counter() - start
 
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole workload (~47k tokens) fits in 3 GiB at fp32")
     ap.add_argument("--temperature", type=float, default=0.0)

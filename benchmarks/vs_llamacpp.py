@@ -5,10 +5,10 @@ token ids, ignore_eos, greedy), in one run: output tok/s and TTFT percentiles of
         --gguf /tmp/smollm2-f16.gguf --dtype bfloat16 --out benchmarks/results/vs_llamacpp.json
 
 llama.cpp is not built here: pass the binary (built outside this tree). Its server runs on
-127.0.0.1 with one slot per request (--parallel = the number of requests, unified KV cache;
-`--slots N` for fewer, the rest queue) and is driven by an asyncio streaming client; everystop
-runs the same requests through its offline API (LLM.generate) at the same concurrency
-(max_num_seqs).
+127.0.0.1 in its default KV configuration (one cache per slot, each sized for the longest
+request; `--slots N`, default 32, the rest queue) and is driven by an asyncio streaming client;
+its exact command line is recorded. everystop runs the same requests through its offline API
+(LLM.generate) in its own best configuration (`--everystop-max-num-seqs`, default 128).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_json import emit  # noqa: E402
+
+from everystop.bench.machine import cpu_info  # noqa: E402
 from throughput import _percentile  # noqa: E402
 
 
 def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
     return [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port),
-            "-np", str(n_slots), "-c", str(ctx), "--kv-unified", "-t", str(args.threads),
+            "-np", str(n_slots), "-c", str(ctx), "-t", str(args.threads),
             "-tb", str(args.threads), "-b", str(args.batch), "-ub", str(args.ubatch),
             "--no-webui", *args.extra.split()]
 
@@ -74,8 +76,9 @@ async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dic
 
 
 def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    ctx = sum(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64 * len(reqs)
-    cmd = _server_cmd(args, args.slots or len(reqs), ctx)
+    # Per-slot caches split -c evenly: each slot must hold the longest request.
+    longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64
+    cmd = _server_cmd(args, args.slots, args.slots * longest)
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -111,8 +114,8 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
     from throughput import run_workload
 
     start = time.perf_counter()
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.slots or len(workload["requests"]),
-              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)))
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
+              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels)
     startup = time.perf_counter() - start
     warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
     run_workload(llm, {"requests": warm}, 0.0)
@@ -120,7 +123,8 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
     import torch
 
     return {"engine": "everystop", "dtype": args.dtype, "threads": torch.get_num_threads(),
-            "startup_s": startup, **res}
+            "cpu_kernels": args.cpu_kernels, "max_num_seqs": args.everystop_max_num_seqs,
+            "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup, **res}
 
 
 def main() -> None:
@@ -131,9 +135,9 @@ def main() -> None:
     ap.add_argument("--workload", help="workload JSON (default: perf_workload seed 0)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--slots", type=int, default=0,
-                    help="concurrency of both engines: llama.cpp slots (-np) and everystop's "
-                         "max_num_seqs (default: one per request); the rest queue")
+    ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
+    ap.add_argument("--everystop-max-num-seqs", type=int, default=128)
+    ap.add_argument("--cpu-kernels", default="auto", help="everystop's kernel build")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--extra", default="", help="extra llama-server flags")
@@ -153,7 +157,7 @@ def main() -> None:
         workload = make_workload(load_tokenizer(), 0, args.num_requests)
     reqs = workload["requests"]
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
-                           "concurrency": args.slots or len(reqs),
+                           "llamacpp_slots": args.slots, "cpu": cpu_info(),
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),
                            "expected_output_tokens": sum(r["max_tokens"] for r in reqs),
                            "load_avg_before": os.getloadavg()}
