@@ -54,7 +54,7 @@ class LLM:
             per_prompt = list(params)
         order: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-            req = self.engine.add_request(prompt, _copy(p), priority=priority)
+            req = self.engine.add_request(prompt, p, priority=priority)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
@@ -69,12 +69,6 @@ class LLM:
         if bar is not None:
             bar.close()
         return [r for r in results if r is not None]
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    import dataclasses
-    return dataclasses.replace(params, stop=list(params.stop),
-                               stop_token_ids=list(params.stop_token_ids))
 
 
 def _progress(total: int) -> Any:

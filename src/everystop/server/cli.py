@@ -80,8 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
     front = AsyncEngine(engine)
-    name = args.served_model_name or _model_name(
-        getattr(engine.executor, "model_path", None) or config.model.model)
+    name = args.served_model_name or _model_name(engine.model_path or config.model.model)
     metrics = ServerMetrics()
 
     def observability(app: Any, front: Any) -> None:

@@ -83,22 +83,18 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     num_logprobs = _num_logprobs(body)
     base = sampling_params(body, num_logprobs)
     tenant = tenant_of(http, body)
-    max_len = ctx.engine.engine.config.scheduler.max_model_len
+    # Chat without a limit: up to the context window, as OpenAI does.
+    to_context = (default_max_tokens_to_len and body.max_tokens is None
+                  and getattr(body, "max_completion_tokens", None) is None)
     choices: list[_Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
-            params = dataclasses.replace(base, stop=list(base.stop),
-                                         stop_token_ids=list(base.stop_token_ids),
-                                         seed=None if base.seed is None else base.seed + j)
+            params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
             try:
                 req = ctx.engine.make_request(prompt, params, priority=body.priority,
-                                              tenant=tenant)
+                                              tenant=tenant, max_tokens_to_context=to_context)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
-            if default_max_tokens_to_len and body.max_tokens is None and getattr(
-                    body, "max_completion_tokens", None) is None:
-                # Chat without a limit: up to the context window, as OpenAI does.
-                params.max_tokens = max(1, max_len - req.num_prompt_tokens)
             choices.append(_Choice(len(choices), req, prompt_index))
     _admit(ctx, choices, body.priority)
     if body.stream:
