@@ -39,10 +39,11 @@ from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import CostModel, IterationShape
 from everystop.sim.fit import fit_coefficients
-from everystop.sim.metrics import percentile, summarize
+from everystop.sim.metrics import summarize
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.sim.specs import load_model
 from everystop.sim.workload import Workload, synthetic
+from everystop.stats import percentile
 
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 GOAL_KEYS = KEYS[:3]  # the goal: these within 10%

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_json import emit  # noqa: E402
-from throughput import _percentile  # noqa: E402
+
+from everystop.stats import percentile  # noqa: E402
 
 
 def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
@@ -101,8 +103,8 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"engine": "llama.cpp server", "version": _version(args.llama_server),
             "command": cmd, "gguf": args.gguf, "elapsed_s": elapsed, "output_tokens": n_out,
-            "output_tok_s": n_out / elapsed, "ttft_p50_s": _percentile(ttft, 0.5),
-            "ttft_p99_s": _percentile(ttft, 0.99)}
+            "output_tok_s": n_out / elapsed, "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
 
 
 def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:

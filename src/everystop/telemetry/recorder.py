@@ -18,7 +18,7 @@ from everystop.core.request import Request
 from everystop.telemetry.alerts import Alert, Guardrails
 from everystop.telemetry.rows import AlertRow, IterationRow, Row, SequenceRow
 from everystop.telemetry.source import ObservedEngine
-from everystop.telemetry.stats import percentile
+from everystop.stats import percentile
 from everystop.telemetry.store import Store
 from everystop.telemetry.writer import TelemetryWriter
 
