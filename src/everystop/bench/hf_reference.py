@@ -86,11 +86,3 @@ def run_hf_static(workload: Workload, batch_size: int = 32, num_threads: int | N
             print(f"  hf batch {b // batch_size + 1}: {len(batch)} requests, {n_new} steps, "
                   f"{clock.times[-1] - start:.1f} s", flush=True)
     return EngineRun(results, time.perf_counter() - t0, steps)
-
-
-def hf_available() -> bool:
-    try:
-        default_model_location()
-    except FileNotFoundError:
-        return False
-    return importlib.util.find_spec("transformers") is not None

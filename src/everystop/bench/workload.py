@@ -136,16 +136,6 @@ def english_corpus() -> str:
     return re.sub(r"\s+", " ", " ".join(topics[k] for k in sorted(topics)))
 
 
-class WhitespaceTokenizer:
-    """Fallback when the default tokenizer is unavailable: one token per word (an estimate)."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(range(len(text.split())))
-
-    def decode(self, ids: list[int]) -> str:  # pragma: no cover - not used: see _TextSlicer
-        raise NotImplementedError
-
-
 def default_tokenizer() -> TextTokenizer | None:
     """The engine's default-model tokenizer, or None when the model or its loader is missing."""
     try:

@@ -161,10 +161,6 @@ class KVCacheManager:
 
     # -- swap -----------------------------------------------------------------------------------
     @property
-    def num_free_cpu_blocks(self) -> int:
-        return len(self._cpu_free)
-
-    @property
     def num_swapped_blocks(self) -> int:
         return sum(len(h) for h in self.swapped_blocks.values())
 

@@ -62,7 +62,7 @@ class LLMEngine:
         executor = create_executor(config)
         tokenizer = load_tokenizer(config.model.tokenizer or executor.model_path)
         cost_model = executor.preemption_cost_model()
-        logger.info("KV cache: %s", executor.describe_capacity())
+        logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
         logger.info("preemption costs: %s", cost_model)
         return cls(config, executor, tokenizer, cost_model=cost_model)
 

@@ -57,7 +57,6 @@ class TensorParallelExecutor:
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self.runner: ModelRunner | None = None
-        self.last_message_bytes = 0
         try:
             self._spawn(config)
             self._await_hello()
@@ -187,7 +186,7 @@ class TensorParallelExecutor:
         runner = self._live_runner()
 
         def step() -> ModelOutput:
-            self.last_message_bytes = send_message(self.ctx, ("execute", encode_plan(sched)))
+            send_message(self.ctx, ("execute", encode_plan(sched)))
             return runner.execute(sched)
 
         return self._guarded(step)
