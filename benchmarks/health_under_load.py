@@ -6,7 +6,8 @@ the prober's own event loop is not busy reading streams, waits until
 everystop:num_requests_running reaches --max-num-seqs, then sends --probes sequential GET /health
 requests and reports their latency percentiles, plus how full the engine was during the probes.
 
-    PYTHONPATH=src python benchmarks/health_under_load.py --out benchmarks/results/health_under_load.json
+    PYTHONPATH=src python benchmarks/health_under_load.py \
+        --out benchmarks/results/health_under_load.json
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_json import emit  # noqa: E402
+from bench_json import emit
 
-
-from everystop.stats import percentile  # noqa: E402
+from everystop.stats import percentile
 
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
@@ -67,9 +66,9 @@ def run_workload(llm: Any, workload: dict[str, Any], temperature: float) -> dict
 
 def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[str, Any]:
     """One request alone: TTFT, then ms per decoded token (timed through the engine's steps)."""
-    from everystop import SamplingParams
-
     from perf_workload import _corpus_text
+
+    from everystop import SamplingParams
 
     tok = llm.get_tokenizer()
     prompt = tok.encode(_corpus_text()[:4000])[:prompt_len]

@@ -25,9 +25,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_json import emit  # noqa: E402
+from bench_json import emit
 
-from everystop.stats import percentile  # noqa: E402
+from everystop.stats import percentile
 
 
 def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
@@ -78,7 +78,8 @@ async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dic
 def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     ctx = sum(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64 * len(reqs)
     cmd = _server_cmd(args, args.slots or len(reqs), ctx)
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    # The log stays open for the server's whole life (this script ends soon after it).
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         import httpx
@@ -108,9 +109,9 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
 
 
 def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
-    from everystop import LLM
-
     from throughput import run_workload
+
+    from everystop import LLM
 
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.slots or len(workload["requests"]),
@@ -150,8 +151,9 @@ def main() -> None:
         with open(args.workload) as f:
             workload = json.load(f)
     else:
-        from everystop.tokenizer import load_tokenizer
         from perf_workload import make_workload
+
+        from everystop.tokenizer import load_tokenizer
         workload = make_workload(load_tokenizer(), 0, args.num_requests)
     reqs = workload["requests"]
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),

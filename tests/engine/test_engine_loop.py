@@ -108,7 +108,7 @@ def test_async_engine_streams_and_aborts_on_early_exit() -> None:
 class _TwoEosTokenizer(CharTokenizer):
     """A model with a second end-of-sequence id (as chat models have <|im_end|>)."""
 
-    eos_token_ids = {2, 7}
+    eos_token_ids = frozenset({2, 7})
 
 
 def test_make_request_leaves_the_callers_params_unchanged() -> None:

@@ -73,7 +73,8 @@ class KVCacheManager:
         hit: list[KVBlock] = []
         for i in range(max_blocks):
             parent = hashes[i - 1] if i else None
-            block = self.pool.lookup(hashes[i], parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            block = self.pool.lookup(hashes[i], parent, tokens)
             if block is None:
                 break
             hit.append(block)

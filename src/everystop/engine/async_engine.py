@@ -25,6 +25,7 @@ from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler, SchedulerStats
 from everystop.engine.llm_engine import FinishListener, IterationListener, LLMEngine
 from everystop.sampling_params import SamplingParams
+from everystop.tokenizer import EngineTokenizer
 
 T = TypeVar("T")
 
@@ -181,7 +182,7 @@ class AsyncEngine:
 
     # -- named reads (no lock: plain attribute reads, safe from any thread) ----------------------
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> EngineTokenizer:
         return self.engine.tokenizer
 
     @property

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.kv_cache_manager import KVCacheManager
@@ -24,6 +24,10 @@ from everystop.core.scheduler import Scheduler, SchedulerStats
 from everystop.engine.output_processor import OutputProcessor
 from everystop.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # the executor package imports torch when used; the engine does not
+    from everystop.executor.executor import Executor
+    from everystop.tokenizer import EngineTokenizer
+
 logger = logging.getLogger("everystop.engine")
 
 IterationListener = Callable[[IterationRecord, SchedulerOutput], None]
@@ -33,7 +37,7 @@ _NO_LOCK: AbstractContextManager[Any] = contextlib.nullcontext()
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Any, tokenizer: Any, *,
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: EngineTokenizer, *,
                  cost_model: PreemptionCostModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -54,7 +58,7 @@ class LLMEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, size the KV pool, measure preemption costs, build the scheduler."""
         from everystop.executor.executor import create_executor
         from everystop.tokenizer import load_tokenizer
@@ -282,7 +286,7 @@ class LLMEngine:
             self.finish_listeners.remove(on_finish)
 
 
-def _detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
+def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Any]:
     """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
     would tie the engine, and its KV pool, into a reference cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own

@@ -37,7 +37,7 @@ def usable_cpus() -> int:
 
 # Loaded weights by (path, dtype, device). Inference never writes to them, so engines in one
 # process (tests, benchmarks comparing modes) share one copy instead of reloading each time.
-_MODELS: "OrderedDict[tuple[str | None, str, str], LlamaForCausalLM]" = OrderedDict()
+_MODELS: OrderedDict[tuple[str | None, str, str], LlamaForCausalLM] = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 

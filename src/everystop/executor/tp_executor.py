@@ -14,6 +14,7 @@ ParallelConfig.collective_timeout_s. Either way the engine stops and never hangs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -76,7 +77,6 @@ class TensorParallelExecutor:
             raise
         self._num_gpu_blocks = self.runner.num_gpu_blocks
         self._num_cpu_blocks = self.runner.num_cpu_blocks
-        self._block_size = config.cache.block_size
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -178,10 +178,6 @@ class TensorParallelExecutor:
     def num_cpu_blocks(self) -> int:
         return self._num_cpu_blocks
 
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         runner = self._live_runner()
 
@@ -232,10 +228,9 @@ class TensorParallelExecutor:
             return
         self._stopping.set()
         if self.failure is None and self.runner is not None:
-            try:
+            # they are being killed below anyway
+            with contextlib.suppress(Exception):
                 send_message(self.ctx, ("stop",))
-            except Exception:  # noqa: BLE001 - they are being killed below anyway
-                pass
         for proc in self._procs:
             proc.join(timeout=5.0)
             if proc.is_alive():

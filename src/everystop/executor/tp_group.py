@@ -13,6 +13,7 @@ On CPU the two are the same gloo group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 from datetime import timedelta
@@ -61,10 +62,9 @@ def abort(ctx: ParallelContext) -> None:
     """Best effort: make collectives blocked on a dead peer return (NCCL cannot see a peer
     die; gloo already fails on the closed socket)."""
     for group in {id(ctx.group): ctx.group, id(ctx.cpu_group): ctx.cpu_group}.values():
-        try:
+        # already broken or not supported: nothing to save
+        with contextlib.suppress(Exception):
             group.abort()
-        except Exception:  # noqa: BLE001 - already broken or not supported: nothing to save
-            pass
 
 
 # --- the control channel -------------------------------------------------------------------

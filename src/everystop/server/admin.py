@@ -221,7 +221,8 @@ def install_telemetry(app: FastAPI, async_engine: AsyncEngine, *, db: str | None
     """Attach telemetry (store when `db` is given, writer, recorder, guardrails and their
     monitor) to the app's engine; its metrics join `registry` when given; it is closed (queue
     flushed, store closed) when the app shuts down."""
-    telemetry = open_telemetry(db, async_engine, monitor=True, guardrail_config=guardrail_config, model_version=model_version,
+    telemetry = open_telemetry(db, async_engine, monitor=True,
+                               guardrail_config=guardrail_config, model_version=model_version,
                                max_queue=max_queue)
     if registry is not None:
         telemetry.register_metrics(registry)

@@ -19,8 +19,13 @@ from everystop.server.admission import AdmissionConfig, AdmissionController
 from everystop.server.errors import APIError, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       TokenizeRequest, model_list, parse_body)
+from everystop.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    model_list,
+    parse_body,
+)
 from everystop.server.serving import ServingContext, generate
 
 Extension = Callable[[FastAPI, AsyncEngine], Any]

@@ -57,7 +57,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     opts: dict[str, Any] = dict(
-        max_tokens=max_tokens or 16, temperature=1.0 if body.temperature is None else body.temperature,
+        max_tokens=max_tokens or 16,
+        temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
@@ -133,7 +134,7 @@ def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> Bas
     if isinstance(exc, QueueFull):
         reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
         ctx.metrics.count_rejected(reason, tier)
-        retry = str(max(1, int(round(exc.retry_after_s))))
+        retry = str(max(1, round(exc.retry_after_s)))
         return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
                         headers={"Retry-After": retry})
     if isinstance(exc, RequestRejected):

@@ -15,10 +15,10 @@ from typing import Any
 
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput
 from everystop.core.request import Request
+from everystop.stats import percentile
 from everystop.telemetry.alerts import Alert, Guardrails
 from everystop.telemetry.rows import AlertRow, IterationRow, Row, SequenceRow
 from everystop.telemetry.source import ObservedEngine
-from everystop.stats import percentile
 from everystop.telemetry.store import Store
 from everystop.telemetry.writer import TelemetryWriter
 
