@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -21,7 +21,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/everystop serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# ruff over everything we ship and test; mypy over the floors with typed contracts.
+lint: $(STAMP)
+	$(VPY) -m ruff check src tests benchmarks scripts
+	$(VPY) -m mypy
+
+test: lint
 	$(VPY) -m pytest -x --durations=15
 
 test-fast: $(STAMP)

@@ -109,8 +109,9 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out")
     args = ap.parse_args()
-    import everystop  # noqa: F401 - before torch: sets the OpenMP wait policy
     import torch
+
+    import everystop  # noqa: F401 - before torch: sets the OpenMP wait policy
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)

@@ -6,7 +6,8 @@ the prober's own event loop is not busy reading streams, waits until
 everystop:num_requests_running reaches --max-num-seqs, then sends --probes sequential GET /health
 requests and reports their latency percentiles, plus how full the engine was during the probes.
 
-    PYTHONPATH=src python benchmarks/health_under_load.py --out benchmarks/results/health_under_load.json
+    PYTHONPATH=src python benchmarks/health_under_load.py \
+        --out benchmarks/results/health_under_load.json
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from everystop.stats import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
+NEAREST_RANK = "inverted_cdf"  # p99 of 50 probes is the largest
 
 
 def _free_port() -> int:
@@ -67,12 +71,6 @@ def _probe(url: str, probes: int, interval_s: float) -> tuple[list[float], list[
             running.append(_metric(url, "everystop:num_requests_running"))
             time.sleep(interval_s)
     return latencies, running
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (p99 of 50 samples is the largest)."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
 def main() -> int:
@@ -138,18 +136,19 @@ def main() -> int:
         steps = _metric(url, "everystop:iteration_latency_seconds_count")
         step_sum = _metric(url, "everystop:iteration_latency_seconds_sum")
         ms = [x * 1000 for x in latencies]
+        p90, p99 = (percentile(ms, q, method=NEAREST_RANK, empty=math.nan) for q in (90, 99))
         result = {
             "benchmark": "health_under_load", "toy_engine": args.toy,
             "max_num_seqs": args.max_num_seqs, "clients": args.clients,
             "max_tokens": args.max_tokens, "probes": args.probes,
             "probe_interval_s": args.interval,
-            "health_ms": {"p50": statistics.median(ms), "p90": _pct(ms, 90),
-                          "p99": _pct(ms, 99), "max": max(ms), "mean": statistics.fmean(ms)},
+            "health_ms": {"p50": statistics.median(ms), "p90": p90, "p99": p99, "max": max(ms),
+                          "mean": statistics.fmean(ms)},
             "idle_health_ms_p50": statistics.median(x * 1000 for x in idle),
             "running_during_probes": {"min": min(running), "max": max(running)},
             "seconds_to_saturate": round(saturated_after, 2),
             "mean_engine_step_s": step_sum / steps if steps else None,
-            "meets_100ms_p99": _pct(ms, 99) < 100.0,
+            "meets_100ms_p99": p99 < 100.0,
             "host": {"python": platform.python_version(), "cpus": os.cpu_count(),
                      "machine": platform.machine()},
             "server_cmd": " ".join(cmd[1:]),

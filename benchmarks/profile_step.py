@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_json import emit  # noqa: E402
+from bench_json import emit
 
 # Our kernels' ops live in one namespace per ISA build (everystop_avx2::..., ...): they are
 # matched as "everystop::<op>".
@@ -42,6 +42,7 @@ RANGES = {"build_inputs": "input_prep", "sampler": "sampling", "lm_head": "lm_he
 def _instrument(runner: Any) -> None:
     """Wrap the runner's parts in profiler ranges (this script only; the engine stays bare)."""
     import torch
+
     from everystop.executor import model_runner as mr
 
     def ranged(name: str, fn: Any) -> Any:
@@ -103,10 +104,10 @@ def main() -> None:
     args = ap.parse_args()
 
     # NOTE: everystop before torch, so its OpenMP wait policy applies (see everystop/__init__).
-    from everystop import LLM, SamplingParams
     import torch
-
     from perf_workload import make_workload
+
+    from everystop import LLM, SamplingParams
 
     options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": 128,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
@@ -178,11 +179,11 @@ def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, An
         execute(sched)
         walls.append(time.perf_counter() - t0)
     _instrument(runner)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function("step"):
-            t0 = time.perf_counter()
-            execute(sched)
-            profiled_wall = time.perf_counter() - t0
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+          torch.profiler.record_function("step")):
+        t0 = time.perf_counter()
+        execute(sched)
+        profiled_wall = time.perf_counter() - t0
     cats = _categorize(prof.events())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
           file=sys.stderr)

@@ -40,8 +40,9 @@ def _best_time(fn: Any, repeats: int) -> float:
 def measure(repeats: int = 7) -> dict[str, Any]:
     """Matmul GFLOP/s (a large square and the model's own shapes at 2048 tokens) per dtype,
     and copy bandwidth."""
-    import everystop  # noqa: F401 - before torch: the engine's OpenMP wait policy
     import torch
+
+    import everystop  # noqa: F401 - before torch: the engine's OpenMP wait policy
 
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__,
                            "load_avg": os.getloadavg(), "matmul_gflops": {}}
@@ -52,7 +53,8 @@ def measure(repeats: int = 7) -> dict[str, Any]:
         for label, (m, k, n) in shapes.items():
             a = torch.randn(m, k, dtype=dtype)
             w = torch.randn(n, k, dtype=dtype)
-            t = _best_time(lambda: torch.nn.functional.linear(a, w), repeats)
+            # the lambda runs within this iteration, so a and w are the ones meant
+            t = _best_time(lambda: torch.nn.functional.linear(a, w), repeats)  # noqa: B023
             res[label] = 2 * m * k * n / t / 1e9
         res["peak"] = max(res.values())
         out["matmul_gflops"][name] = res

@@ -1,6 +1,7 @@
 """Scheduler cost per iteration, and the engine's decode throughput by batch size.
 
-    python benchmarks/scheduler_bench.py [--out benchmarks/results/scheduler_bench.json] [--no-model]
+    python benchmarks/scheduler_bench.py [--no-model] \
+        [--out benchmarks/results/scheduler_bench.json]
 
 Part 1 (no model): 128 running sequences and 1,000 waiting, block size 16, prefix caching on;
 times schedule() + update_from_output() with a no-op executor. Goal: median under 1 ms.

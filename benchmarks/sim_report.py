@@ -138,7 +138,7 @@ def _calibrations(args: argparse.Namespace) -> dict:
 
 
 def _write_markdown(data: dict) -> None:
-    from sim_report_md import render  # noqa: E402  (sibling module: the markdown text)
+    from sim_report_md import render  # sibling module: the markdown text
 
     (ROOT / "docs/simulator-report.md").write_text(render(data))
     print("wrote docs/simulator-report.md and benchmarks/results/sim/report.json")

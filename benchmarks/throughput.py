@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -20,16 +21,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_json import emit  # noqa: E402
+from bench_json import emit
 
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+from everystop.stats import percentile
 
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
@@ -67,14 +61,15 @@ def run_workload(llm: Any, workload: dict[str, Any], temperature: float) -> dict
             "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + sum(len(p) for p in prompts)) / elapsed,
             "num_steps": engine.num_steps - steps0,
-            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99)}
+            "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
 
 
 def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[str, Any]:
     """One request alone: TTFT, then ms per decoded token (timed through the engine's steps)."""
-    from everystop import SamplingParams
-
     from perf_workload import _corpus_text
+
+    from everystop import SamplingParams
 
     tok = llm.get_tokenizer()
     prompt = tok.encode(_corpus_text()[:4000])[:prompt_len]
@@ -89,7 +84,7 @@ def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[s
     decode = step_times[1:]  # step 0 is the prefill (and samples the first token)
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_s": step_times[0],
             "decode_ms_per_token_mean": 1000 * sum(decode) / len(decode),
-            "decode_ms_per_token_median": 1000 * _percentile(decode, 0.5),
+            "decode_ms_per_token_median": 1000 * percentile(decode, 50, empty=math.nan),
             "decode_ms_per_token_min": 1000 * min(decode)}
 
 

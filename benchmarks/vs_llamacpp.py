@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,10 +25,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_json import emit  # noqa: E402
+from bench_json import emit
 
-from everystop.bench.machine import cpu_info  # noqa: E402
-from throughput import _percentile  # noqa: E402
+from everystop.bench.machine import cpu_info
+from everystop.stats import percentile
 
 
 def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
@@ -79,7 +80,8 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
     # Per-slot caches split -c evenly: each slot must hold the longest request.
     longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64
     cmd = _server_cmd(args, args.slots, args.slots * longest)
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    # The log stays open for the server's whole life (this script ends soon after it).
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         import httpx
@@ -104,14 +106,14 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"engine": "llama.cpp server", "version": _version(args.llama_server),
             "command": cmd, "gguf": args.gguf, "elapsed_s": elapsed, "output_tokens": n_out,
-            "output_tok_s": n_out / elapsed, "ttft_p50_s": _percentile(ttft, 0.5),
-            "ttft_p99_s": _percentile(ttft, 0.99)}
+            "output_tok_s": n_out / elapsed, "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
 
 
 def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
-    from everystop import LLM
-
     from throughput import run_workload
+
+    from everystop import LLM
 
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
@@ -152,8 +154,9 @@ def main() -> None:
         with open(args.workload) as f:
             workload = json.load(f)
     else:
-        from everystop.tokenizer import load_tokenizer
         from perf_workload import make_workload
+
+        from everystop.tokenizer import load_tokenizer
         workload = make_workload(load_tokenizer(), 0, args.num_requests)
     reqs = workload["requests"]
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),

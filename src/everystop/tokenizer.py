@@ -8,12 +8,32 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence, Set
+from typing import Any, Protocol
 
 # End-of-turn markers of common chat templates: generation should stop at these too.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>",
                        "<|end|>", "<end_of_turn>")
+
+
+class EngineTokenizer(Protocol):
+    """What the engine needs of a tokenizer (`Tokenizer` below, or a test double). A tokenizer
+    may also offer `make_detokenizer()` and `apply_chat_template(...)`."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> Set[int]:
+        """Every id that ends generation (EOS and end-of-turn markers)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class TokenizerLoadError(Exception):
@@ -168,7 +188,7 @@ class IncrementalDetokenizer:
         ids: |... prefix_offset | already returned | read_offset | new (not yet returned) |
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids_tail: Sequence[int] = (),
+    def __init__(self, tokenizer: EngineTokenizer, prompt_ids_tail: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens

@@ -24,7 +24,7 @@ class FakeServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> "FakeServer":
+    async def start(self) -> FakeServer:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self

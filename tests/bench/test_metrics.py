@@ -1,14 +1,10 @@
-"""The metric arithmetic: percentiles, TPOT, throughput, goodput, per-tier/tenant breakdowns."""
+"""The metric arithmetic: TPOT, throughput, goodput, per-tier/tenant breakdowns."""
 
 from __future__ import annotations
 
-import math
-import random
-
-import numpy as np
 import pytest
 
-from everystop.bench.metrics import SLO, RequestResult, full_report, percentile, summarize
+from everystop.bench.metrics import SLO, RequestResult, full_report, summarize
 
 
 def _r(rid: str, ttft: float, itls: list[float], prio: int = 1, tenant: str = "a",
@@ -16,18 +12,6 @@ def _r(rid: str, ttft: float, itls: list[float], prio: int = 1, tenant: str = "a
     e2e = ttft + sum(itls)
     return RequestResult(rid, prompt_len, len(itls) + 1, prio, tenant, output_tokens=len(itls) + 1,
                          ttft_s=ttft, e2e_s=e2e, itl_s=list(itls))
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 10, 101])
-def test_percentile_matches_numpy(n: int) -> None:
-    rng = random.Random(n)
-    xs = [rng.uniform(0, 100) for _ in range(n)]
-    for q in (0, 1, 50, 90, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
-
-
-def test_percentile_of_nothing_is_nan() -> None:
-    assert math.isnan(percentile([], 50))
 
 
 def test_tpot_excludes_first_token_and_needs_two_tokens() -> None:

@@ -7,8 +7,13 @@ import statistics
 
 import pytest
 
-from everystop.bench.workload import (LengthDist, WorkloadSpec, arrival_offsets,
-                                      generate_workload, load_workload)
+from everystop.bench.workload import (
+    LengthDist,
+    WorkloadSpec,
+    arrival_offsets,
+    generate_workload,
+    load_workload,
+)
 
 
 def _spec(**kw: object) -> WorkloadSpec:

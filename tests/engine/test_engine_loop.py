@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from everystop.sampling_params import SamplingParams
 from tests.core.toy_executor import reference_output
 
-from .toy_engine import make_toy_engine
+from .toy_engine import CharTokenizer, make_toy_engine
 
 
 def _text(ids: list[int]) -> str:
@@ -102,3 +103,25 @@ def test_async_engine_streams_and_aborts_on_early_exit() -> None:
         assert eng.kv.pool.num_used_blocks == 0
     finally:
         front.shutdown()
+
+
+class _TwoEosTokenizer(CharTokenizer):
+    """A model with a second end-of-sequence id (as chat models have <|im_end|>)."""
+
+    eos_token_ids = frozenset({2, 7})
+
+
+def test_make_request_leaves_the_callers_params_unchanged() -> None:
+    eng = make_toy_engine()
+    eng.tokenizer = _TwoEosTokenizer()
+    params = SamplingParams(max_tokens=5, stop=["x"], stop_token_ids=[9])
+    before = dataclasses.asdict(params)
+    stop, stop_ids = params.stop, params.stop_token_ids
+    req = eng.make_request("hi", params)
+    filled = eng.make_request("hi", params, max_tokens_to_context=True)
+    assert dataclasses.asdict(params) == before
+    assert params.stop is stop and params.stop_token_ids is stop_ids
+    # The request's own copy is resolved: the second EOS id stops it too.
+    assert req.sampling_params is not params and req.sampling_params.stop_token_ids == [9, 7]
+    assert req.sampling_params.stop is not params.stop
+    assert filled.sampling_params.max_tokens == eng.max_model_len - 2

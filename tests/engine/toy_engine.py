@@ -21,7 +21,7 @@ class CharTokenizer:
     """Token id = code point; id 2 is EOS."""
 
     eos_token_id = 2
-    eos_token_ids = {2}
+    eos_token_ids = frozenset({2})
     vocab_size = 1000
 
     def encode(self, text: str) -> list[int]:

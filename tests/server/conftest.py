@@ -30,7 +30,7 @@ class ServerProcess:
         self.log_path = log
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}",
                    OMP_NUM_THREADS="1")
-        self._log = open(log, "wb")
+        self._log = open(log, "wb")  # noqa: SIM115 - the server writes it until stop()
         self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)],
                                      cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import ServerProcess, start_toy_server
+from .conftest import start_toy_server
 
 pytestmark = pytest.mark.server
 
@@ -100,10 +100,10 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
 
     async def stream(name: str, max_tokens: int) -> None:
         body = {"model": "toy", "prompt": name, "max_tokens": max_tokens, "stream": True}
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                frames = [json.loads(line[6:]) async for line in r.aiter_lines()
-                          if line.startswith("data: {")]
+        async with (httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+                    http.stream("POST", "/v1/completions", json=body) as r):
+            frames = [json.loads(line[6:]) async for line in r.aiter_lines()
+                      if line.startswith("data: {")]
         results[name] = frames[-1]["choices"][0]["finish_reason"]
 
     async def main() -> None:

@@ -102,7 +102,7 @@ def test_patch_max_num_seqs_down_under_load(store: Store) -> None:
     eng.iteration_listeners.append(
         lambda rec, sched: steps.append((rec.step, rec.num_seqs, rec.num_running)))
     front = AsyncEngine(eng)
-    telemetry = Telemetry(store, eng, lock=front._lock)
+    telemetry = Telemetry(store, front, monitor=True)
     app = FastAPI()
     install_admin_routes(app, front, admin_key="s3cret", store=store)
     prompts = [f"request number {i}" for i in range(24)]
@@ -150,8 +150,9 @@ def test_patch_watermark_and_queue_limits(store: Store) -> None:
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with client(app) as c:
-            with front._lock:  # a live request that may grow to 201 of the 256 blocks
-                big = eng.add_request("big", params(800))
+            # a live request that may grow to 201 of the 256 blocks
+            big = front.make_request("big", params(800))
+            front.submit(big)
             too_high = await c.patch("/admin/scheduler_config", json={"watermark": 0.4})
             front.abort(big.request_id)
             assert too_high.status_code == 400 and "needs up to 201" in too_high.text

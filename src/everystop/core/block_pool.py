@@ -122,12 +122,6 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached-and-free block's contents (used blocks keep theirs)."""
-        for block in list(self._free.values()):
-            if block.block_hash is not None:
-                self._evict(block)
-
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
         for block in self.blocks:

@@ -15,7 +15,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # New admissions must leave this many blocks free, so running sequences can always grow
         # (or at least a preemption can complete) without the pool hitting zero.
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.watermark_blocks = 0
+        self.set_watermark(watermark)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # The same tables as plain block ids, kept in step (the scheduler copies them each step).
         self._req_block_ids: dict[str, list[int]] = {}
@@ -37,6 +38,10 @@ class KVCacheManager:
     @property
     def num_gpu_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def set_watermark(self, watermark: float) -> None:
+        """The fraction of the pool new admissions must leave free (hot-reloadable)."""
+        self.watermark_blocks = int(watermark * self.num_gpu_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -68,7 +73,8 @@ class KVCacheManager:
         hit: list[KVBlock] = []
         for i in range(max_blocks):
             parent = hashes[i - 1] if i else None
-            block = self.pool.lookup(hashes[i], parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            block = self.pool.lookup(hashes[i], parent, tokens)
             if block is None:
                 break
             hit.append(block)
@@ -155,10 +161,6 @@ class KVCacheManager:
         self._req_hashes.pop(req.request_id, None)
 
     # -- swap -----------------------------------------------------------------------------------
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return len(self._cpu_free)
-
     @property
     def num_swapped_blocks(self) -> int:
         return sum(len(h) for h in self.swapped_blocks.values())

@@ -12,8 +12,13 @@ import re
 import sys
 from typing import Any
 
-from everystop.config import (ATTENTION_BACKENDS, CPU_KERNEL_CHOICES, KV_CACHE_DTYPES, ConfigError,
-                              EngineConfig)
+from everystop.config import (
+    ATTENTION_BACKENDS,
+    CPU_KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,

@@ -15,14 +15,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
+from everystop.config import CacheConfig, SchedulerConfig
 from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
-from everystop.engine.llm_engine import LLMEngine
+from everystop.core.scheduler import Scheduler, SchedulerStats
+from everystop.engine.llm_engine import FinishListener, IterationListener, LLMEngine
 from everystop.sampling_params import SamplingParams
+from everystop.tokenizer import EngineTokenizer
+
+T = TypeVar("T")
 
 logger = logging.getLogger("everystop.engine")
 
@@ -35,6 +40,12 @@ class EngineDead(RuntimeError):
     """The engine loop crashed; nothing more will be produced."""
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    status: Literal["ok", "draining", "dead"]
+    error: str | None = None
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -44,6 +55,10 @@ class _Stream:
 
 
 class AsyncEngine:
+    """The only door to the engine for the server and telemetry: requests in, streams out,
+    and named reads (limits, tokenizer, stats, health) and writes (config) that take the
+    engine lock themselves where they need it."""
+
     def __init__(self, engine: LLMEngine, *, watchdog_interval_s: float = 1.0) -> None:
         self.engine = engine
         self._lock = threading.Lock()
@@ -111,7 +126,7 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None and (stream.closed or stream.loop.is_closed()):
                 self._streams.pop(request_id, None)
-            if request_id in self.engine.scheduler.requests:
+            if self.engine.is_live(request_id):
                 self.engine.abort_request(request_id)
         self._wake.set()
 
@@ -123,21 +138,17 @@ class AsyncEngine:
                 with self._lock:
                     # Pending outputs (an abort's final output) must be delivered even when
                     # nothing is left to run.
-                    busy = (self.engine.has_unfinished_requests()
-                            or bool(self.engine._pending_outputs))
+                    busy = self.engine.has_work()
                 if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     # An idle engine learns of a dead tensor-parallel worker here, so /health
                     # turns 503 without waiting for the next request to fail.
-                    check = getattr(self.engine.executor, "check_health", None)
-                    if check is not None:
-                        check()
+                    self.engine.check_health()
                     continue
-                outputs = self._step()
+                outputs = self.engine.step(self._lock)
                 self._deliver(outputs)
-                if not outputs and self.engine.scheduler.config.scheduling == "static":
-                    time.sleep(0.001)
+                self.engine.idle_if_held(outputs)
                 if time.monotonic() - last_watchdog > self.watchdog_interval_s:
                     self._watchdog()
                     last_watchdog = time.monotonic()
@@ -146,19 +157,6 @@ class AsyncEngine:
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
-
-    def _step(self) -> list[RequestOutput]:
-        eng = self.engine
-        with self._lock:
-            outputs, eng._pending_outputs = eng._pending_outputs, []
-            start = eng.clock()
-            sched = eng.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
-        result = eng.executor.execute(sched)  # unlocked: adds and aborts proceed meanwhile
-        with self._lock:
-            outputs.extend(eng.finish_step(sched, result, start))
-        return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -177,15 +175,88 @@ class AsyncEngine:
         abort reaching us."""
         with self._lock:
             gone = [rid for rid, s in self._streams.items() if s.closed or s.loop.is_closed()]
-            orphans = [rid for rid in self.engine.scheduler.requests if rid not in self._streams]
+            orphans = [rid for rid in self.engine.live_request_ids() if rid not in self._streams]
         for rid in gone + orphans:
             self.num_watchdog_aborts += 1
             self.abort(rid)
 
-    # -- lifecycle ------------------------------------------------------------------------------
+    # -- named reads (no lock: plain attribute reads, safe from any thread) ----------------------
+    @property
+    def tokenizer(self) -> EngineTokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.engine.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.engine.cache_config
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.engine.clock
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    def stats(self) -> SchedulerStats:
+        return self.engine.stats()
+
+    def health(self) -> EngineHealth:
+        """Touches no engine lock, so it answers while the engine is saturated."""
+        if self.error is not None:
+            return EngineHealth("dead", str(self.error))
+        if self.draining:
+            return EngineHealth("draining")
+        return EngineHealth("ok")
+
+    def is_live(self, request_id: str) -> bool:
+        """Engine thread (listeners) or under no expectation of consistency: a dict lookup."""
+        return self.engine.is_live(request_id)
+
+    def add_listeners(self, on_iteration: IterationListener | None = None,
+                      on_finish: FinishListener | None = None) -> None:
+        """Listeners run on the engine thread, under the engine lock."""
+        with self._lock:
+            self.engine.add_listeners(on_iteration, on_finish)
+
+    def remove_listeners(self, on_iteration: IterationListener | None = None,
+                         on_finish: FinishListener | None = None) -> None:
+        with self._lock:
+            self.engine.remove_listeners(on_iteration, on_finish)
+
+    # -- locked reads and writes ------------------------------------------------------------------
+    def inspect(self, look: Callable[[Scheduler], T]) -> T:
+        """Run a read-only look at live scheduler state under the engine lock."""
+        with self._lock:
+            return self.engine.inspect(look)
+
+    def check_cache_config(self, cache: CacheConfig) -> None:
+        """ConfigError if `cache` would strand a live request (see LLMEngine)."""
+        with self._lock:
+            self.engine.check_cache_config(cache)
+
+    def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
+        """Swap configs in between two iterations; returns the step count at the switch
+        (iterations scheduled after it use the new values)."""
+        with self._lock:
+            return self.engine.update_config(scheduler, cache)
+
+    # -- lifecycle ------------------------------------------------------------------------------
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from everystop.config import EngineConfig
 from everystop.core.outputs import RequestOutput
 from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from everystop.tokenizer import Tokenizer
 
 Message = dict[str, str]
 
@@ -29,18 +32,20 @@ class LLM:
                  use_tqdm: bool = True, priority: int = 1) -> list[RequestOutput]:
         """Raw prompts (no chat template), strings or token-id lists; one result per prompt,
         in order, each with .text, .token_ids and .finish_reason."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run(list(prompts), sampling_params, use_tqdm, priority)  # type: ignore[arg-type]
+        one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = [prompts] if one else list(prompts)
+        return self._run(cast("list[str | list[int]]", batch), sampling_params, use_tqdm,
+                         priority)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(conv, add_generation_prompt=True)
-                   for conv in conversations]  # type: ignore[arg-type]
+        tok = cast("Tokenizer", self.engine.tokenizer)  # from_config loads a real one
+        prompts: list[str | list[int]] = [
+            tok.apply_chat_template(cast("list[Message]", conv), add_generation_prompt=True)
+            for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm, 1)
 
     def _run(self, prompts: list[str | list[int]],
@@ -54,7 +59,7 @@ class LLM:
             per_prompt = list(params)
         order: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-            req = self.engine.add_request(prompt, _copy(p), priority=priority)
+            req = self.engine.add_request(prompt, p, priority=priority)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
@@ -69,12 +74,6 @@ class LLM:
         if bar is not None:
             bar.close()
         return [r for r in results if r is not None]
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    import dataclasses
-    return dataclasses.replace(params, stop=list(params.stop),
-                               stop_token_ids=list(params.stop_token_ids))
 
 
 def _progress(total: int) -> Any:

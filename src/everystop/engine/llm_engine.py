@@ -6,29 +6,38 @@ drives it directly for offline use.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from everystop.config import EngineConfig
+from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import IterationRecord, ModelOutput, RequestOutput, SchedulerOutput
 from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
-from everystop.core.scheduler import Scheduler
+from everystop.core.scheduler import Scheduler, SchedulerStats
 from everystop.engine.output_processor import OutputProcessor
 from everystop.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the executor package imports torch when used; the engine does not
+    from everystop.executor.executor import Executor
+    from everystop.tokenizer import EngineTokenizer
 
 logger = logging.getLogger("everystop.engine")
 
 IterationListener = Callable[[IterationRecord, SchedulerOutput], None]
 FinishListener = Callable[[Request, RequestOutput], None]
+T = TypeVar("T")
+_NO_LOCK: AbstractContextManager[Any] = contextlib.nullcontext()
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Any, tokenizer: Any, *,
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: EngineTokenizer, *,
                  cost_model: PreemptionCostModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -49,7 +58,7 @@ class LLMEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, size the KV pool, measure preemption costs, build the scheduler."""
         from everystop.executor.executor import create_executor
         from everystop.tokenizer import load_tokenizer
@@ -57,15 +66,21 @@ class LLMEngine:
         executor = create_executor(config)
         tokenizer = load_tokenizer(config.model.tokenizer or executor.model_path)
         cost_model = executor.preemption_cost_model()
-        logger.info("KV cache: %s", executor.describe_capacity())
+        logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
         logger.info("preemption costs: %s", cost_model)
         return cls(config, executor, tokenizer, cost_model=cost_model)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 1,
-                     tenant: str = "default", arrival_time: float | None = None) -> Request:
-        """Tokenize and build a Request (no scheduler state is touched: safe off-thread)."""
+                     tenant: str = "default", arrival_time: float | None = None,
+                     max_tokens_to_context: bool = False) -> Request:
+        """Tokenize and build a Request (no scheduler state is touched: safe off-thread).
+
+        The request gets its own resolved copy of `params` (the model's extra EOS ids added to
+        the stop ids); the caller's object is never changed. With `max_tokens_to_context`,
+        max_tokens is whatever the context window leaves after the prompt (OpenAI's chat
+        default when no limit is given)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
@@ -75,9 +90,15 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        stop_token_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             extra = [t for t in self.tokenizer.eos_token_ids if t != self.tokenizer.eos_token_id]
-            params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + extra))
+            stop_token_ids = list(dict.fromkeys(stop_token_ids + extra))
+        max_tokens = params.max_tokens
+        if max_tokens_to_context:
+            max_tokens = max(1, self.max_model_len - len(token_ids))
+        params = dataclasses.replace(params, stop=list(params.stop),
+                                     stop_token_ids=stop_token_ids, max_tokens=max_tokens)
         return Request(request_id or uuid.uuid4().hex, token_ids, params,
                        eos_token_id=self.tokenizer.eos_token_id,
                        arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -107,15 +128,31 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def has_work(self) -> bool:
+        """Requests to run, or outputs (an abort's final one) still to hand out."""
+        return self.scheduler.has_unfinished or bool(self._pending_outputs)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the scheduler still holds this request (queued, running or swapped)."""
+        return request_id in self.scheduler.requests
+
+    def live_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
     # -- the loop -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
-        start = self.clock()
-        sched = self.scheduler.schedule()
+    def step(self, lock: AbstractContextManager[Any] = _NO_LOCK) -> list[RequestOutput]:
+        """One iteration. `lock` guards scheduler state around schedule() and the update; the
+        forward pass runs outside it, so a caller on another thread (AsyncEngine) can add and
+        abort requests meanwhile."""
+        with lock:
+            outputs, self._pending_outputs = self._pending_outputs, []
+            start = self.clock()
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         result = self.executor.execute(sched)
-        outputs.extend(self.finish_step(sched, result, start))
+        with lock:
+            outputs.extend(self.finish_step(sched, result, start))
         return outputs
 
     def finish_step(self, sched: SchedulerOutput, result: ModelOutput,
@@ -158,19 +195,98 @@ class LLMEngine:
                 logger.exception("finish listener failed")
 
     def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
-        while self.has_unfinished_requests() or self._pending_outputs:
+        while self.has_work():
             outs = self.step()
             if on_output:
                 for out in outs:
                     on_output(out)
-            if not outs and self.scheduler.config.scheduling == "static":
-                time.sleep(0.001)  # doors shut, waiting for a full batch or the timeout
+            self.idle_if_held(outs)
+
+    def idle_if_held(self, outputs: list[RequestOutput]) -> None:
+        """Static batching keeps its doors shut until a full batch (or the timeout): a step
+        that produced nothing then waits a moment instead of spinning."""
+        if not outputs and self.scheduler.config.scheduling == "static":
+            time.sleep(0.001)
+
+    def check_health(self) -> None:
+        """Raise if the executor has died (a tensor-parallel worker gone)."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    # -- what the floors above may read and change ----------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
 
-def _detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.config.cache
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def model_path(self) -> str | None:
+        """Where the weights came from (None for executors without a model, e.g. toys)."""
+        return getattr(self.executor, "model_path", None)
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of queue lengths, KV usage and counters."""
+        return self.scheduler.stats()
+
+    def inspect(self, look: Callable[[Scheduler], T]) -> T:
+        """Run a read-only look at the scheduler's live state (guardrails use it)."""
+        return look(self.scheduler)
+
+    def check_cache_config(self, cache: CacheConfig) -> None:
+        """Raise ConfigError if `cache`'s watermark would leave a live request unable to ever
+        get the blocks it may grow to."""
+        kv = self.kv
+        usable = kv.num_gpu_blocks - int(cache.watermark * kv.num_gpu_blocks)
+        need = max((kv.blocks_needed(r.max_total_tokens)
+                    for r in self.scheduler.requests.values()), default=0)
+        if need > usable:
+            raise ConfigError(f"watermark {cache.watermark} leaves {usable} usable KV blocks "
+                              f"but a queued request needs up to {need}")
+
+    def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
+        """Hot reload; the next schedule() uses the new values. Returns the step count at the
+        switch."""
+        self.scheduler.update_config(scheduler)
+        self.kv.set_watermark(cache.watermark)
+        self.config = dataclasses.replace(self.config, scheduler=scheduler, cache=cache)
+        return self.num_steps
+
+    def add_listeners(self, on_iteration: IterationListener | None = None,
+                      on_finish: FinishListener | None = None) -> None:
+        """Called on the engine thread after every step / every finished request."""
+        if on_iteration is not None:
+            self.iteration_listeners.append(on_iteration)
+        if on_finish is not None:
+            self.finish_listeners.append(on_finish)
+
+    def remove_listeners(self, on_iteration: IterationListener | None = None,
+                         on_finish: FinishListener | None = None) -> None:
+        if on_iteration is not None and on_iteration in self.iteration_listeners:
+            self.iteration_listeners.remove(on_iteration)
+        if on_finish is not None and on_finish in self.finish_listeners:
+            self.finish_listeners.remove(on_finish)
+
+
+def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Any]:
     """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
     would tie the engine, and its KV pool, into a reference cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own

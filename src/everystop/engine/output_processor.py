@@ -57,7 +57,8 @@ class OutputProcessor:
             state.token_ids.extend(upd.new_token_ids)
             state.logprobs.extend(upd.new_logprobs)
             # An EOS or stop token ends the text without appearing in it.
-            text_ids = upd.new_token_ids[:-1] if upd.stop_token_id is not None else upd.new_token_ids
+            text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None
+                        else upd.new_token_ids)
             if text_ids:
                 state.text += state.detok.push(text_ids)
             if finish_reason is not None and hasattr(state.detok, "flush"):

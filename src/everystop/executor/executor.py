@@ -13,7 +13,9 @@ from everystop.core.preemption import PreemptionCostModel
 
 
 class Executor(Protocol):
-    """Runs scheduled steps. Block counts are fixed once constructed."""
+    """Runs scheduled steps: all the engine's loop needs (toy and simulated executors too).
+    Block counts are fixed once constructed. An executor may also offer `check_health()`,
+    which raises once it can no longer run steps (the engine calls it while idle)."""
 
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -21,15 +23,26 @@ class Executor(Protocol):
     @property
     def num_cpu_blocks(self) -> int: ...
 
-    @property
-    def block_size(self) -> int: ...
-
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Do the step's swaps, run its tokens, and return one token per sampled sequence."""
         ...
 
     def shutdown(self) -> None:
         """Release devices and memory; the executor is unusable afterwards."""
+        ...
+
+
+class ModelExecutor(Executor, Protocol):
+    """An executor over a real model (what `create_executor` builds)."""
+
+    model_path: str
+
+    def describe_capacity(self) -> str:
+        """One log line: the KV cache's size in blocks, tokens and bytes."""
+        ...
+
+    def preemption_cost_model(self) -> PreemptionCostModel:
+        """Recompute vs swap costs measured on this model and device, now."""
         ...
 
 
@@ -46,7 +59,6 @@ class LocalExecutor:
                                                       max_num_batched_tokens)
         self._num_gpu_blocks = self.runner.num_gpu_blocks
         self._num_cpu_blocks = self.runner.num_cpu_blocks
-        self._block_size = cache_config.block_size
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -55,10 +67,6 @@ class LocalExecutor:
     @property
     def num_cpu_blocks(self) -> int:
         return self._num_cpu_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         if self.runner is None:
@@ -80,7 +88,7 @@ class LocalExecutor:
         self.runner = None
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def create_executor(config: EngineConfig) -> ModelExecutor:
     """The executor for this configuration: in-process, or one worker per tensor-parallel rank."""
     if config.parallel.tensor_parallel_size > 1:
         from everystop.executor.tp_executor import TensorParallelExecutor

@@ -79,7 +79,7 @@ def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,
 
 # Loaded weights by (path, dtype, device, backends). Inference never writes to them, so engines
 # in one process (tests, benchmarks comparing modes) share one copy instead of reloading.
-_MODELS: "OrderedDict[tuple[str | None, str, str, Backends], LlamaForCausalLM]" = OrderedDict()
+_MODELS: OrderedDict[tuple[str | None, str, str, Backends], LlamaForCausalLM] = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 

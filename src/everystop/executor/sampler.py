@@ -43,7 +43,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  output_indices: Sequence[int]) -> SamplerOutput:
         """logits: [N, vocab] float32 (unmodified); one SamplingParams and output index per row."""
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         greedy_rows = [p.greedy for p in params]
         tokens = _argmax(logits, self.kernels)
         if not all(greedy_rows):

@@ -14,6 +14,7 @@ ParallelConfig.collective_timeout_s. Either way the engine stops and never hangs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -57,7 +58,6 @@ class TensorParallelExecutor:
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self.runner: ModelRunner | None = None
-        self.last_message_bytes = 0
         try:
             self._spawn(config)
             self._await_hello()
@@ -77,7 +77,6 @@ class TensorParallelExecutor:
             raise
         self._num_gpu_blocks = self.runner.num_gpu_blocks
         self._num_cpu_blocks = self.runner.num_cpu_blocks
-        self._block_size = config.cache.block_size
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -179,15 +178,11 @@ class TensorParallelExecutor:
     def num_cpu_blocks(self) -> int:
         return self._num_cpu_blocks
 
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         runner = self._live_runner()
 
         def step() -> ModelOutput:
-            self.last_message_bytes = send_message(self.ctx, ("execute", encode_plan(sched)))
+            send_message(self.ctx, ("execute", encode_plan(sched)))
             return runner.execute(sched)
 
         return self._guarded(step)
@@ -233,10 +228,9 @@ class TensorParallelExecutor:
             return
         self._stopping.set()
         if self.failure is None and self.runner is not None:
-            try:
+            # they are being killed below anyway
+            with contextlib.suppress(Exception):
                 send_message(self.ctx, ("stop",))
-            except Exception:  # noqa: BLE001 - they are being killed below anyway
-                pass
         for proc in self._procs:
             proc.join(timeout=5.0)
             if proc.is_alive():

@@ -13,6 +13,8 @@ On CPU the two are the same gloo group.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -22,12 +24,14 @@ import torch.distributed as dist
 
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.executor.layers.parallel import ParallelContext
-from everystop.sampling_params import SamplingParams
 
 HOST = "127.0.0.1"
 # Workers wait this long for the next plan: an idle server may send none for hours.
 IDLE_TIMEOUT = timedelta(days=365)
-_PLAN_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # workers never sample
+# The wire format is every field of both dataclasses, in declaration order: a field added to
+# either travels without an edit here (a hand-picked subset once dropped `padding`).
+_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSequence))
+_OUT_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerOutput) if f.name != "scheduled")
 
 
 def create_store(world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -58,10 +62,9 @@ def abort(ctx: ParallelContext) -> None:
     """Best effort: make collectives blocked on a dead peer return (NCCL cannot see a peer
     die; gloo already fails on the closed socket)."""
     for group in {id(ctx.group): ctx.group, id(ctx.cpu_group): ctx.cpu_group}.values():
-        try:
+        # already broken or not supported: nothing to save
+        with contextlib.suppress(Exception):
             group.abort()
-        except Exception:  # noqa: BLE001 - already broken or not supported: nothing to save
-            pass
 
 
 # --- the control channel -------------------------------------------------------------------
@@ -92,15 +95,12 @@ def _broadcast(ctx: ParallelContext, t: torch.Tensor, timeout: timedelta | None 
 
 
 def encode_plan(sched: SchedulerOutput) -> tuple[Any, ...]:
-    """What the workers need of a step: tokens, positions, block tables, which rows are sampled
-    (the logits gather must agree on them) and the swaps. No sampling parameters or ids."""
-    return ([(s.token_ids, s.start_pos, s.block_ids, s.sample) for s in sched.scheduled],
-            sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+    """A step's SchedulerOutput, whole, as plain tuples (smaller pickles than the objects)."""
+    rows = [tuple(getattr(s, name) for name in _SEQ_FIELDS) for s in sched.scheduled]
+    return rows, tuple(getattr(sched, name) for name in _OUT_FIELDS)
 
 
 def decode_plan(plan: tuple[Any, ...]) -> SchedulerOutput:
-    seqs, swap_out, swap_in = plan
-    return SchedulerOutput(
-        scheduled=[ScheduledSequence("", tokens, start, blocks, sample, _PLAN_PARAMS)
-                   for tokens, start, blocks, sample in seqs],
-        blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in)
+    rows, rest = plan
+    return SchedulerOutput(scheduled=[ScheduledSequence(*row) for row in rows],
+                           **dict(zip(_OUT_FIELDS, rest)))

@@ -8,6 +8,7 @@ feeds rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -36,12 +37,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawned: a fresh interpreter, no state inherited from the engine)."""
     try:
         _serve(spec, conn)
-    except BaseException as exc:  # noqa: BLE001 - report anything, then die
-        try:
+    except BaseException as exc:  # report anything, then die
+        with contextlib.suppress(OSError, ValueError):  # rank 0 is gone
             conn.send(("error", f"rank {spec.rank}: {type(exc).__name__}: {exc}",
                        traceback.format_exc()))
-        except (OSError, ValueError):
-            pass  # rank 0 is gone
         sys.exit(1)
     sys.exit(0)
 

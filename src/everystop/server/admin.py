@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from everystop.config import CacheConfig, ConfigError, SchedulerConfig
+from everystop.engine.async_engine import AsyncEngine
 from everystop.telemetry.alerts import GuardrailConfig
 from everystop.telemetry.rows import ConfigRow
 from everystop.telemetry.service import Telemetry, open_telemetry
@@ -70,7 +71,7 @@ def _check_type(name: str, value: Any) -> Any:
 class SchedulerConfigAdmin:
     """Validates, applies and records scheduler-config versions for one AsyncEngine."""
 
-    def __init__(self, async_engine: Any, *, store: Store | None = None) -> None:
+    def __init__(self, async_engine: AsyncEngine, *, store: Store | None = None) -> None:
         self.async_engine = async_engine
         self.store = store
         self.version = 1
@@ -79,15 +80,11 @@ class SchedulerConfigAdmin:
         if store is not None:
             store.insert_config(self._row("startup"))
 
-    @property
-    def _engine(self) -> Any:
-        return self.async_engine.engine
-
     def snapshot(self) -> dict[str, Any]:
-        eng = self._engine
-        config = dataclasses.asdict(eng.scheduler.config)
+        front = self.async_engine
+        config = dataclasses.asdict(front.scheduler_config)
         config["max_queued_per_tier"] = list(config["max_queued_per_tier"])
-        config["watermark"] = eng.config.cache.watermark
+        config["watermark"] = front.cache_config.watermark
         return {"object": "scheduler_config", "version": self.version,
                 "updated_at": self.updated_at, "adjustable": list(ADJUSTABLE), "config": config}
 
@@ -102,45 +99,33 @@ class SchedulerConfigAdmin:
                 raise _Invalid(f"{name!r} cannot be changed at runtime (adjustable: "
                                f"{', '.join(ADJUSTABLE)})", name, code="unsupported_parameter")
         values = {name: _check_type(name, value) for name, value in body.items()}
-        eng = self._engine
+        front = self.async_engine
         sched_changes = {k: v for k, v in values.items() if k in SCHEDULER_KNOBS}
         try:
-            new_sched = eng.scheduler.config.replace(**sched_changes)
-            new_cache = dataclasses.replace(eng.config.cache,
+            new_sched = front.scheduler_config.replace(**sched_changes)
+            new_cache = dataclasses.replace(front.cache_config,
                                             watermark=values.get("watermark",
-                                                                 eng.config.cache.watermark))
+                                                                 front.cache_config.watermark))
         except ConfigError as exc:
             msg = str(exc)
             param = next((k for k in values if k in msg), next(iter(values)))
             raise _Invalid(msg, param) from None
         if "watermark" in values:
-            self._check_watermark(new_cache.watermark)
+            try:
+                front.check_cache_config(new_cache)
+            except ConfigError as exc:
+                raise _Invalid(str(exc), "watermark") from None
         return new_sched, new_cache
 
-    def _check_watermark(self, watermark: float) -> None:
-        kv = self._engine.kv
-        usable = kv.num_gpu_blocks - int(watermark * kv.num_gpu_blocks)
-        with self.async_engine._lock:
-            need = max((kv.blocks_needed(r.max_total_tokens)
-                        for r in self._engine.scheduler.requests.values()), default=0)
-        if need > usable:
-            raise _Invalid(f"watermark {watermark} leaves {usable} usable KV blocks but a "
-                           f"queued request needs up to {need}", "watermark")
-
     def apply(self, new_sched: SchedulerConfig, new_cache: CacheConfig) -> int:
-        """Swap the configs in under the engine lock; returns the engine step count at the
-        switch (iterations scheduled after it use the new values)."""
-        eng = self._engine
-        with self.async_engine._lock:
-            eng.scheduler.update_config(new_sched)
-            eng.kv.watermark_blocks = int(new_cache.watermark * eng.kv.num_gpu_blocks)
-            eng.config = dataclasses.replace(eng.config, scheduler=new_sched, cache=new_cache)
-            return int(eng.num_steps)
+        """Swap the configs in; returns the engine step count at the switch (iterations
+        scheduled after it use the new values)."""
+        return self.async_engine.update_config(new_sched, new_cache)
 
     def _row(self, source: str, sched: SchedulerConfig | None = None,
              cache: CacheConfig | None = None) -> ConfigRow:
-        sched = sched or self._engine.scheduler.config
-        cache = cache or self._engine.config.cache
+        sched = sched or self.async_engine.scheduler_config
+        cache = cache or self.async_engine.cache_config
         full = dataclasses.asdict(sched)
         full["watermark"] = cache.watermark
         return ConfigRow(
@@ -188,7 +173,7 @@ def _authorized(request: Request, admin_key: str | None) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), admin_key.encode())
 
 
-def install_admin_routes(app: FastAPI, async_engine: Any, *, admin_key: str | None,
+def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *, admin_key: str | None,
                          store: Store | None = None) -> SchedulerConfigAdmin:
     """Add the /admin routes. With a store, the start-up config is recorded as version 1."""
     admin = SchedulerConfigAdmin(async_engine, store=store)
@@ -230,13 +215,13 @@ def install_admin_routes(app: FastAPI, async_engine: Any, *, admin_key: str | No
     return admin
 
 
-def install_telemetry(app: FastAPI, async_engine: Any, *, db: str | None,
+def install_telemetry(app: FastAPI, async_engine: AsyncEngine, *, db: str | None,
                       registry: Any = None, guardrail_config: GuardrailConfig | None = None,
                       model_version: str = "unknown", max_queue: int = 10_000) -> Telemetry:
     """Attach telemetry (store when `db` is given, writer, recorder, guardrails and their
     monitor) to the app's engine; its metrics join `registry` when given; it is closed (queue
     flushed, store closed) when the app shuts down."""
-    telemetry = open_telemetry(db, async_engine.engine, lock=async_engine._lock,
+    telemetry = open_telemetry(db, async_engine, monitor=True,
                                guardrail_config=guardrail_config, model_version=model_version,
                                max_queue=max_queue)
     if registry is not None:

@@ -19,8 +19,13 @@ from everystop.server.admission import AdmissionConfig, AdmissionController
 from everystop.server.errors import APIError, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       TokenizeRequest, model_list, parse_body)
+from everystop.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    model_list,
+    parse_body,
+)
 from everystop.server.serving import ServingContext, generate
 
 Extension = Callable[[FastAPI, AsyncEngine], Any]
@@ -33,15 +38,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str
     install_error_handlers(app)
     metrics = metrics or ServerMetrics()
     metrics.attach(async_engine)
-    sched = async_engine.engine.scheduler
-    controller = AdmissionController(admission or AdmissionConfig(),
-                                     max_num_seqs=lambda: sched.config.max_num_seqs,
-                                     num_running=lambda: len(sched.running))
+    controller = AdmissionController(
+        admission or AdmissionConfig(),
+        max_num_seqs=lambda: async_engine.scheduler_config.max_num_seqs,
+        num_running=lambda: async_engine.num_running)
     ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n)
     app.state.ctx = ctx
     app.state.engine = async_engine
-    tokenizer = async_engine.engine.tokenizer
-    max_model_len = async_engine.engine.config.scheduler.max_model_len
+    tokenizer = async_engine.tokenizer
+    max_model_len = async_engine.max_model_len
 
     def check_auth(http: Request) -> None:
         if api_key is None:
@@ -95,10 +100,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str
 
     @app.get("/health")
     async def health() -> Response:
-        # NOTE: touches no engine lock, so it answers while the engine is saturated.
-        if async_engine.error is not None:
-            return JSONResponse({"status": "dead", "error": str(async_engine.error)}, 503)
-        if async_engine.draining:
+        state = async_engine.health()
+        if state.status == "dead":
+            return JSONResponse({"status": "dead", "error": state.error}, 503)
+        if state.status == "draining":
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok"})
 

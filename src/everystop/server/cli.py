@@ -80,8 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
     front = AsyncEngine(engine)
-    name = args.served_model_name or _model_name(
-        getattr(engine.executor, "model_path", None) or config.model.model)
+    name = args.served_model_name or _model_name(engine.model_path or config.model.model)
     metrics = ServerMetrics()
 
     def observability(app: Any, front: Any) -> None:
@@ -119,10 +118,11 @@ class _DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self._draining and self._loop is not None:
+        loop = self._loop
+        if sig == signal.SIGTERM and not self._draining and loop is not None:
             self._draining = True
             self.front.draining = True  # before the next request is read: 503 from here on
-            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
             return
         super().handle_exit(sig, frame)
 

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput
 from everystop.core.request import Request
+from everystop.engine.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -82,11 +83,9 @@ class ServerMetrics:
         self.rejected = Counter("everystop:requests_rejected", "429 answers by reason",
                                 ["reason", "priority"], registry=r)
 
-    def attach(self, async_engine: Any) -> None:
+    def attach(self, async_engine: AsyncEngine) -> None:
         """Hook the engine's listeners and the scrape-time collector."""
-        eng = async_engine.engine
-        eng.iteration_listeners.append(self.on_iteration)
-        eng.finish_listeners.append(self.on_finished)
+        async_engine.add_listeners(self.on_iteration, self.on_finished)
         self.registry.register(_EngineCollector(async_engine))
 
     # -- engine thread ---------------------------------------------------------------------------
@@ -126,11 +125,11 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Scheduler state read at scrape time (plain attribute reads; no engine lock)."""
 
-    def __init__(self, async_engine: Any) -> None:
+    def __init__(self, async_engine: AsyncEngine) -> None:
         self.front = async_engine
 
     def collect(self) -> Iterator[Any]:
-        stats = self.front.engine.scheduler.stats()
+        stats = self.front.stats()
         for name, doc, value in (
                 ("num_requests_running", "Sequences in the running batch", stats.num_running),
                 ("num_requests_waiting", "Queued or preempted requests", stats.num_waiting),

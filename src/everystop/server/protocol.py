@@ -64,8 +64,8 @@ class CompletionRequest(_GenerationRequest):
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
 
 class ContentPart(BaseModel):

@@ -57,7 +57,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     opts: dict[str, Any] = dict(
-        max_tokens=max_tokens or 16, temperature=1.0 if body.temperature is None else body.temperature,
+        max_tokens=max_tokens or 16,
+        temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
@@ -83,22 +84,18 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     num_logprobs = _num_logprobs(body)
     base = sampling_params(body, num_logprobs)
     tenant = tenant_of(http, body)
-    max_len = ctx.engine.engine.config.scheduler.max_model_len
+    # Chat without a limit: up to the context window, as OpenAI does.
+    to_context = (default_max_tokens_to_len and body.max_tokens is None
+                  and getattr(body, "max_completion_tokens", None) is None)
     choices: list[_Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
-            params = dataclasses.replace(base, stop=list(base.stop),
-                                         stop_token_ids=list(base.stop_token_ids),
-                                         seed=None if base.seed is None else base.seed + j)
+            params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
             try:
                 req = ctx.engine.make_request(prompt, params, priority=body.priority,
-                                              tenant=tenant)
+                                              tenant=tenant, max_tokens_to_context=to_context)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
-            if default_max_tokens_to_len and body.max_tokens is None and getattr(
-                    body, "max_completion_tokens", None) is None:
-                # Chat without a limit: up to the context window, as OpenAI does.
-                params.max_tokens = max(1, max_len - req.num_prompt_tokens)
             choices.append(_Choice(len(choices), req, prompt_index))
     _admit(ctx, choices, body.priority)
     if body.stream:
@@ -137,7 +134,7 @@ def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> Bas
     if isinstance(exc, QueueFull):
         reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
         ctx.metrics.count_rejected(reason, tier)
-        retry = str(max(1, int(round(exc.retry_after_s))))
+        retry = str(max(1, round(exc.retry_after_s)))
         return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
                         headers={"Retry-After": retry})
     if isinstance(exc, RequestRejected):

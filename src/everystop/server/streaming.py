@@ -55,7 +55,5 @@ class SSEResponse(StreamingResponse):
                     await aclose()  # runs the generator's finally: aborts the engine request
 
     async def _send_all(self, send: Send) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the client went away mid-write
             await self.stream_response(send)
-        except OSError:  # the client went away mid-write
-            pass

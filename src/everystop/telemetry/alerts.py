@@ -22,7 +22,7 @@ from typing import Any
 
 from everystop.core.outputs import IterationRecord
 from everystop.core.request import Request, RequestStatus
-from everystop.telemetry.stats import percentile
+from everystop.stats import percentile
 
 KINDS = ("prefill_ceiling", "starvation", "kv_leak")
 NUM_TIERS = 3

@@ -15,9 +15,10 @@ from typing import Any
 
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput
 from everystop.core.request import Request
+from everystop.stats import percentile
 from everystop.telemetry.alerts import Alert, Guardrails
 from everystop.telemetry.rows import AlertRow, IterationRow, Row, SequenceRow
-from everystop.telemetry.stats import percentile
+from everystop.telemetry.source import ObservedEngine
 from everystop.telemetry.store import Store
 from everystop.telemetry.writer import TelemetryWriter
 
@@ -71,22 +72,20 @@ class TelemetryRecorder:
         self.guardrails = guardrails
         self.model_version = model_version[:64]
         self.wall_offset = time.time() - clock()
-        self.engine: Any = None
+        self.engine: ObservedEngine | None = None
         # Engine thread only (iterations and finishes both run under the engine lock).
         self._token_times: dict[str, list[float]] = {}
         self.writer = TelemetryWriter(store, max_queue=max_queue, prepare=self.prepare)
 
-    def attach(self, engine: Any) -> "TelemetryRecorder":
-        """Listen to an LLMEngine's iterations and finishes."""
+    def attach(self, engine: ObservedEngine) -> TelemetryRecorder:
+        """Listen to an engine's iterations and finishes."""
         self.engine = engine
-        engine.iteration_listeners.append(self.on_iteration)
-        engine.finish_listeners.append(self.on_finish)
+        engine.add_listeners(self.on_iteration, self.on_finish)
         return self
 
     def detach(self) -> None:
         if self.engine is not None:
-            self.engine.iteration_listeners.remove(self.on_iteration)
-            self.engine.finish_listeners.remove(self.on_finish)
+            self.engine.remove_listeners(self.on_iteration, self.on_finish)
             self.engine = None
 
     # -- engine thread: snapshot and enqueue, nothing else ----------------------------------------
@@ -95,14 +94,14 @@ class TelemetryRecorder:
         times = self._token_times
         # NOTE: finish listeners run before iteration listeners, so a request that ended in this
         # step is gone from `live` and its last token was timed by on_finish.
-        live = self.engine.scheduler.requests if self.engine is not None else None
+        engine = self.engine
         for e in sched.scheduled:
-            if e.sample and (live is None or e.request_id in live):
+            if e.sample and (engine is None or engine.is_live(e.request_id)):
                 times.setdefault(e.request_id, []).append(end)
         self.writer.submit(IterationEvent(record))
         if self.guardrails is not None and self.engine is not None:
             self.guardrails.on_iteration(record,
-                                         self.engine.scheduler.config.max_num_batched_tokens)
+                                         self.engine.scheduler_config.max_num_batched_tokens)
 
     def on_finish(self, req: Request, out: RequestOutput) -> None:
         event = FinishEvent(

@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from everystop.stats import percentile
 from everystop.telemetry.rows import AlertRow, ConfigRow, IterationRow, SequenceRow
-from everystop.telemetry.stats import percentile
 from everystop.telemetry.store import Store, is_postgres_dsn, open_store
 
 METRICS = (("queue_wait", "queue_wait_ms"), ("ttft", "ttft_ms"), ("tpot", "tpot_p50_ms"))

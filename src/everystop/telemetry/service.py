@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
 
 from everystop.telemetry.alerts import Alert, GuardrailConfig, Guardrails, register_alert_metrics
 from everystop.telemetry.recorder import TelemetryRecorder
+from everystop.telemetry.source import ObservedEngine
 from everystop.telemetry.store import Store, open_store
 
 logger = logging.getLogger("everystop.telemetry")
@@ -17,31 +17,29 @@ logger = logging.getLogger("everystop.telemetry")
 class Telemetry:
     """Args:
         store: an open Store (see `open_store`), or None for guardrails and metrics only.
-        engine: the LLMEngine to observe.
-        lock: the lock that guards the engine's scheduler (AsyncEngine._lock). With it, a
-            monitor thread runs the guardrail checks every check_interval_s; without it the
+        engine: the engine to observe: an AsyncEngine, or an LLMEngine driven on this thread.
+        monitor: run the guardrail checks on a thread of their own every check_interval_s
+            (needs an AsyncEngine, whose `inspect` takes the engine lock); without it the
             caller runs `check_now()` on the engine's own thread.
     """
 
-    def __init__(self, store: Store | None, engine: Any, *, lock: Any = None,
+    def __init__(self, store: Store | None, engine: ObservedEngine, *, monitor: bool = False,
                  guardrail_config: GuardrailConfig | None = None, model_version: str = "unknown",
                  max_queue: int = 10_000) -> None:
         self.store = store
         self.engine = engine
-        self.lock = lock
         self.guardrails = Guardrails(guardrail_config)
         self.recorder: TelemetryRecorder | None = None
         if store is not None:
             self.recorder = TelemetryRecorder(
-                store, block_size=engine.kv.block_size, clock=engine.clock,
+                store, block_size=engine.block_size, clock=engine.clock,
                 guardrails=self.guardrails, model_version=model_version, max_queue=max_queue)
             self.recorder.attach(engine)
         else:  # no store: still feed the guardrails
-            engine.iteration_listeners.append(self._on_iteration)
-            engine.finish_listeners.append(self._on_finish)
+            engine.add_listeners(self._on_iteration, self._on_finish)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
-        if lock is not None:
+        if monitor:
             self._monitor = threading.Thread(target=self._run_monitor, daemon=True,
                                              name="everystop-guardrails")
             self._monitor.start()
@@ -51,7 +49,7 @@ class Telemetry:
         return None if self.recorder is None else self.recorder.writer
 
     def _on_iteration(self, record: Any, sched: Any) -> None:
-        self.guardrails.on_iteration(record, self.engine.scheduler.config.max_num_batched_tokens)
+        self.guardrails.on_iteration(record, self.engine.scheduler_config.max_num_batched_tokens)
 
     def _on_finish(self, req: Any, out: Any) -> None:
         self.guardrails.on_finish(req)
@@ -61,8 +59,7 @@ class Telemetry:
 
     def check_now(self) -> list[Alert]:
         """Run the guardrail checks, then log and store what they raised (outside the lock)."""
-        with self.lock if self.lock is not None else contextlib.nullcontext():
-            self.guardrails.check(self.engine.scheduler, self.engine.clock())
+        self.engine.inspect(lambda sched: self.guardrails.check(sched, self.engine.clock()))
         alerts = self.guardrails.drain()
         for alert in alerts:
             logger.warning("guardrail %s: %s", alert.kind, alert.message)
@@ -85,13 +82,12 @@ class Telemetry:
         if self.recorder is not None:
             self.recorder.detach()
             self.recorder.writer.close()
-        elif self._on_iteration in self.engine.iteration_listeners:
-            self.engine.iteration_listeners.remove(self._on_iteration)
-            self.engine.finish_listeners.remove(self._on_finish)
+        else:
+            self.engine.remove_listeners(self._on_iteration, self._on_finish)
         if self.store is not None:
             self.store.close()
 
 
-def open_telemetry(db: str | None, engine: Any, **kwargs: Any) -> Telemetry:
+def open_telemetry(db: str | None, engine: ObservedEngine, **kwargs: Any) -> Telemetry:
     """Telemetry for an engine; `db` is a SQLite path or a postgresql:// DSN (None: no store)."""
     return Telemetry(open_store(db) if db else None, engine, **kwargs)

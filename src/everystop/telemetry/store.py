@@ -15,11 +15,11 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from everystop.telemetry.rows import ConfigRow, Row
-from everystop.telemetry.schema import Dialect, pending, schema_version_ddl, LATEST_VERSION
+from everystop.telemetry.schema import LATEST_VERSION, Dialect, pending, schema_version_ddl
 
 logger = logging.getLogger("everystop.telemetry")
 
@@ -214,7 +214,7 @@ class PostgresStore(Store):
                 conn.commit()
 
     def _to_db(self, t: float | None) -> Any:
-        return None if t is None else datetime.fromtimestamp(t, timezone.utc)
+        return None if t is None else datetime.fromtimestamp(t, UTC)
 
     def _from_db(self, v: Any) -> float | None:
         return None if v is None else v.timestamp()

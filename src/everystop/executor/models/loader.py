@@ -17,8 +17,13 @@ import numpy as np
 import torch
 
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.models.llama import (TORCH_ONLY, Backends, LlamaArgs, LlamaForCausalLM,
-                                             hf_sources)
+from everystop.executor.models.llama import (
+    TORCH_ONLY,
+    Backends,
+    LlamaArgs,
+    LlamaForCausalLM,
+    hf_sources,
+)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")

@@ -1,0 +1,39 @@
+"""What telemetry may read from an engine, named: nothing else of the engine is touched.
+
+`LLMEngine` (offline, one thread) and `AsyncEngine` (the server; its `inspect` takes the engine
+lock) both satisfy `ObservedEngine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from everystop.config import SchedulerConfig
+    from everystop.core.scheduler import Scheduler
+
+T = TypeVar("T")
+
+
+class ObservedEngine(Protocol):
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the scheduler still holds the request (read on the engine thread)."""
+        ...
+
+    def inspect(self, look: Callable[[Scheduler], T]) -> T:
+        """Run a read-only look at live scheduler state, under the engine lock if any."""
+        ...
+
+    def add_listeners(self, on_iteration: Any = None, on_finish: Any = None) -> None: ...
+
+    def remove_listeners(self, on_iteration: Any = None, on_finish: Any = None) -> None: ...
