@@ -40,6 +40,33 @@ def _tier_caps(text: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2])
 
 
+TpotTarget = tuple[float | None, tuple[float | None, float | None, float | None]]
+
+
+def parse_tpot_target(text: str) -> TpotTarget:
+    """'100' -> 100 ms for every tier; 'off' or '0' -> no target (the fixed token budget);
+    '0:50,1:100,2:200' -> per tier; '100,0:50' -> 100 ms, tier 0 tighter. A tier left out
+    follows the plain value, or the machine-derived default when there is none."""
+    plain: float | None = None
+    tiers: list[float | None] = [None, None, None]
+    try:
+        for part in str(text).replace(" ", "").split(","):
+            tier, _, value = part.rpartition(":")
+            ms = 0.0 if value.lower() == "off" else float(value)
+            if ms < 0 or ms != ms:
+                raise ValueError
+            if not tier:
+                plain = ms
+            elif tier in ("0", "1", "2"):
+                tiers[int(tier)] = ms
+            else:
+                raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected MS, off, or TIER:MS,... (tiers 0, 1, 2), got {text!r}") from None
+    return plain, (tiers[0], tiers[1], tiers[2])
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags (all default to None: unset means the config default)."""
     g = parser.add_argument_group("engine")
@@ -71,6 +98,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-queued-per-tenant", type=int, default=None, help="0 = no cap")
     g.add_argument("--max-queued-per-tier", type=_tier_caps, default=None,
                    help="N or N0,N1,N2 (tiers 0, 1, 2); 0 = no cap")
+    g.add_argument("--tpot-target-ms", dest="tpot_target", type=parse_tpot_target,
+                   default=None, metavar="MS|off|TIER:MS,...",
+                   help="step-time target: prefill gets what keeps a step within it "
+                   "(default: derived from this machine at start-up; off: the fixed token "
+                   "budget)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 2GiB")
@@ -98,7 +130,11 @@ ENGINE_OPTIONS = (
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+    options = {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+    tpot: TpotTarget | None = getattr(args, "tpot_target", None)
+    if tpot is not None:  # one flag, two config fields
+        options["tpot_target_ms"], options["tpot_target_ms_per_tier"] = tpot
+    return options
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
