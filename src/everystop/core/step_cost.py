@@ -60,23 +60,26 @@ class StepCoefficients:
 
 
 class StepCostModel:
-    """Exponentially weighted recursive least squares over the four features.
+    """Exponentially weighted least squares over the four features, re-solved at every step.
 
-    Coefficients are kept non-negative (a step never gets cheaper by adding work; projecting
-    keeps the budget arithmetic monotone), and the covariance is capped at the prior's, so a
-    feature that stays constant for a long time (no prefill all night) cannot wind it up.
+    The normal equations decay by `forgetting` per step, plus a small damping toward the
+    previous estimate: a direction the recent steps do not excite (no prefill all night, a
+    decode batch that never changes size) keeps its last value instead of drifting or blowing
+    up. Coefficients are kept non-negative by an active set (a step never gets cheaper by adding
+    work, which keeps the budget arithmetic monotone).
     """
 
     def __init__(self, prior: StepCoefficients, *, forgetting: float = 0.98,
-                 prior_variance: float = 1.0) -> None:
-        if not 0.5 < forgetting <= 1.0:
-            raise ValueError("forgetting must be in (0.5, 1]")
+                 damping: float = 0.05) -> None:
+        if not 0.5 < forgetting <= 1.0 or not damping > 0:
+            raise ValueError("forgetting must be in (0.5, 1] and damping > 0")
         self.prior = prior
         self.forgetting = forgetting
-        # theta and P live in scaled units (see _SCALES).
+        self.damping = damping
+        # The estimate and the normal equations live in scaled units (see _SCALES).
         self._theta = [c * s for c, s in zip(prior.as_tuple(), _SCALES)]
-        self._p = [[prior_variance if i == j else 0.0 for j in range(4)] for i in range(4)]
-        self._p_trace_cap = 4 * prior_variance
+        self._a = [[0.0] * 4 for _ in range(4)]
+        self._b = [0.0] * 4
         self.num_observations = 0
         self.last_predicted_s = 0.0
         self.last_measured_s = 0.0
@@ -100,22 +103,52 @@ class StepCostModel:
         return sum(c * x for c, x in zip(self.coefficients.as_tuple(), shape.features()))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Fold one measured step in (RLS update with forgetting)."""
+        """Fold one measured step in and re-solve."""
         if not seconds > 0 or math.isinf(seconds):
             return
         self.last_predicted_s = self.predict(shape)
         self.last_measured_s = seconds
         x = [f / s for f, s in zip(shape.features(), _SCALES)]
-        p, lam = self._p, self.forgetting
-        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denom = lam + sum(x[i] * px[i] for i in range(4))
-        gain = [v / denom for v in px]
-        err = seconds - sum(t * v for t, v in zip(self._theta, x))
-        self._theta = [max(0.0, t + g * err) for t, g in zip(self._theta, gain)]
-        self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
-        trace = sum(self._p[i][i] for i in range(4))
-        if trace > self._p_trace_cap:
-            scale = self._p_trace_cap / trace
-            self._p = [[v * scale for v in row] for row in self._p]
+        lam = self.forgetting
+        for i in range(4):
+            self._b[i] = lam * self._b[i] + x[i] * seconds
+            for j in range(4):
+                self._a[i][j] = lam * self._a[i][j] + x[i] * x[j]
+        self._theta = self._solve()
         self.num_observations += 1
 
+    def _solve(self) -> list[float]:
+        """argmin over theta >= 0 of the damped least-squares objective (active set: a
+        coefficient that comes out negative is pinned at 0 and the rest re-solved)."""
+        d = self.damping
+        free = list(range(4))
+        while True:
+            a = [[self._a[i][j] + (d if i == j else 0.0) for j in free] for i in free]
+            b = [self._b[i] + d * self._theta[i] for i in free]
+            sol = _gauss_solve(a, b)
+            theta = [0.0] * 4
+            for k, i in enumerate(free):
+                theta[i] = sol[k]
+            negative = [i for i in free if theta[i] < 0]
+            if not negative:
+                return theta
+            free = [i for i in free if i not in negative]
+            if not free:
+                return theta
+
+
+def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a small symmetric positive-definite system (Gaussian elimination, pivoting)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
