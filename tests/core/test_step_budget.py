@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from everystop.config import SchedulerConfig
@@ -166,6 +166,11 @@ target_st = st.one_of(st.none(), st.floats(min_value=0.0, max_value=200.0))
        coeffs=st.tuples(st.floats(0, 0.05), st.floats(0, 0.005), st.floats(0, 0.005),
                         st.floats(0, 1e-4)),
        aging=st.sampled_from([0.05, 1.0, 1e6]))
+# Found by this test: a victim preempted to seat a request from the preempted queue went to
+# the head of that same queue, and pop() then started the victim instead of the request.
+@example(requests=[(0, 1, 6, 2), (0, 1, 11, 0), (0, 1, 11, 0), (4, 1, 5, 1), (8, 1, 1, 0)],
+         max_num_seqs=3, extra_budget=0, chunk_size=1, target=None,
+         per_tier=(None, None, None), coeffs=(0.0, 0.0, 0.00390625, 0.0), aging=0.05)
 def test_budget_never_exceeds_max_num_batched_tokens(requests, max_num_seqs, extra_budget,
                                                     chunk_size, target, per_tier, coeffs,
                                                     aging) -> None:

@@ -233,7 +233,9 @@ class Scheduler:
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
                 if not self._preempt_worse_tier(req, step):
                     return  # head-of-line waits: lower tiers may not jump ahead of it
-            self._start_running(queue.pop(), computed, step)
+            # NOTE: not pop(): a victim preempted above may now head this very queue.
+            queue.remove(req)
+            self._start_running(req, computed, step)
             self._emit(step, req, n)
 
     def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
