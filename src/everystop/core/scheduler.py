@@ -26,8 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]
-
 from everystop.config import SchedulerConfig
 from everystop.core.invariants import check_scheduler_integrity
 from everystop.core.intake import QueueFull, RequestRejected, check_admissible
@@ -40,6 +38,8 @@ from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
 from everystop.core.step_budget import StepBudget, default_target_s, tier_targets_s
 from everystop.core.step_cost import StepCostModel, StepShape
+
+__all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
 
 
 class Scheduler:
@@ -198,8 +198,8 @@ class Scheduler:
         remaining = req.num_tokens - start
         if step.budget.tokens_left <= 0 or remaining <= 0:
             return 0
-        last_wait_start = req.preemption_times[-1] if req.preemption_times else req.arrival_time
-        starving = step.now - last_wait_start >= self.config.aging_interval_s
+        waited_since = req.preemption_times[-1] if req.preemption_times else req.arrival_time
+        starving = step.now - waited_since >= self.config.aging_interval_s
         if self.config.enable_chunked_prefill:
             return min(remaining, self.config.chunk_size, step.budget.room(start, starving))
         # Whole prompts only; one oversized prompt may run alone, a starving one may overshoot
@@ -233,8 +233,7 @@ class Scheduler:
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
                 if not self._preempt_worse_tier(req, step):
                     return  # head-of-line waits: lower tiers may not jump ahead of it
-            # NOTE: not pop(): a victim preempted above may now head this very queue.
-            queue.remove(req)
+            queue.remove(req)  # NOTE: not pop(): a victim preempted above may now head it
             self._start_running(req, computed, step)
             self._emit(step, req, n)
 
