@@ -45,7 +45,10 @@ def cpu_setup(model: ModelSpec, args: argparse.Namespace) -> SimSetup:
     blocks = args.num_gpu_blocks or int(args.kv_cache_memory // (16 * model.kv_bytes_per_token))
     cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          chunk_size=args.chunk_size, max_model_len=args.max_model_len)
+                          chunk_size=args.chunk_size, max_model_len=args.max_model_len,
+                          # Calibration compares cost models on one fixed policy: under a TPOT
+                          # target the schedule itself would follow each run's fitted cost.
+                          tpot_target_ms=0.0)
     return SimSetup(cfg, num_gpu_blocks=blocks)
 
 

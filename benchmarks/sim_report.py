@@ -33,6 +33,8 @@ MODES = [  # label, scheduling, extra scheduler options
     ("Continuous + chunked prefill (budget 2048, chunk 512)", "chunked", {}),
     ("Continuous + chunked prefill (budget 512, chunk 256)", "chunked",
      {"max_num_batched_tokens": 512, "chunk_size": 256}),
+    ("Continuous + chunked prefill, TPOT target 40 ms (budget 2048, chunk 512)", "chunked",
+     {"tpot_target_ms": 40.0}),
 ]
 DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
           "continuous": ("6,200", "$0.37", "~450 ms", "17 ms"),
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     plot_latency_cdf({k.split(" (")[0] + (" (512)" if "512," in k else ""): v
                       for k, v in loaded_results.items()}, img / "sim-latency-cdf.png")
     for (label, mode, opts), res in zip(MODES, loaded_results.values()):
-        suffix = mode + ("-512" if opts.get("max_num_batched_tokens") == 512 else "")
+        suffix = mode + ("-512" if opts.get("max_num_batched_tokens") == 512 else "") + (
+            "-tpot" if opts.get("tpot_target_ms") else "")
         plot_occupancy(res, img / f"sim-occupancy-{suffix}.png", 32 if mode == "static" else 128,
                        title=f"{label} at {args.rate} req/s")
     data = {"workload": WORKLOAD, "rate": args.rate, "capacity": capacity, "bounds": bounds,

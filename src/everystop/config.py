@@ -55,6 +55,13 @@ class SchedulerConfig:
     # Per-tenant and per-tier caps on queued (not yet running) requests; 0 = no cap.
     max_queued_per_tenant: int = 0
     max_queued_per_tier: tuple[int, int, int] = (0, 0, 0)
+    # Step-time (TPOT) target in ms: each step's prefill budget is the most prefill that keeps
+    # the predicted step time within the tightest target of the tiers decoding in it (see
+    # core/step_budget.py). None: derived from the machine at start-up; 0: off (the fixed
+    # max_num_batched_tokens budget alone).
+    tpot_target_ms: float | None = None
+    # Per tier (0 premium, 1 standard, 2 best-effort); None: that tier uses tpot_target_ms.
+    tpot_target_ms_per_tier: tuple[float | None, float | None, float | None] = (None, None, None)
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
@@ -66,7 +73,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})")
         if self.scheduling not in ("continuous", "static"):
-            raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}")
+            raise ConfigError(
+                f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError(f"preemption_mode must be auto, recompute or swap, "
                               f"not {self.preemption_mode!r}")
@@ -76,8 +84,13 @@ class SchedulerConfig:
             raise ConfigError("max_queued_per_tier takes three non-negative caps (tiers 0, 1, 2)")
         if self.max_queued_per_tenant < 0:
             raise ConfigError("max_queued_per_tenant must be >= 0")
+        targets = self.tpot_target_ms_per_tier
+        if len(targets) != 3 or any(t is not None and not t >= 0
+                                    for t in (self.tpot_target_ms, *targets)):
+            raise ConfigError("tpot_target_ms takes a number of ms >= 0 (0 = off) or None, "
+                              "tpot_target_ms_per_tier three of them (tiers 0, 1, 2)")
 
-    def replace(self, **changes: object) -> "SchedulerConfig":
+    def replace(self, **changes: object) -> SchedulerConfig:
         """A validated copy with some fields changed (hot reload goes through here)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -175,8 +188,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
-    def from_options(cls, **options: object) -> "EngineConfig":
-        """Build from flat keyword options (CLI flags, `LLM(**kwargs)`), routing each to its part."""
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from flat keyword options (CLI flags, `LLM(**kwargs)`), routing each to its
+        part."""
         parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {},
                                                "parallel": {}}
         owners = {name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),

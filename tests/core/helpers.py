@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from everystop.config import SchedulerConfig
@@ -9,6 +10,7 @@ from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import RequestUpdate, SchedulerOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler
+from everystop.core.step_cost import StepCostModel, StepShape
 from everystop.sampling_params import SamplingParams
 
 from .toy_executor import ToyExecutor
@@ -48,7 +50,7 @@ class Harness:
             self.outputs[u.request_id].extend(u.new_token_ids)
             if u.finish_reason:
                 self.finish[u.request_id] = u.finish_reason
-        self.clock.now += dt
+        self.clock.now += result.execute_time_s or dt  # a timed executor sets the pace
         self.history.append(sched)
         self.scheduler.check_integrity()
         return sched, updates
@@ -65,6 +67,8 @@ class Harness:
 
 def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int = 0,
                  prefix_caching: bool = True, watermark: float = 0.0,
+                 step_cost: StepCostModel | None = None,
+                 cost_fn: Callable[[StepShape], float] | None = None,
                  **sched_kwargs: object) -> Harness:
     defaults: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=16,
                                        max_model_len=4096)
@@ -73,5 +77,5 @@ def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int
     kv = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=prefix_caching, watermark=watermark)
     clock = FakeClock()
-    return Harness(Scheduler(config, kv, clock=clock),
-                   ToyExecutor(num_blocks, block_size, num_cpu_blocks), clock)
+    return Harness(Scheduler(config, kv, clock=clock, step_cost=step_cost),
+                   ToyExecutor(num_blocks, block_size, num_cpu_blocks, cost_fn), clock)

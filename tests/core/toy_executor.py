@@ -9,7 +9,10 @@ broken swap shows up as a different output from the request run alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from everystop.core.outputs import ModelOutput, SchedulerOutput
+from everystop.core.step_cost import StepShape
 
 
 class KVCorruption(AssertionError):
@@ -24,7 +27,11 @@ def next_token(context: list[int], vocab: int = 1000) -> int:
 
 
 class ToyExecutor:
-    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 cost_fn: Callable[[StepShape], float] | None = None) -> None:
+        # With cost_fn, each pass reports that many seconds as its execute time (a machine
+        # whose step cost is known exactly).
+        self.cost_fn = cost_fn
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -51,6 +58,8 @@ class ToyExecutor:
                 pos = e.start_pos + i
                 self.gpu[e.block_ids[pos // bs]][pos % bs] = (tok, pos)
         out = ModelOutput()
+        if self.cost_fn is not None:
+            out.execute_time_s = self.cost_fn(StepShape.from_output(sched))
         for e in sched.scheduled:
             context = []
             for pos in range(e.seq_len):

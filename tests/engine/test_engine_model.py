@@ -106,3 +106,23 @@ def test_static_padding_rows_leave_outputs_and_cache_intact(alone) -> None:
     assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(alone, lengths)]
     assert sum(padding_rows) > 0
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_a_tight_tpot_target_changes_the_schedule_not_the_tokens() -> None:
+    """A 20 ms target on this CPU leaves prefill a few tokens per step beside decodes (plus the
+    anti-starvation floor); greedy outputs stay those of the fixed budget."""
+    runs = {}
+    for target in (0.0, 20.0):
+        llm = LLM(max_num_seqs=16, max_num_batched_tokens=512, tpot_target_ms=target,
+                  aging_interval_s=1.0)
+        beside_decodes: list[int] = []
+
+        def on_iteration(rec, _, seen: list[int] = beside_decodes) -> None:
+            if rec.num_decode_tokens:
+                seen.append(rec.num_prefill_tokens)
+
+        llm.engine.add_listeners(on_iteration)
+        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
+        runs[target] = ([o.token_ids for o in outs], max(beside_decodes, default=0))
+    assert runs[20.0][0] == runs[0.0][0]
+    assert runs[20.0][1] < runs[0.0][1]

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from everystop.core.request import Request, RequestStatus
-from everystop.engine.args import add_engine_args, engine_config_from_args, parse_bytes
+from everystop.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    parse_bytes,
+    parse_tpot_target,
+)
 from everystop.sampling_params import SamplingParams
 from everystop.server.admission import AdmissionConfig, AdmissionController, AdmissionRefused
 from everystop.server.metrics import TenantLabels
@@ -46,6 +51,24 @@ def test_engine_flags_map_onto_config() -> None:
     assert cfg.cache.swap_space_gib == 0.5
     defaults = engine_config_from_args(parser.parse_args([]))
     assert defaults.cache.enable_prefix_caching and defaults.scheduler.max_num_seqs == 128
+
+
+def test_tpot_target_flag_plain_off_and_per_tier() -> None:
+    assert parse_tpot_target("100") == (100.0, (None, None, None))
+    assert parse_tpot_target("off") == (0.0, (None, None, None))
+    assert parse_tpot_target("0:50,1:100,2:200") == (None, (50.0, 100.0, 200.0))
+    assert parse_tpot_target("150, 0:40") == (150.0, (40.0, None, None))
+    for bad in ("fast", "3:50", "0:-5", "", "0:50,,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tpot_target(bad)
+    parser = add_engine_args(argparse.ArgumentParser())
+    cfg = engine_config_from_args(parser.parse_args(["--tpot-target-ms", "2:300,80"]))
+    assert cfg.scheduler.tpot_target_ms == 80.0
+    assert cfg.scheduler.tpot_target_ms_per_tier == (None, None, 300.0)
+    auto = engine_config_from_args(parser.parse_args([])).scheduler
+    assert auto.tpot_target_ms is None and auto.tpot_target_ms_per_tier == (None, None, None)
+    off = engine_config_from_args(parser.parse_args(["--tpot-target-ms", "0"])).scheduler
+    assert off.tpot_target_ms == 0.0
 
 
 def test_bad_config_prints_one_line_and_exits_2() -> None:
@@ -128,3 +151,33 @@ def test_missing_model_file_prints_one_line_and_exits_2(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "nope.gguf" in proc.stderr
+
+
+def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from everystop.server.metrics import ServerMetrics
+    from tests.core.toy_executor import ToyExecutor
+    from tests.telemetry.helpers import make_engine, params, run
+
+    machine = ToyExecutor(256, 4, cost_fn=lambda s: 0.01 + 0.002 * s.num_decode_rows)
+    eng = make_engine(executor=machine, tpot_target_ms=30)
+    eng.add_request("a" * 40, params(30))
+    eng.add_request("b" * 40, params(30))
+    run(eng)
+    metrics = ServerMetrics()
+    metrics.attach(SimpleNamespace(engine=eng, num_in_flight=0, draining=False,
+                                   num_watchdog_aborts=0))
+    got = {(s.name, s.labels.get("term")): s.value
+           for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    stats = eng.stats()
+    # the last step decodes both requests: 10 ms + 2 rows * 2 ms
+    assert got[("everystop_step_cost_measured_seconds", None)] == pytest.approx(0.014)
+    assert got[("everystop_step_cost_predicted_seconds", None)] == stats.step_predicted_s > 0
+    assert got[("everystop_prefill_budget_tokens", None)] == stats.prefill_budget_tokens
+    assert stats.prefill_budget_tokens < 64  # the 30 ms target binds, not the token cap
+    for term in ("fixed", "prefill_token", "decode_row", "context_token"):
+        assert got[("everystop_step_cost_coefficient_seconds", term)] == stats.step_cost[term]
+    assert stats.step_predicted_s == pytest.approx(stats.step_measured_s, rel=0.1)  # it learnt

@@ -44,7 +44,7 @@ def test_noisy_records_fit_within_noise():
 
 
 def test_minimal_record_format_is_accepted():
-    coeffs, stats = fit_coefficients(SMOL, _records(0.0, minimal=True))
+    _, stats = fit_coefficients(SMOL, _records(0.0, minimal=True))
     assert stats["r2"] > 0.95
     shape = IterationShape.from_record({"num_decode_tokens": 4, "num_prefill_tokens": 0,
                                         "context_tokens_read": 400})

@@ -131,3 +131,23 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([5.0], 99) == 5.0
     assert percentile([], 50) is None
     assert percentile(list(range(101)), 99) == 99
+
+
+def test_a_tpot_target_holds_on_the_modeled_a100_node():
+    """The scheduler learns the modeled step cost online and keeps steps within the target;
+    the same work gets done at the same rate, prefill just waits a little longer."""
+    workload = synthetic("n=200,prompt=uniform:128:1024,output=uniform:20:800,seed=1"
+                         ).with_rate(2.0, seed=7)
+    runs = {}
+    for target in (0.0, 40.0):
+        node = build_node("llama-3-70b", "a100-80gb", 4, "chunked", tpot_target_ms=target)
+        result = simulate(workload, node.setup, node.cost.latency, check=True)
+        runs[target] = (result, summarize(result, node.cost))
+    (timed, with_target), (_, without) = runs[40.0], runs[0.0]
+    assert with_target["num_finished"] == without["num_finished"] == 200
+    assert with_target["output_tokens_per_s"] == pytest.approx(
+        without["output_tokens_per_s"], rel=0.02)
+    assert with_target["tpot_p99_ms"] < without["tpot_p99_ms"]
+    decode_steps = sorted(it.latency_s for it in timed.iterations
+                          if it.shape.num_decode_tokens)
+    assert decode_steps[int(0.99 * len(decode_steps))] <= 0.040 * 1.02

@@ -46,6 +46,9 @@ async def consume(front: AsyncEngine, prompt: str, n: int) -> list[int]:
     ({"max_queued_per_tier": [1, 2]}, "max_queued_per_tier"),
     ({"max_queued_per_tenant": -3}, "max_queued_per_tenant"),
     ({"max_model_len": 8}, "max_model_len"),  # not adjustable at runtime
+    ({"tpot_target_ms": -5}, "tpot_target_ms"),
+    ({"tpot_target_ms": "fast"}, "tpot_target_ms"),
+    ({"tpot_target_ms_per_tier": [50, 100]}, "tpot_target_ms_per_tier"),
     ({}, None),
 ])
 def test_bad_values_get_400_and_change_nothing(store: Store, body: dict, param: str) -> None:
@@ -159,7 +162,8 @@ def test_patch_watermark_and_queue_limits(store: Store) -> None:
             assert too_high.json()["error"]["param"] == "watermark"
             ok = await c.patch("/admin/scheduler_config",
                                json={"watermark": 0.25, "max_queued_per_tier": [0, 3, 1],
-                                     "max_queued_per_tenant": 5})
+                                     "max_queued_per_tenant": 5, "tpot_target_ms": 80,
+                                     "tpot_target_ms_per_tier": [40, None, 0]})
             return ok, await c.get("/admin/scheduler_config/history")
 
     try:
@@ -171,6 +175,9 @@ def test_patch_watermark_and_queue_limits(store: Store) -> None:
     assert eng.kv.watermark_blocks == 64 and eng.config.cache.watermark == 0.25
     assert eng.scheduler.config.max_queued_per_tier == (0, 3, 1)
     assert eng.scheduler.config.max_queued_per_tenant == 5
+    assert eng.scheduler.config.tpot_target_ms == 80.0
+    assert eng.scheduler.config.tpot_target_ms_per_tier == (40.0, None, 0.0)
+    assert ok.json()["config"]["tpot_target_ms_per_tier"] == [40.0, None, 0.0]
     data = history.json()["data"]
     assert [(d["version"], d["kv_watermark_pct"], d["max_queued_per_tier"]) for d in data] == [
         (1, 0.0, "0,0,0"), (2, 0.25, "0,3,1")]

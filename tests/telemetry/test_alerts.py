@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import logging
 
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from everystop.telemetry.alerts import GuardrailConfig
-from everystop.telemetry.rows import AlertRow
+from everystop.config import SchedulerConfig
+from everystop.core.outputs import IterationRecord
+from everystop.engine.async_engine import AsyncEngine
+from everystop.server.admin import install_admin_routes
+from everystop.telemetry.alerts import GuardrailConfig, Guardrails, clamp_change
+from everystop.telemetry.rows import AlertRow, ConfigRow
 from everystop.telemetry.service import Telemetry
 from everystop.telemetry.store import Store
 from tests.core.helpers import FakeClock
@@ -115,4 +120,80 @@ def test_blocks_held_without_progress_are_a_suspected_leak(store: Store) -> None
     tel.writer.flush()
     [row] = store.fetch(AlertRow)
     assert (row.kind, row.request_id, row.threshold) == ("kv_leak", stuck.request_id, 30.0)
+    tel.close()
+
+
+def _record(step: int, execute_s: float, target_s: float | None, prefill: int,
+            decode: int = 4) -> IterationRecord:
+    return IterationRecord(step=step, time=float(step), num_seqs=decode + 1,
+                           num_decode_tokens=decode, num_prefill_tokens=prefill,
+                           context_tokens=100, num_free_blocks=10, num_running=decode + 1,
+                           num_waiting=0, num_preempted=0, latency_s=execute_s,
+                           execute_s=execute_s, predicted_s=0.05, tpot_target_s=target_s)
+
+
+def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
+    g = Guardrails(GuardrailConfig(overrun_steps=4, overrun_tolerance=0.25))
+    for i in range(3):  # three overruns, then one step within 25 %: the run resets
+        g.on_iteration(_record(i, 0.2, 0.1, 60), 2048)
+    g.on_iteration(_record(3, 0.12, 0.1, 60), 2048)
+    assert g.drain() == [] and g.drain_clamps() == []
+    for i in range(4, 8):
+        g.on_iteration(_record(i, 0.2, 0.1, 60), 2048)
+    (alert,) = g.drain()
+    assert alert.kind == "tpot_overrun" and alert.threshold == 0.1 and alert.value == 0.2
+    # 64 tokens a step took 0.2 s against 0.1 s: propose 32
+    assert [cap for cap, _ in g.drain_clamps()] == [32]
+    for i in range(8, 12):  # decode-only overruns: a smaller budget cannot help, no clamp
+        g.on_iteration(_record(i, 0.2, 0.1, 0), 2048)
+    assert [a.kind for a in g.drain()] == ["tpot_overrun"] and g.drain_clamps() == []
+    for i in range(12, 30):  # no target: nothing to overrun
+        g.on_iteration(_record(i, 5.0, None, 60), 2048)
+    assert g.drain() == []
+
+
+def test_clamp_change_never_raises_the_cap_or_goes_below_max_num_seqs() -> None:
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    assert clamp_change(cfg, 100) == {"max_num_batched_tokens": 100}
+    assert clamp_change(cfg, 3) == {"max_num_batched_tokens": 16}
+    assert clamp_change(cfg, 300) is None
+
+
+def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: Store,
+                                                                         caplog) -> None:
+    eng = make_engine(max_num_seqs=8, max_num_batched_tokens=256)
+    front = AsyncEngine(eng, watchdog_interval_s=60.0)
+    tel = Telemetry(None, eng, lock=None,
+                    guardrail_config=GuardrailConfig(overrun_steps=3, check_interval_s=60))
+    admin = install_admin_routes(FastAPI(), front, admin_key=None, store=store, telemetry=tel)
+    try:
+        for i in range(3):
+            tel.guardrails.on_iteration(_record(i, 0.3, 0.1, 116), 256)
+        with caplog.at_level(logging.WARNING, logger="everystop.telemetry"):
+            alerts = tel.check_now()
+    finally:
+        tel.close()
+        front.shutdown()
+    assert [a.kind for a in alerts] == ["tpot_overrun"]
+    assert eng.scheduler.config.max_num_batched_tokens == 40  # 120 tokens * 0.1 / 0.3
+    assert "auto-clamp" in caplog.text
+    rows = store.fetch(ConfigRow)
+    assert [(r.version, r.source, r.max_num_batched_tokens) for r in rows] == [
+        (1, "startup", 256), (2, "guardrail", 40)]
+    assert admin.version == 2
+
+
+def test_prefill_ceiling_breach_clamps_the_budget_without_an_admin_api() -> None:
+    clock = FakeClock()
+    eng = make_engine(clock, chunk_size=32, max_num_batched_tokens=64)
+    tel = Telemetry(None, eng, guardrail_config=GuardrailConfig(prefill_ceiling=20))
+    eng.add_request("x" * 90, params(2))
+    run(eng, clock, dt=0.01)
+    tel.check_now()
+    assert eng.scheduler.config.max_num_batched_tokens == 20
+    eng.add_request("z" * 90, params(2))
+    seen = []
+    eng.iteration_listeners.append(lambda rec, _: seen.append(rec.num_prefill_tokens))
+    run(eng, clock, dt=0.01)
+    assert seen and max(seen) <= 20
     tel.close()

@@ -21,6 +21,7 @@ def register(subparsers: Any) -> None:
     _serve_parser(sub)
     _compare_parser(sub)
     _gate_parser(sub)
+    _sweep_parser(sub)
     rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
     rep.add_argument("compare_json")
     rep.add_argument("--out-dir", default=None, help="default: next to the JSON")
@@ -125,6 +126,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _write_json(args.result_json, report)
         print(f"wrote {args.result_json}")
     return 0 if report["summary"]["completed"] else 1
+
+
+# -- sweep --------------------------------------------------------------------------------------
+def _sweep_parser(sub: Any) -> None:
+    p = sub.add_parser("sweep", help="TTFT/TPOT/ITL and tokens/s vs offered load, several "
+                                     "servers, one client")
+    p.add_argument("--target", action="append", required=True, metavar="NAME=URL",
+                   help="an OpenAI-compatible server, e.g. everystop=http://127.0.0.1:8000 "
+                        "(repeat; llama.cpp's llama-server serves /v1/completions too)")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--loads", default="0.25,0.5,0.75", help="fractions of the capacity")
+    p.add_argument("--capacity-rps", type=float, default=None,
+                   help="capacity in requests/s (default: measured on --capacity-from)")
+    p.add_argument("--capacity-from", default=None,
+                   help="target whose saturated run (all requests at once) sets the capacity")
+    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--token-ids", action="store_true",
+                   help="send prompts as token ids (the default model's tokenizer), so every "
+                        "server sees the same tokens")
+    p.add_argument("--send-priority", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--out", default="benchmarks/results/sweep.json",
+                   help="JSON path; the plot goes next to it (.png)")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from everystop.bench.client import ServeOptions
+    from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
+    from everystop.bench.workload import default_tokenizer, load_workload
+    targets = dict(t.split("=", 1) for t in args.target)
+    wl = load_workload(args.workload)
+    if args.num_requests:
+        wl = wl.head(args.num_requests)
+    ids = None
+    if args.token_ids:
+        tokenizer = default_tokenizer()
+        if tokenizer is None:
+            print("everystop: --token-ids needs the default model's tokenizer", file=sys.stderr)
+            return 2
+        ids = tokenize_prompts(wl, tokenizer)
+    base = ServeOptions(seed=args.seed, send_priority=args.send_priority, progress=False,
+                        timeout_s=args.timeout, prompt_token_ids=ids)
+    loads = [float(x) for x in args.loads.split(",") if x]
+    data = asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
+                                 capacity_from=args.capacity_from))
+    out = Path(args.out)
+    _write_json(str(out), data)
+    plot = plot_sweep(data, out.with_suffix(".png"))
+    for name, by_load in data["runs"].items():
+        for load, run in by_load.items():
+            s = run["summary"]
+            print(f"{name:<12} load {load:>5} ({run['offered_rps']:.2f} req/s): "
+                  f"{s['output_throughput']:7.1f} tok/s  TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/"
+                  f"{s['ttft_ms']['p99']:.0f} ms  TPOT p50/p99 {s['tpot_ms']['p50']:.0f}/"
+                  f"{s['tpot_ms']['p99']:.0f} ms  ITL p99 {s['itl_ms']['p99']:.0f} ms")
+    print(f"wrote {out} and {plot}")
+    return 0
 
 
 # -- compare ------------------------------------------------------------------------------------

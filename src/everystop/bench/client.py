@@ -39,6 +39,9 @@ class ServeOptions:
     timeout_s: float = 600.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    # Request id -> prompt token ids, sent instead of the text (completions only): every server
+    # then sees exactly the same tokens, whatever its tokenizer does with the text.
+    prompt_token_ids: dict[str, list[int]] | None = None
 
 
 def api_root(base_url: str) -> str:
@@ -63,6 +66,8 @@ def request_body(req: WorkloadRequest, opts: ServeOptions, model: str) -> dict[s
                             "temperature": opts.temperature, "user": req.tenant}
     if opts.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
+    elif opts.prompt_token_ids is not None:
+        body["prompt"] = opts.prompt_token_ids[req.id]
     else:
         body["prompt"] = req.prompt
     if opts.send_priority:

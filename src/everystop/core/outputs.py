@@ -63,6 +63,12 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     num_padding_tokens: int = 0
+    # The step budget's view of this pass (core/step_budget.py): its predicted wall time, the
+    # TPOT target it was built under (None: no target) and the prefill tokens the target left
+    # after the decodes.
+    predicted_time_s: float = 0.0
+    tpot_target_s: float | None = None
+    prefill_budget_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -147,6 +153,33 @@ class RequestOutput:
 
 
 @dataclass
+class SchedulerStats:
+    """The scheduler's state and counters, read by /metrics and the engine's stats."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    # The step budget: prefill tokens the last pass's target left after its decodes, the
+    # step-cost coefficients (seconds per feature unit), the last measured pass against its
+    # prediction, and the TPOT target used where none is configured.
+    prefill_budget_tokens: int = 0
+    step_cost: dict[str, float] = field(default_factory=dict)
+    step_predicted_s: float = 0.0
+    step_measured_s: float = 0.0
+    auto_tpot_target_s: float = 0.0
+
+
+@dataclass
 class IterationRecord:
     """One engine step, for telemetry, guardrails and simulator calibration."""
 
@@ -162,3 +195,7 @@ class IterationRecord:
     num_preempted: int
     latency_s: float
     num_padding_tokens: int = 0  # static padding rows among the decode tokens
+    execute_s: float = 0.0  # the executor's own measurement of the forward pass
+    predicted_s: float = 0.0  # what the step-cost model predicted for it
+    tpot_target_s: float | None = None
+    prefill_budget_tokens: int = 0

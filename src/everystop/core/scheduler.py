@@ -1,6 +1,6 @@
 """The iteration-level scheduler: decides, for every forward pass, which tokens run.
 
-Each `schedule()` builds one pass under one token budget (max_num_batched_tokens):
+Each `schedule()` builds one pass (a `PassBuilder`, made fresh per call) under one budget:
 
   1. one decode token for every running sequence that has finished its prompt - first and
      unconditionally (if the pool is short, a lower-ranked sequence is preempted, never skipped);
@@ -8,6 +8,13 @@ Each `schedule()` builds one pass under one token budget (max_num_batched_tokens
   3. resumed sequences (swapped in from host, then recompute-preempted), ahead of
   4. new admissions, in priority-with-aging then arrival order, while sequence count, budget and
      KV blocks above the watermark allow.
+
+The budget (core/step_budget.py) is max_num_batched_tokens, a hard cap, and a step-time target:
+prefill gets only the tokens that keep the predicted step time (core/step_cost.py, fitted to
+every measured pass) within the tightest TPOT target of the tiers decoding in this pass. Never
+starving either side: decodes are never limited by time, and a prompt that has waited longer
+than aging_interval_s gets a floor chunk per step (the tokens an empty step runs within the
+target, at least one KV block) even if the step then overshoots its target.
 
 There is no prefill phase and decode phase: each request has `num_computed_tokens` and the
 scheduler hands out tokens so that it catches up. `update_from_output()` applies what the
@@ -18,50 +25,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from everystop.config import SchedulerConfig
+from everystop.core.intake import QueueFull, RequestRejected, check_admissible
+from everystop.core.invariants import check_scheduler_integrity
 from everystop.core.kv_cache_manager import KVCacheManager
-from everystop.core.outputs import ModelOutput, RequestUpdate, ScheduledSequence, SchedulerOutput
-from everystop.core.preemption import (PreemptionCostModel, choose_strategy, is_protected,
-                                       victim_rank)
+from everystop.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput, SchedulerStats
+from everystop.core.pass_builder import PassBuilder
+from everystop.core.preemption import (
+    PreemptionCostModel,
+    choose_strategy,
+    is_protected,
+    victim_rank,
+)
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
+from everystop.core.step_budget import StepBudget, default_target_s, tier_targets_s
+from everystop.core.step_cost import StepCostModel, StepShape
 
-
-class RequestRejected(ValueError):
-    """The request can never run on this engine (too long for the model or the KV pool)."""
-
-
-class QueueFull(Exception):
-    """Backpressure: the tenant's or tier's queue is at its cap; retry later."""
-
-    def __init__(self, reason: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    swap_out_blocks: int
-    swap_in_blocks: int
+__all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *,
                  cost_model: PreemptionCostModel | None = None,
+                 step_cost: StepCostModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
@@ -81,40 +69,19 @@ class Scheduler:
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
         self.num_steps = 0
-        # Per-step working state (valid during schedule()).
-        self._budget = 0
-        self._decodes: dict[str, ScheduledSequence] = {}
-        self._prefills: dict[str, ScheduledSequence] = {}
-        self._admitted_now: set[str] = set()
+        # What a forward pass costs here, learnt from every result (update_from_output), and
+        # the TPOT target used where none is configured, derived from it once, at start-up.
+        self.step_cost = step_cost or StepCostModel.from_prefill_rate(
+            self.cost_model.prefill_tokens_per_s)
+        self.auto_tpot_target_s = default_target_s(self.step_cost)
+        self.last_prefill_budget_tokens = config.max_num_batched_tokens
 
     # -- intake ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise RequestRejected / QueueFull right away."""
-        cfg = self.config
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
-        if req.max_total_tokens > cfg.max_model_len:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                f"({req.sampling_params.max_tokens}) exceeds max_model_len ({cfg.max_model_len})")
-        usable = self.kv.num_gpu_blocks - self.kv.watermark_blocks
-        if self.kv.blocks_needed(req.max_total_tokens) > usable:
-            raise RequestRejected(
-                f"the request needs up to {self.kv.blocks_needed(req.max_total_tokens)} KV blocks "
-                f"but the pool has {usable}")
-        if not cfg.enable_chunked_prefill and req.num_prompt_tokens > cfg.max_num_batched_tokens:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
-                f"({cfg.max_num_batched_tokens}) and chunked prefill is off")
-        if not 0 <= req.priority <= 2:
-            raise RequestRejected(f"priority must be 0, 1 or 2, not {req.priority}")
-        tenant_cap, tier_cap = cfg.max_queued_per_tenant, cfg.max_queued_per_tier[req.priority]
-        if tenant_cap and self._queued_by_tenant.get(req.tenant, 0) >= tenant_cap:
-            raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued")
-        if tier_cap and self._queued_by_tier.get(req.priority, 0) >= tier_cap:
-            raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued")
+        check_admissible(req, self.config, self.kv, self._queued_by_tenant, self._queued_by_tier)
         if req.arrival_time == 0.0:
             req.arrival_time = self.clock()
         req.status = RequestStatus.WAITING
@@ -153,55 +120,55 @@ class Scheduler:
         now = self.clock()
         self.num_steps += 1
         self.kv.begin_step()
+        cfg = self.config
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        self._budget = self.config.max_num_batched_tokens
-        self._decodes, self._prefills, self._admitted_now = {}, {}, set()
+        timed = cfg.scheduling == "continuous"  # the static baseline runs whole batches, untimed
+        budget = StepBudget(cfg.max_num_batched_tokens,
+                            self.step_cost.coefficients if timed else None,
+                            tier_targets_s(cfg, self.auto_tpot_target_s), self.kv.block_size)
+        step = PassBuilder(now, budget, out)
 
-        if self._padding and self.config.scheduling != "static":  # switched at run time
+        if self._padding and cfg.scheduling != "static":  # switched at run time
             self._release_padding()
-        while len(self.running) > self.config.max_num_seqs:  # max_num_seqs lowered at runtime
-            self._preempt(min(self.running, key=lambda r: victim_rank(r, self.config, now)),
-                          now, out)
-        if self.config.scheduling == "static":
-            self._schedule_static(now, out)
+        while len(self.running) > cfg.max_num_seqs:  # max_num_seqs lowered at runtime
+            self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
+        if cfg.scheduling == "static":
+            self._schedule_static(step)
         else:
-            self._schedule_running(now, out)
-            self._admit_swapped(now, out)
-            self._admit(self.preempted, now, out)
-            self._admit(self.waiting, now, out)
-
-        out.scheduled = list(self._decodes.values()) + list(self._prefills.values())
-        out.num_decode_tokens = len(self._decodes)
-        out.num_padding_tokens = sum(e.padding for e in self._decodes.values())
-        out.num_prefill_tokens = sum(e.num_tokens for e in self._prefills.values())
+            self._schedule_running(step)
+            self._admit_swapped(step)
+            self._admit(self.preempted, step)
+            self._admit(self.waiting, step)
         self.num_swap_out_blocks += len(out.blocks_to_swap_out)
         self.num_swap_in_blocks += len(out.blocks_to_swap_in)
-        return out
+        self.last_prefill_budget_tokens = budget.prefill_budget_tokens
+        return step.finish()
 
-    def _schedule_running(self, now: float, out: SchedulerOutput) -> None:
+    def _schedule_running(self, step: PassBuilder) -> None:
         # 1. Decodes first: a skipped decode stalls that stream for a whole iteration.
         for req in list(self.running):
-            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                if self._grow(req, 1, now, out):
-                    self._emit(req, 1)
+            decoding = (req.status == RequestStatus.RUNNING
+                        and req.num_tokens - req.num_computed_tokens == 1)
+            if decoding and self._grow(req, 1, step):
+                self._emit(step, req, 1)
         # 2. Then the rest of the prompt of sequences already admitted, in admission order.
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or req.request_id in self._decodes:
+            if req.status != RequestStatus.RUNNING or req.request_id in step.decodes:
                 continue
-            n = self._prefill_size(req.num_tokens - req.num_computed_tokens)
-            if n and self._grow(req, n, now, out):
-                self._emit(req, n)
+            n = self._prefill_size(step, req, req.num_computed_tokens)
+            if n and self._grow(req, n, step):
+                self._emit(step, req, n)
 
-    def _schedule_static(self, now: float, out: SchedulerOutput) -> None:
+    def _schedule_static(self, step: PassBuilder) -> None:
         """Baseline: admit a whole batch only when nothing runs, then run it to completion."""
-        cfg = self.config
+        cfg, now = self.config, step.now
         if self.running:
             for req in list(self.running):
-                if req.status == RequestStatus.RUNNING and self._grow(req, 1, now, out):
-                    self._emit(req, 1)
+                if req.status == RequestStatus.RUNNING and self._grow(req, 1, step):
+                    self._emit(step, req, 1)
             for req in self._padding:
-                self._emit_padding(req)
+                step.emit_padding(req, self.kv.block_ids(req.request_id))
             return
         queued = len(self.preempted) + len(self.waiting)
         if not queued:
@@ -217,17 +184,8 @@ class Scheduler:
                 n = req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size
                 if not self.kv.allocate(req, n, computed, reserve_watermark=True):
                     return
-                self._start_running(queue.pop(), computed, now)
-                self._emit(req, n)
-
-    def _emit_padding(self, req: Request) -> None:
-        pos = req.num_computed_tokens - 1
-        rid = req.request_id + "#padding"
-        self._decodes[rid] = ScheduledSequence(
-            request_id=rid, token_ids=req.token_slice(pos, pos + 1), start_pos=pos,
-            block_ids=self.kv.block_ids(req.request_id), sample=False,
-            sampling_params=req.sampling_params, padding=True)
-        self._budget -= 1
+                self._start_running(queue.pop(), computed, step)
+                self._emit(step, req, n)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
@@ -239,104 +197,105 @@ class Scheduler:
             self.kv.forget(req)
         self._padding.clear()
 
-    def _prefill_size(self, remaining: int) -> int:
-        if self._budget <= 0 or remaining <= 0:
+    def _prefill_size(self, step: PassBuilder, req: Request, start: int) -> int:
+        """Prefill tokens `req` gets this pass from position `start` (see core/step_budget.py
+        for the time budget and the anti-starvation floor)."""
+        remaining = req.num_tokens - start
+        if step.budget.tokens_left <= 0 or remaining <= 0:
             return 0
+        waited_since = req.preemption_times[-1] if req.preemption_times else req.arrival_time
+        starving = step.now - waited_since >= self.config.aging_interval_s
         if self.config.enable_chunked_prefill:
-            return min(remaining, self.config.chunk_size, self._budget)
-        if remaining <= self._budget or not (self._decodes or self._prefills):
-            return remaining  # whole prompts only; one oversized prompt may run alone
+            return min(remaining, self.config.chunk_size, step.budget.room(start, starving))
+        # Whole prompts only; one oversized prompt may run alone, a starving one may overshoot
+        # the target (a floor chunk cannot help a prompt that must run whole).
+        room = step.budget.tokens_left if starving else step.budget.room(start)
+        if remaining <= room or step.is_empty:
+            return remaining
         return 0
 
-    def _admit_swapped(self, now: float, out: SchedulerOutput) -> None:
+    def _admit_swapped(self, step: PassBuilder) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped.peek()
-            n = self._prefill_size(req.num_tokens - req.num_computed_tokens)
+            n = self._prefill_size(step, req, req.num_computed_tokens)
             if not n or not self.kv.can_swap_in(req, n):
                 return
             self.swapped.pop()
-            out.blocks_to_swap_in.extend(self.kv.swap_in(req, n))
-            self._set_running(req, now)
-            self._emit(req, n)
+            step.out.blocks_to_swap_in.extend(self.kv.swap_in(req, n))
+            self._set_running(req, step)
+            self._emit(step, req, n)
 
-    def _admit(self, queue: RequestQueue, now: float, out: SchedulerOutput) -> None:
+    def _admit(self, queue: RequestQueue, step: PassBuilder) -> None:
         while queue:
             req = queue.peek()
             if len(self.running) >= self.config.max_num_seqs and not self._preempt_worse_tier(
-                    req, now, out):
+                    req, step):
                 return
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            n = self._prefill_size(req.num_tokens - len(computed) * self.kv.block_size)
+            n = self._prefill_size(step, req, len(computed) * self.kv.block_size)
             if not n:
                 return
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
-                if not self._preempt_worse_tier(req, now, out):
+                if not self._preempt_worse_tier(req, step):
                     return  # head-of-line waits: lower tiers may not jump ahead of it
-            self._start_running(queue.pop(), computed, now)
-            self._emit(req, n)
+            queue.remove(req)  # NOTE: not pop(): a victim preempted above may now head it
+            self._start_running(req, computed, step)
+            self._emit(step, req, n)
 
-    def _start_running(self, req: Request, computed: list, now: float) -> None:
+    def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
         if req.status == RequestStatus.WAITING:
             self._count_queued(req, -1)
         req.num_computed_tokens = len(computed) * self.kv.block_size
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
         if req.admitted_time is None:
-            req.admitted_time = now
-        self._set_running(req, now)
+            req.admitted_time = step.now
+        self._set_running(req, step)
 
-    def _set_running(self, req: Request, now: float) -> None:
+    def _set_running(self, req: Request, step: PassBuilder) -> None:
         req.status = RequestStatus.RUNNING
-        req.last_admitted_time = now
+        req.last_admitted_time = step.now
         self.running.append(req)
-        self._admitted_now.add(req.request_id)
+        step.admitted_now.add(req.request_id)
 
-    def _emit(self, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
-        entry = ScheduledSequence(
-            request_id=req.request_id, token_ids=req.token_slice(start, start + n),
-            start_pos=start, block_ids=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens, sampling_params=req.sampling_params,
-            output_index=req.num_output_tokens, is_prefill=start < req.num_prompt_tokens)
-        is_decode = n == 1 and start == req.num_tokens - 1
-        (self._decodes if is_decode else self._prefills)[req.request_id] = entry
-        self._budget -= n
+    def _emit(self, step: PassBuilder, req: Request, n: int) -> None:
+        step.emit(req, n, self.kv.block_ids(req.request_id))
 
     # -- preemption -----------------------------------------------------------------------------
-    def _grow(self, req: Request, n: int, now: float, out: SchedulerOutput) -> bool:
+    def _grow(self, req: Request, n: int, step: PassBuilder) -> bool:
         """Make room for n more tokens of a running request, preempting lower-ranked sequences
         if the pool is short. If nothing ranks below it, the request itself is preempted
         (False). NOTE: the ranking is a total order, so the top-ranked sequence always makes
         progress - the engine cannot deadlock on KV memory."""
         if self.kv.allocate(req, n):
             return True
-        rank = victim_rank(req, self.config, now)
+        cfg, now = self.config, step.now
+        rank = victim_rank(req, cfg, now)
         while not self.kv.allocate(req, n):
             victims = [r for r in self.running if r is not req
-                       and r.request_id not in self._admitted_now
-                       and victim_rank(r, self.config, now) < rank]
+                       and r.request_id not in step.admitted_now
+                       and victim_rank(r, cfg, now) < rank]
             if not victims:
-                self._preempt(req, now, out)
+                self._preempt(req, step)
                 return False
-            self._preempt(min(victims, key=lambda r: victim_rank(r, self.config, now)), now, out)
+            self._preempt(min(victims, key=lambda r: victim_rank(r, cfg, now)), step)
         return True
 
-    def _preempt_worse_tier(self, req: Request, now: float, out: SchedulerOutput) -> bool:
+    def _preempt_worse_tier(self, req: Request, step: PassBuilder) -> bool:
         """Free a seat or blocks for a waiting request by preempting a running one of a strictly
         lower tier (never a protected one, never one admitted this step)."""
+        cfg, now = self.config, step.now
         victims = [r for r in self.running if r.priority > req.priority
-                   and r.request_id not in self._admitted_now
-                   and not is_protected(r, self.config, now)]
+                   and r.request_id not in step.admitted_now
+                   and not is_protected(r, cfg, now)]
         if not victims:
             return False
-        self._preempt(min(victims, key=lambda r: victim_rank(r, self.config, now)), now, out)
+        self._preempt(min(victims, key=lambda r: victim_rank(r, cfg, now)), step)
         return True
 
-    def _preempt(self, victim: Request, now: float, out: SchedulerOutput) -> None:
-        entry = self._decodes.pop(victim.request_id, None) or self._prefills.pop(
-            victim.request_id, None)
-        if entry is not None:
-            self._budget += entry.num_tokens
+    def _preempt(self, victim: Request, step: PassBuilder) -> None:
+        now, out = step.now, step.out
+        step.drop(victim.request_id)
         self._leave_running(victim)
         num_blocks = len(self.kv.req_blocks.get(victim.request_id, ()))
         can_swap = (self.kv.can_swap_out(victim)
@@ -359,9 +318,12 @@ class Scheduler:
         out.preempted_request_ids.append(victim.request_id)
 
     # -- results --------------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelOutput) -> list[RequestUpdate]:
+    def update_from_output(self, sched: SchedulerOutput,
+                           result: ModelOutput) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         now = self.clock()
+        # Learn what this pass cost (an executor that does not time itself reports 0).
+        self.step_cost.observe(StepShape.from_output(sched), result.execute_time_s)
         for entry in sched.scheduled:
             req = self.requests.get(entry.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -393,7 +355,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if (req.num_output_tokens >= params.max_tokens
+                or req.num_tokens >= self.config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -432,32 +395,13 @@ class Scheduler:
             prefix_hits=self.kv.num_prefix_hits,
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
-            swap_out_blocks=self.num_swap_out_blocks, swap_in_blocks=self.num_swap_in_blocks)
+            swap_out_blocks=self.num_swap_out_blocks, swap_in_blocks=self.num_swap_in_blocks,
+            prefill_budget_tokens=self.last_prefill_budget_tokens,
+            step_cost=self.step_cost.coefficients.to_dict(),
+            step_predicted_s=self.step_cost.last_predicted_s,
+            step_measured_s=self.step_cost.last_measured_s,
+            auto_tpot_target_s=self.auto_tpot_target_s)
 
     def check_integrity(self) -> None:
-        """Invariants tests assert after every step."""
-        groups = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: list(self.waiting),
-                  RequestStatus.PREEMPTED: list(self.preempted),
-                  RequestStatus.SWAPPED: list(self.swapped)}
-        seen: set[str] = set()
-        for status, reqs in groups.items():
-            for r in reqs:
-                if r.status != status:
-                    raise AssertionError(f"{r.request_id} is {r.status.name} in the {status.name} list")
-                if r.request_id in seen:
-                    raise AssertionError(f"{r.request_id} is in two queues")
-                seen.add(r.request_id)
-        if seen != set(self.requests):
-            raise AssertionError("the queues and the request table disagree")
-        if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError("more running sequences than max_num_seqs")
-        for r in self.running:
-            held = len(self.kv.req_blocks.get(r.request_id, ()))
-            if held < self.kv.blocks_needed(r.num_computed_tokens):
-                raise AssertionError(f"{r.request_id} computed more tokens than its blocks hold")
-        for r in self.swapped:
-            if r.request_id not in self.kv.swapped_blocks:
-                raise AssertionError(f"swapped {r.request_id} has no host blocks")
-        if self._padding and not self.running:
-            raise AssertionError("static padding rows outlived their batch")
-        self.kv.check_integrity(set(self.requests) | {r.request_id for r in self._padding})
+        """Invariants tests assert after every step (core/invariants.py)."""
+        check_scheduler_integrity(self)

@@ -46,6 +46,33 @@ def _tier_caps(text: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2])
 
 
+TpotTarget = tuple[float | None, tuple[float | None, float | None, float | None]]
+
+
+def parse_tpot_target(text: str) -> TpotTarget:
+    """'100' -> 100 ms for every tier; 'off' or '0' -> no target (the fixed token budget);
+    '0:50,1:100,2:200' -> per tier; '100,0:50' -> 100 ms, tier 0 tighter. A tier left out
+    follows the plain value, or the machine-derived default when there is none."""
+    plain: float | None = None
+    tiers: list[float | None] = [None, None, None]
+    try:
+        for part in str(text).replace(" ", "").split(","):
+            tier, _, value = part.rpartition(":")
+            ms = 0.0 if value.lower() == "off" else float(value)
+            if ms < 0 or ms != ms:
+                raise ValueError
+            if not tier:
+                plain = ms
+            elif tier in ("0", "1", "2"):
+                tiers[int(tier)] = ms
+            else:
+                raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected MS, off, or TIER:MS,... (tiers 0, 1, 2), got {text!r}") from None
+    return plain, (tiers[0], tiers[1], tiers[2])
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags (all default to None: unset means the config default)."""
     g = parser.add_argument_group("engine")
@@ -82,6 +109,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-queued-per-tenant", type=int, default=None, help="0 = no cap")
     g.add_argument("--max-queued-per-tier", type=_tier_caps, default=None,
                    help="N or N0,N1,N2 (tiers 0, 1, 2); 0 = no cap")
+    g.add_argument("--tpot-target-ms", dest="tpot_target", type=parse_tpot_target,
+                   default=None, metavar="MS|off|TIER:MS,...",
+                   help="step-time target: prefill gets what keeps a step within it "
+                   "(default: derived from this machine at start-up; off: the fixed token "
+                   "budget)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 2GiB (default: sized from available memory)")
@@ -104,15 +136,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
     "model", "tokenizer", "dtype", "device", "seed", "num_threads", "cpu_kernels",
-    "attention_backend", "cpu_16bit_gemm", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-    "chunk_size", "enable_chunked_prefill", "scheduling", "max_batch_size", "static_padding", "max_model_len",
+    "attention_backend", "cpu_16bit_gemm", "kv_cache_dtype", "max_num_seqs",
+    "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
+    "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+    options = {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+    tpot: TpotTarget | None = getattr(args, "tpot_target", None)
+    if tpot is not None:  # one flag, two config fields
+        options["tpot_target_ms"], options["tpot_target_ms_per_tier"] = tpot
+    return options
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -17,10 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.kv_cache_manager import KVCacheManager
-from everystop.core.outputs import IterationRecord, ModelOutput, RequestOutput, SchedulerOutput
+from everystop.core.outputs import (
+    IterationRecord,
+    ModelOutput,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
-from everystop.core.scheduler import Scheduler, SchedulerStats
+from everystop.core.scheduler import Scheduler
 from everystop.engine.output_processor import OutputProcessor
 from everystop.sampling_params import SamplingParams
 
@@ -68,7 +74,13 @@ class LLMEngine:
         cost_model = executor.preemption_cost_model()
         logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
         logger.info("preemption costs: %s", cost_model)
-        return cls(config, executor, tokenizer, cost_model=cost_model)
+        engine = cls(config, executor, tokenizer, cost_model=cost_model)
+        sched = engine.scheduler
+        logger.info("step cost prior (s per unit): %s; TPOT target when none is set: %.0f ms "
+                    "(configured: %s ms, per tier %s)", sched.step_cost.coefficients.to_dict(),
+                    1e3 * sched.auto_tpot_target_s, config.scheduler.tpot_target_ms,
+                    config.scheduler.tpot_target_ms_per_tier)
+        return engine
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -169,10 +181,10 @@ class LLMEngine:
                     self._notify_finished(req, out)
         self.num_steps += 1
         if self.iteration_listeners:
-            self._notify_iteration(sched, start)
+            self._notify_iteration(sched, start, result.execute_time_s)
         return outputs
 
-    def _notify_iteration(self, sched: SchedulerOutput, start: float) -> None:
+    def _notify_iteration(self, sched: SchedulerOutput, start: float, execute_s: float) -> None:
         stats = self.scheduler.stats()
         record = IterationRecord(
             step=self.num_steps, time=start, num_seqs=len(sched.scheduled),
@@ -180,7 +192,9 @@ class LLMEngine:
             context_tokens=sum(e.seq_len for e in sched.scheduled),
             num_free_blocks=stats.num_free_blocks, num_running=stats.num_running,
             num_waiting=stats.num_waiting, num_preempted=len(sched.preempted_request_ids),
-            latency_s=self.clock() - start, num_padding_tokens=sched.num_padding_tokens)
+            latency_s=self.clock() - start, num_padding_tokens=sched.num_padding_tokens,
+            execute_s=execute_s, predicted_s=sched.predicted_time_s,
+            tpot_target_s=sched.tpot_target_s, prefill_budget_tokens=sched.prefill_budget_tokens)
         for listener in self.iteration_listeners:
             try:
                 listener(record, sched)
@@ -244,7 +258,7 @@ class LLMEngine:
         return getattr(self.executor, "model_path", None)
 
     def stats(self) -> SchedulerStats:
-        """A snapshot of queue lengths, KV usage and counters."""
+        """Queues, KV pool, counters and the step budget (fitted step cost, prefill budget)."""
         return self.scheduler.stats()
 
     def inspect(self, look: Callable[[Scheduler], T]) -> T:

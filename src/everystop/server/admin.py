@@ -18,6 +18,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,7 +38,8 @@ logger = logging.getLogger("everystop.server")
 # Knobs an operator may turn at runtime. Others (max_model_len, scheduling mode...) shape
 # admitted requests' contracts and need a restart.
 SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                   "max_queued_per_tenant", "max_queued_per_tier")
+                   "max_queued_per_tenant", "max_queued_per_tier", "tpot_target_ms",
+                   "tpot_target_ms_per_tier")
 ADJUSTABLE = SCHEDULER_KNOBS + ("watermark",)
 
 
@@ -53,7 +55,20 @@ class _Invalid(Exception):
                             status_code=self.status)
 
 
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def _check_type(name: str, value: Any) -> Any:
+    if name == "tpot_target_ms":  # null: derived from the machine; 0: off
+        if value is not None and not _is_number(value):
+            raise _Invalid("tpot_target_ms must be a number of ms, 0 (off) or null", name)
+        return None if value is None else float(value)
+    if name == "tpot_target_ms_per_tier":
+        if (not isinstance(value, list) or len(value) != 3
+                or any(v is not None and not _is_number(v) for v in value)):
+            raise _Invalid("tpot_target_ms_per_tier takes a list of three numbers or nulls", name)
+        return tuple(None if v is None else float(v) for v in value)
     if name == "watermark":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Invalid("watermark must be a number", name)
@@ -76,7 +91,9 @@ class SchedulerConfigAdmin:
         self.store = store
         self.version = 1
         self.updated_at = time.time()
-        self._patch_lock = asyncio.Lock()
+        # Versions are validated, persisted and applied one at a time, whether an operator
+        # (PATCH, via a worker thread) or a guardrail (its monitor thread) asks.
+        self._commit_lock = threading.Lock()
         if store is not None:
             store.insert_config(self._row("startup"))
 
@@ -137,14 +154,16 @@ class SchedulerConfigAdmin:
             source=source, config_json=json.dumps(full, sort_keys=True),
             updated_at=time.time())
 
-    async def patch(self, body: Any) -> dict[str, Any]:
-        async with self._patch_lock:  # versions are assigned and persisted in order
+    def commit(self, body: Any, source: str = "admin") -> dict[str, Any]:
+        """Validate, persist, then apply one change (blocking: store I/O); `source` is recorded
+        in the history ("admin", "guardrail")."""
+        with self._commit_lock:
             new_sched, new_cache = self.validate(body)
             self.version += 1
-            row = self._row("admin", new_sched, new_cache)
+            row = self._row(source, new_sched, new_cache)
             if self.store is not None:
                 try:  # persist first: a version that cannot be recorded is not applied
-                    await asyncio.to_thread(self.store.insert_config, row)
+                    self.store.insert_config(row)
                 except Exception as exc:
                     self.version -= 1
                     logger.exception("could not persist scheduler config")
@@ -152,9 +171,20 @@ class SchedulerConfigAdmin:
                                    "service_unavailable", "store_unavailable") from None
             step = self.apply(new_sched, new_cache)
             self.updated_at = row.updated_at
-            logger.info("scheduler config v%d applied after step %d: %s", self.version, step,
-                        json.dumps(body, sort_keys=True))
+            logger.info("scheduler config v%d (%s) applied after step %d: %s", self.version,
+                        source, step, json.dumps(body, sort_keys=True))
             return {**self.snapshot(), "applied_after_step": step}
+
+    def clamp(self, changes: dict[str, int], reason: str) -> None:
+        """A guardrail's change: versioned and recorded like an operator's (source
+        "guardrail"); the reason is in the log."""
+        try:
+            self.commit(changes, "guardrail")
+        except _Invalid as exc:
+            logger.warning("guardrail clamp %s (%s) not applied: %s", changes, reason, exc)
+
+    async def patch(self, body: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.commit, body, "admin")
 
     async def history(self) -> list[dict[str, Any]]:
         if self.store is None:
@@ -174,9 +204,13 @@ def _authorized(request: Request, admin_key: str | None) -> bool:
 
 
 def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *, admin_key: str | None,
-                         store: Store | None = None) -> SchedulerConfigAdmin:
-    """Add the /admin routes. With a store, the start-up config is recorded as version 1."""
+                         store: Store | None = None,
+                         telemetry: Telemetry | None = None) -> SchedulerConfigAdmin:
+    """Add the /admin routes. With a store, the start-up config is recorded as version 1; with
+    telemetry, its guardrails' auto-clamps go through here, into the config history."""
     admin = SchedulerConfigAdmin(async_engine, store=store)
+    if telemetry is not None:
+        telemetry.clamp_sink = admin.clamp
     app.state.scheduler_admin = admin
     if admin_key is None:
         logger.warning("no admin key set: /admin routes are open to anyone who can reach them")

@@ -86,7 +86,8 @@ def serve(args: argparse.Namespace) -> int:
     def observability(app: Any, front: Any) -> None:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
-        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store)
+        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
+                             telemetry=telemetry)
 
     app = build_app(front, name, api_key=args.api_key, max_n=args.max_n, metrics=metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput
+from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput, SchedulerStats
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 
@@ -148,8 +148,29 @@ class _EngineCollector(Collector):
                 ("watchdog_aborts", "Sequences freed by the watchdog",
                  self.front.num_watchdog_aborts)):
             yield CounterMetricFamily(f"everystop:{name}", doc, value=value)
+        yield from _step_budget_metrics(stats)
         pre = CounterMetricFamily("everystop:num_preemptions", "Preemptions by strategy",
                                   labels=["strategy"])
         pre.add_metric(["recompute"], stats.num_preemptions_recompute)
         pre.add_metric(["swap"], stats.num_preemptions_swap)
         yield pre
+
+
+def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:
+    """The step budget: fitted step cost, the last measured pass against its prediction, and
+    the prefill tokens the TPOT target left after the last pass's decodes."""
+    coeffs = GaugeMetricFamily("everystop_step_cost_coefficient_seconds",
+                               "Fitted step cost per unit of each term", labels=["term"])
+    for term, value in stats.step_cost.items():
+        coeffs.add_metric([term], value)
+    yield coeffs
+    for name, doc, value in (
+            ("step_cost_predicted_seconds", "Predicted time of the last measured step",
+             stats.step_predicted_s),
+            ("step_cost_measured_seconds", "Measured time of the last step",
+             stats.step_measured_s),
+            ("step_cost_auto_tpot_target_seconds", "TPOT target used where none is set",
+             stats.auto_tpot_target_s),
+            ("prefill_budget_tokens", "Prefill tokens the last step's target left after its "
+             "decodes", stats.prefill_budget_tokens)):
+        yield GaugeMetricFamily(f"everystop_{name}", doc, value=value)

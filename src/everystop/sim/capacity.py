@@ -11,8 +11,8 @@
 81,920 bytes/GPU/token as "80 KB", multiplies to "320 KB" and then "5.12 MB" per block, i.e. it
 reads a KiB as 1,000 bytes. That is where its ~27,340 blocks come from. Its ~218 sequences
 need a second, opposite slip: 140 GB / 655 MB = 213.7, but 140 * 1024 MB / 655.36 MB = 218.75
-(a GB read as 1,024 MB), which `design_seq_division` reproduces. The exact byte arithmetic gives ~2.3% fewer
-blocks than the design (26,702) and 208 sequences at 2,048 tokens.
+(a GB read as 1,024 MB), which `design_seq_division` reproduces. The exact byte arithmetic
+gives ~2.3% fewer blocks than the design (26,702) and 208 sequences at 2,048 tokens.
 """
 
 from __future__ import annotations

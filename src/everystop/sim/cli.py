@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from everystop.engine.args import parse_tpot_target
 from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
 from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
@@ -34,6 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None, help="static batching size")
+    p.add_argument("--tpot-target-ms", type=parse_tpot_target, default=None,
+                   metavar="MS|off|TIER:MS,...",
+                   help="step-time target for the prefill budget, as `serve` takes it (default "
+                   "here: off, the fixed token budget the committed tables use; tiers left "
+                   "out have no target)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--activation-reserve-gb", type=float, default=8.0)
     p.add_argument("--block-size", type=int, default=16)
@@ -51,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("eff_compute", args.eff_compute),
                                    ("eff_memory", args.eff_memory)) if v is not None}
+    tpot: dict[str, object] = {}
+    if args.tpot_target_ms is not None:
+        plain, per_tier = args.tpot_target_ms
+        tpot = {"tpot_target_ms": plain, "tpot_target_ms_per_tier": per_tier}
     node = build_node(args.model, args.hardware, args.tp, args.scheduling,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       activation_reserve_bytes=args.activation_reserve_gb * 1e9,
@@ -58,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                       enable_prefix_caching=not args.no_prefix_caching, hw_overrides=overrides,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      chunk_size=args.chunk_size, max_batch_size=args.max_batch_size)
+                      chunk_size=args.chunk_size, max_batch_size=args.max_batch_size, **tpot)
     workload = resolve_workload(args.workload)
     if args.rate is not None:
         workload = workload.with_rate(args.rate or None, seed=args.seed)

@@ -38,7 +38,7 @@ class IterationShape:
         return self.num_decode_tokens + self.num_prefill_tokens
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> "IterationShape":
+    def from_scheduler_output(cls, out: SchedulerOutput) -> IterationShape:
         pairs = sum(e.num_tokens * e.start_pos + e.num_tokens * (e.num_tokens + 1) // 2
                     for e in out.scheduled)
         return cls(num_seqs=len(out.scheduled), num_decode_tokens=out.num_decode_tokens,
@@ -48,7 +48,7 @@ class IterationShape:
                    num_swap_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
 
     @classmethod
-    def from_record(cls, rec: dict) -> "IterationShape":
+    def from_record(cls, rec: dict) -> IterationShape:
         """From a measured-iteration record. Only num_decode_tokens, num_prefill_tokens and
         context_tokens_read are required; missing fields are approximated (exact for
         decode-only iterations)."""
@@ -87,7 +87,7 @@ class Coefficients:
     sec_per_swap_byte: float = 0.0
 
     @classmethod
-    def from_hardware(cls, hw: HardwareSpec) -> "Coefficients":
+    def from_hardware(cls, hw: HardwareSpec) -> Coefficients:
         return cls(sec_per_flop=1.0 / (hw.peak_flops * hw.eff_compute),
                    sec_per_byte=1.0 / (hw.hbm_bandwidth * hw.eff_memory),
                    overhead_s=hw.iteration_overhead_s, overhead_per_seq_s=hw.overhead_per_seq_s,
@@ -109,7 +109,7 @@ class CostModel:
 
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec, tp: int,
-                   block_size: int = 16) -> "CostModel":
+                   block_size: int = 16) -> CostModel:
         return cls(model, tp, Coefficients.from_hardware(hw), hw, block_size)
 
     def work(self, s: IterationShape) -> Work:

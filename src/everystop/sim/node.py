@@ -37,6 +37,9 @@ def scheduler_config(scheduling: str, **options: object) -> SchedulerConfig:
     if scheduling not in SCHEDULING_MODES:
         raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, not {scheduling!r}")
     opts = {k: v for k, v in options.items() if v is not None}
+    # The committed A100 tables are for the fixed token budget; a TPOT target is opt-in here
+    # (`everystop simulate --tpot-target-ms`), so they stay comparable.
+    opts.setdefault("tpot_target_ms", 0.0)
     return SchedulerConfig(  # type: ignore[arg-type]
         scheduling="static" if scheduling == "static" else "continuous",
         enable_chunked_prefill=scheduling == "chunked", **opts)

@@ -47,7 +47,7 @@ class Workload:
     name: str
     requests: list[SimRequest]
 
-    def with_rate(self, rate: float | None, seed: int = 0) -> "Workload":
+    def with_rate(self, rate: float | None, seed: int = 0) -> Workload:
         """Same requests, Poisson arrivals at `rate` per second (None/inf: all at t=0)."""
         times = poisson_arrivals(len(self.requests), rate, random.Random(seed))
         reqs = [SimRequest(r.request_id, r.prompt_len, r.max_tokens, t, r.priority, r.tenant,
@@ -74,7 +74,7 @@ def sample_dist(spec: str, rng: random.Random) -> int:
     if kind == "lognormal":
         value = rng.lognormvariate(math.log(float(args[0])), float(args[1]))
         cap = int(args[2]) if len(args) > 2 else 1 << 30
-        return max(1, min(cap, int(round(value))))
+        return max(1, min(cap, round(value)))
     raise ValueError(f"unknown distribution {spec!r} (const, uniform, lognormal)")
 
 

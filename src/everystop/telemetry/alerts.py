@@ -5,6 +5,13 @@
                    exceeds its SLA
   kv_leak          device blocks held by a sequence that made no progress for N seconds, or by
                    an id the scheduler no longer knows
+  tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance)
+
+Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
+run of overruns in steps that carried prefill, also proposes a lower max_num_batched_tokens:
+the ceiling, or the overrunning steps' mean token count scaled by target / measured time.
+Whoever drains the proposals applies them (`clamp_change`), logs them and records them in the
+config history; a clamp only ever lowers the cap, and an operator lifts it with a PATCH.
 
 Threading: `on_iteration` / `on_finish` run on the engine thread and only count and queue;
 `check` reads scheduler state and must run under the engine lock (the monitor thread takes it);
@@ -24,7 +31,7 @@ from everystop.core.outputs import IterationRecord
 from everystop.core.request import Request, RequestStatus
 from everystop.stats import percentile
 
-KINDS = ("prefill_ceiling", "starvation", "kv_leak")
+KINDS = ("prefill_ceiling", "starvation", "kv_leak", "tpot_overrun")
 NUM_TIERS = 3
 
 
@@ -39,6 +46,12 @@ class GuardrailConfig:
     check_interval_s: float = 1.0
     # A prefill-ceiling breach is counted every iteration but reported at most this often.
     report_every_s: float = 10.0
+    # A step overruns when its measured time exceeds its TPOT target by this fraction; this
+    # many overruns in a row raise an alert.
+    overrun_tolerance: float = 0.25
+    overrun_steps: int = 8
+    # Propose a lower max_num_batched_tokens on a breach or an overrun run (see above).
+    auto_clamp: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,15 +82,21 @@ class Guardrails:
         self._starving: set[int] = set()
         self._progress: dict[str, tuple[Any, float]] = {}  # rid -> (progress key, since)
         self._leak_alerted: set[str] = set()
+        self._overruns: list[IterationRecord] = []  # the current run of overrunning steps
+        self._clamps: deque[tuple[int, str]] = deque(maxlen=16)  # (proposed cap, why)
 
     # -- engine thread --------------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord, max_num_batched_tokens: int) -> None:
+        self._check_overrun(record)
         ceiling = self.config.prefill_ceiling or max_num_batched_tokens
         n = record.num_prefill_tokens
         self.max_prefill_tokens = max(self.max_prefill_tokens, n)
         if n <= ceiling:
             return
         with self._lock:
+            if self.config.auto_clamp and ceiling < max_num_batched_tokens:
+                self._clamps.append((ceiling, f"iteration {record.step} ran {n} prefill "
+                                              f"tokens, over the ceiling of {ceiling}"))
             self.alerts_total[("prefill_ceiling", "")] += 1
             self._prefill_breaches += 1
             if record.time - self._last_prefill_report >= self.config.report_every_s:
@@ -87,6 +106,33 @@ class Guardrails:
                     f"{ceiling} ({self._prefill_breaches} such iterations since the last report)"))
                 self._last_prefill_report = record.time
                 self._prefill_breaches = 0
+
+    def _check_overrun(self, record: IterationRecord) -> None:
+        target = record.tpot_target_s
+        if not target or record.execute_s <= target * (1 + self.config.overrun_tolerance):
+            self._overruns.clear()
+            return
+        self._overruns.append(record)
+        if len(self._overruns) < self.config.overrun_steps:
+            return
+        run, self._overruns = self._overruns, []
+        mean_s = sum(r.execute_s for r in run) / len(run)
+        with self._lock:
+            self._raise(Alert(record.time, "tpot_overrun", None, None, mean_s, target,
+                              f"{len(run)} steps in a row overran the TPOT target of "
+                              f"{1e3 * target:.0f} ms (mean {1e3 * mean_s:.0f} ms, predicted "
+                              f"{1e3 * run[-1].predicted_s:.0f} ms)"))
+            if self.config.auto_clamp and any(r.num_prefill_tokens for r in run):
+                tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in run) / len(run)
+                self._clamps.append((int(tokens * target / mean_s),
+                                     f"{len(run)} steps in a row overran {1e3 * target:.0f} ms"))
+
+    def drain_clamps(self) -> list[tuple[int, str]]:
+        """Proposed max_num_batched_tokens caps, with the reason, since the last drain."""
+        with self._lock:
+            clamps = list(self._clamps)
+            self._clamps.clear()
+        return clamps
 
     def on_finish(self, req: Request) -> None:
         with self._lock:
@@ -174,6 +220,15 @@ class Guardrails:
         return alerts
 
 
+def clamp_change(config: Any, proposed_cap: int) -> dict[str, int] | None:
+    """The config change that applies a proposed cap to a SchedulerConfig: never below
+    max_num_seqs (a full decode batch must fit), never a raise; None when nothing changes."""
+    cap = max(int(proposed_cap), config.max_num_seqs)
+    if cap >= config.max_num_batched_tokens:
+        return None
+    return {"max_num_batched_tokens": cap}
+
+
 def register_alert_metrics(registry: Any, guardrails: Guardrails, writer: Any = None) -> Any:
     """Expose the guardrails (and the telemetry writer's queue, if given) on a prometheus
     CollectorRegistry; values are read at scrape time, so the hot path never touches
@@ -199,7 +254,8 @@ class _TelemetryCollector:
                                      "Guardrail alerts raised, by kind and tier.",
                                      labels=["kind", "tier"])
         for kind in KINDS:  # zeros included: dashboards see the series before the first alert
-            tiers = [""] if kind == "prefill_ceiling" else [""] + [str(t) for t in range(3)]
+            tiers = ([""] if kind in ("prefill_ceiling", "tpot_overrun")
+                     else [""] + [str(t) for t in range(3)])
             for tier in tiers:
                 alerts.add_metric([kind, tier], g.alerts_total.get((kind, tier), 0))
         yield alerts

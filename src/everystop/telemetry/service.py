@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from everystop.telemetry.alerts import Alert, GuardrailConfig, Guardrails, register_alert_metrics
+from everystop.telemetry.alerts import (
+    Alert,
+    GuardrailConfig,
+    Guardrails,
+    clamp_change,
+    register_alert_metrics,
+)
 from everystop.telemetry.recorder import TelemetryRecorder
 from everystop.telemetry.source import ObservedEngine
 from everystop.telemetry.store import Store, open_store
@@ -29,6 +36,9 @@ class Telemetry:
         self.store = store
         self.engine = engine
         self.guardrails = Guardrails(guardrail_config)
+        # Applies a guardrail's config change (changes, reason). The admin API sets its own, so
+        # the change is versioned and persisted; by default it is applied here and logged.
+        self.clamp_sink: Callable[[dict[str, int], str], Any] = self._apply_clamp
         self.recorder: TelemetryRecorder | None = None
         if store is not None:
             self.recorder = TelemetryRecorder(
@@ -65,7 +75,16 @@ class Telemetry:
             logger.warning("guardrail %s: %s", alert.kind, alert.message)
             if self.recorder is not None:
                 self.recorder.submit_alert(alert)
+        for cap, reason in self.guardrails.drain_clamps():
+            changes = clamp_change(self.engine.scheduler_config, cap)
+            if changes is not None:
+                logger.warning("guardrail auto-clamp (%s): %s", reason, changes)
+                self.clamp_sink(changes, reason)
         return alerts
+
+    def _apply_clamp(self, changes: dict[str, int], reason: str) -> None:
+        engine = self.engine
+        engine.update_config(engine.scheduler_config.replace(**changes), engine.cache_config)
 
     def _run_monitor(self) -> None:
         while not self._stop.wait(self.guardrails.config.check_interval_s):

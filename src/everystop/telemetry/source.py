@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from everystop.config import SchedulerConfig
+    from everystop.config import CacheConfig, SchedulerConfig
     from everystop.core.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -25,6 +25,13 @@ class ObservedEngine(Protocol):
 
     @property
     def scheduler_config(self) -> SchedulerConfig: ...
+
+    @property
+    def cache_config(self) -> CacheConfig: ...
+
+    def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
+        """Swap configs in between two iterations (a guardrail's auto-clamp)."""
+        ...
 
     def is_live(self, request_id: str) -> bool:
         """Whether the scheduler still holds the request (read on the engine thread)."""

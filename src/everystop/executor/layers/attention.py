@@ -73,7 +73,7 @@ def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
     It gathers each sequence's K/V slots into a temporary, which is the cost the fast kernels
     avoid; use it in tests, not on the hot path.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, block_size, kvh, _ = key_cache.shape
     group = num_heads // kvh
     out = torch.empty_like(q)

@@ -15,8 +15,12 @@ from torch import nn
 
 from everystop.executor.layers.attention import AttentionMetadata, paged_attention, write_kv
 from everystop.executor.layers.cpu_kernels import CpuKernels
-from everystop.executor.layers.linear import (ParallelLMHead, QKVParallelLinear,
-                                              RowParallelLinear, VocabParallelEmbedding)
+from everystop.executor.layers.linear import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from everystop.executor.layers.mlp import SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext

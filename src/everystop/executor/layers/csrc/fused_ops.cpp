@@ -34,8 +34,12 @@ inline float to_f(T v) { return static_cast<float>(v); }
 template <typename T>
 inline T from_f(float v) { return static_cast<T>(v); }
 
-template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+// out = rms_norm(x); with a residual (kAdd), first residual += x (rounded to the dtype, as
+// torch's x + residual) and out = rms_norm(residual): the residual add before each norm of a
+// pre-norm decoder, in one pass instead of two ops.
+template <typename T, bool kAdd>
+void rms_norm_impl(T* rp, int64_t rs, const at::Tensor& x, const at::Tensor& w, double eps,
+                   at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
@@ -46,10 +50,21 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
       const T* xr = xp + r * xs;
       T* orow = op + r * os;
       float ss = 0.f;
+      if constexpr (kAdd) {
+        T* rr = rp + r * rs;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = to_f(xr[i]);
-        ss += v * v;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
+          rr[i] = sum;
+          ss += to_f(sum) * to_f(sum);
+        }
+        xr = rr;
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = to_f(xr[i]);
+          ss += v * v;
+        }
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
 #pragma omp simd
@@ -69,46 +84,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
               "rms_norm: weight must be contiguous [dim] of x's dtype");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: rms_norm_impl<float>(x, w, eps, out); break;
-    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, w, eps, out); break;
-    case at::kHalf: rms_norm_impl<c10::Half>(x, w, eps, out); break;
+    case at::kFloat: rms_norm_impl<float, false>(nullptr, 0, x, w, eps, out); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16, false>(nullptr, 0, x, w, eps, out); break;
+    case at::kHalf: rms_norm_impl<c10::Half, false>(nullptr, 0, x, w, eps, out); break;
     default: TORCH_CHECK(false, "rms_norm: unsupported dtype");
   }
   return out;
-}
-
-// residual += x (rounded to the dtype, as torch's x + residual), then out = rms_norm(residual):
-// the residual add before each norm of a pre-norm decoder, in one pass instead of two ops.
-template <typename T>
-void add_rms_norm_impl(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
-                       double eps, at::Tensor& out) {
-  const int64_t rows = x.size(0), dim = x.size(1);
-  T* rp = residual.data_ptr<T>();
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t rs = residual.stride(0), xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* rr = rp + r * rs;
-      const T* xr = xp + r * xs;
-      T* orow = op + r * os;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) {
-        const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
-        rr[i] = sum;
-        const float v = to_f(sum);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) {
-        const float n = to_f(from_f<T>(to_f(rr[i]) * inv));
-        orow[i] = from_f<T>(to_f(wp[i]) * n);
-      }
-    }
-  });
 }
 
 at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& x, const at::Tensor& w,
@@ -121,9 +102,17 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& x, const at::Ten
               "add_rms_norm_: weight must be contiguous [dim] of x's dtype");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: add_rms_norm_impl<float>(residual, x, w, eps, out); break;
-    case at::kBFloat16: add_rms_norm_impl<c10::BFloat16>(residual, x, w, eps, out); break;
-    case at::kHalf: add_rms_norm_impl<c10::Half>(residual, x, w, eps, out); break;
+    case at::kFloat:
+      rms_norm_impl<float, true>(residual.data_ptr<float>(), residual.stride(0), x, w, eps, out);
+      break;
+    case at::kBFloat16:
+      rms_norm_impl<c10::BFloat16, true>(residual.data_ptr<c10::BFloat16>(), residual.stride(0),
+                                         x, w, eps, out);
+      break;
+    case at::kHalf:
+      rms_norm_impl<c10::Half, true>(residual.data_ptr<c10::Half>(), residual.stride(0), x, w,
+                                     eps, out);
+      break;
     default: TORCH_CHECK(false, "add_rms_norm_: unsupported dtype");
   }
   return out;

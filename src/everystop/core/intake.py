@@ -1,0 +1,47 @@
+"""Admission checks made when a request arrives: can it ever run here, is its queue full?"""
+
+from __future__ import annotations
+
+from everystop.config import SchedulerConfig
+from everystop.core.kv_cache_manager import KVCacheManager
+from everystop.core.request import Request
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long for the model or the KV pool)."""
+
+
+class QueueFull(Exception):
+    """Backpressure: the tenant's or tier's queue is at its cap; retry later."""
+
+    def __init__(self, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
+                     queued_by_tenant: dict[str, int], queued_by_tier: dict[int, int]) -> None:
+    """Raise RequestRejected (never runnable) or QueueFull (not now); return if it may queue."""
+    if req.num_prompt_tokens == 0:
+        raise RequestRejected("the prompt is empty")
+    if req.max_total_tokens > cfg.max_model_len:
+        raise RequestRejected(
+            f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+            f"({req.sampling_params.max_tokens}) exceeds max_model_len ({cfg.max_model_len})")
+    usable = kv.num_gpu_blocks - kv.watermark_blocks
+    if kv.blocks_needed(req.max_total_tokens) > usable:
+        raise RequestRejected(
+            f"the request needs up to {kv.blocks_needed(req.max_total_tokens)} KV blocks "
+            f"but the pool has {usable}")
+    if not cfg.enable_chunked_prefill and req.num_prompt_tokens > cfg.max_num_batched_tokens:
+        raise RequestRejected(
+            f"prompt ({req.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+            f"({cfg.max_num_batched_tokens}) and chunked prefill is off")
+    if not 0 <= req.priority <= 2:
+        raise RequestRejected(f"priority must be 0, 1 or 2, not {req.priority}")
+    tenant_cap, tier_cap = cfg.max_queued_per_tenant, cfg.max_queued_per_tier[req.priority]
+    if tenant_cap and queued_by_tenant.get(req.tenant, 0) >= tenant_cap:
+        raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued")
+    if tier_cap and queued_by_tier.get(req.priority, 0) >= tier_cap:
+        raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued")

@@ -1,0 +1,68 @@
+"""The forward pass one `Scheduler.schedule()` call is building: its rows and its budget.
+
+Made fresh inside every schedule() call and dropped at its end, so no scheduler attribute is
+"valid only during schedule()".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from everystop.core.outputs import ScheduledSequence, SchedulerOutput
+from everystop.core.request import Request
+from everystop.core.step_budget import StepBudget
+
+
+@dataclass
+class PassBuilder:
+    now: float
+    budget: StepBudget
+    out: SchedulerOutput
+    decodes: dict[str, ScheduledSequence] = field(default_factory=dict)
+    prefills: dict[str, ScheduledSequence] = field(default_factory=dict)
+    # Requests that joined the running batch in this pass: never preempted within it.
+    admitted_now: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills)
+
+    def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
+        """Schedule tokens num_computed_tokens .. +n of `req`."""
+        start = req.num_computed_tokens
+        entry = ScheduledSequence(
+            request_id=req.request_id, token_ids=req.token_slice(start, start + n),
+            start_pos=start, block_ids=block_ids, sample=start + n == req.num_tokens,
+            sampling_params=req.sampling_params, output_index=req.num_output_tokens,
+            is_prefill=start < req.num_prompt_tokens)
+        is_decode = n == 1 and start == req.num_tokens - 1
+        (self.decodes if is_decode else self.prefills)[req.request_id] = entry
+        self.budget.add(n, start, decode=is_decode, tier=req.priority)
+
+    def emit_padding(self, req: Request, block_ids: list[int]) -> None:
+        """A finished static-batch member recomputed at its last position (no sample)."""
+        pos = req.num_computed_tokens - 1
+        rid = req.request_id + "#padding"
+        self.decodes[rid] = ScheduledSequence(
+            request_id=rid, token_ids=req.token_slice(pos, pos + 1), start_pos=pos,
+            block_ids=block_ids, sample=False, sampling_params=req.sampling_params,
+            padding=True)
+        self.budget.add(1, pos, decode=True, tier=None)
+
+    def drop(self, request_id: str) -> None:
+        """Take a preempted request's row back out of the pass."""
+        for rows, decode in ((self.decodes, True), (self.prefills, False)):
+            entry = rows.pop(request_id, None)
+            if entry is not None:
+                self.budget.remove(entry.num_tokens, entry.start_pos, decode=decode)
+
+    def finish(self) -> SchedulerOutput:
+        out, budget = self.out, self.budget
+        out.scheduled = list(self.decodes.values()) + list(self.prefills.values())
+        out.num_decode_tokens = len(self.decodes)
+        out.num_padding_tokens = sum(e.padding for e in self.decodes.values())
+        out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())
+        out.predicted_time_s = budget.predicted_s
+        out.tpot_target_s = budget.target_s
+        out.prefill_budget_tokens = budget.prefill_budget_tokens
+        return out

@@ -1,0 +1,154 @@
+"""What one forward pass costs here: a linear model of its shape, fitted online.
+
+    step_s = fixed + per_prefill_token * prefill_tokens + per_decode_row * decode_rows
+                   + per_context_token * context_tokens
+
+`context_tokens` is the sum of the scheduled rows' context lengths after the step (the KV that
+attention reads). The coefficients are fitted by recursive least squares with a forgetting
+factor, so the model follows the machine (thermal limits, a noisy neighbour, a new kernel) with
+an effective memory of about 1 / (1 - forgetting) steps. Before any step has run it predicts
+from a prior seeded by the start-up prefill measurement (`PreemptionCostModel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from everystop.core.outputs import SchedulerOutput
+
+FEATURES = ("fixed", "prefill_token", "decode_row", "context_token")
+# Typical magnitude of each feature: the fit runs on features divided by these, so that one
+# prior variance suits all four (raw magnitudes span 1 to 1e5).
+_SCALES = (1.0, 256.0, 64.0, 16384.0)
+# The start-up measurement runs one prompt of this many tokens (ModelRunner's default).
+SEED_PROMPT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The features of one forward pass."""
+
+    num_prefill_tokens: int = 0
+    num_decode_rows: int = 0
+    context_tokens: int = 0
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> StepShape:
+        return cls(out.num_prefill_tokens, out.num_decode_tokens,
+                   sum(e.seq_len for e in out.scheduled))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.num_prefill_tokens), float(self.num_decode_rows),
+                float(self.context_tokens))
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """Seconds per unit of each feature."""
+
+    fixed: float
+    prefill_token: float
+    decode_row: float
+    context_token: float
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.fixed, self.prefill_token, self.decode_row, self.context_token)
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(zip(FEATURES, self.as_tuple()))
+
+
+class StepCostModel:
+    """Exponentially weighted least squares over the four features, re-solved at every step.
+
+    The normal equations decay by `forgetting` per step, plus a small damping toward the
+    previous estimate: a direction the recent steps do not excite (no prefill all night, a
+    decode batch that never changes size) keeps its last value instead of drifting or blowing
+    up. Coefficients are kept non-negative by an active set (a step never gets cheaper by adding
+    work, which keeps the budget arithmetic monotone).
+    """
+
+    def __init__(self, prior: StepCoefficients, *, forgetting: float = 0.98,
+                 damping: float = 0.05) -> None:
+        if not 0.5 < forgetting <= 1.0 or not damping > 0:
+            raise ValueError("forgetting must be in (0.5, 1] and damping > 0")
+        self.prior = prior
+        self.forgetting = forgetting
+        self.damping = damping
+        # The estimate and the normal equations live in scaled units (see _SCALES).
+        self._theta = [c * s for c, s in zip(prior.as_tuple(), _SCALES)]
+        self._a = [[0.0] * 4 for _ in range(4)]
+        self._b = [0.0] * 4
+        self.num_observations = 0
+        self.last_predicted_s = 0.0
+        self.last_measured_s = 0.0
+
+    @classmethod
+    def from_prefill_rate(cls, prefill_tokens_per_s: float, **kwargs: float) -> StepCostModel:
+        """A prior from one measured prompt of SEED_PROMPT_TOKENS tokens: a quarter of its time
+        taken as fixed per-step cost, the rest per token; a decode row priced like a prefill
+        token; a context token at 1/1000 of one (attention reads are cheap next to the
+        matmuls). Rough by design: the fit replaces it within a few dozen steps."""
+        t = SEED_PROMPT_TOKENS / max(prefill_tokens_per_s, 1e-9)
+        per_token = 0.75 * t / SEED_PROMPT_TOKENS
+        return cls(StepCoefficients(0.25 * t, per_token, per_token, per_token / 1000), **kwargs)
+
+    @property
+    def coefficients(self) -> StepCoefficients:
+        c = [t / s for t, s in zip(self._theta, _SCALES)]
+        return StepCoefficients(c[0], c[1], c[2], c[3])
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients.as_tuple(), shape.features()))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Fold one measured step in and re-solve."""
+        if not seconds > 0 or math.isinf(seconds):
+            return
+        self.last_predicted_s = self.predict(shape)
+        self.last_measured_s = seconds
+        x = [f / s for f, s in zip(shape.features(), _SCALES)]
+        lam = self.forgetting
+        for i in range(4):
+            self._b[i] = lam * self._b[i] + x[i] * seconds
+            for j in range(4):
+                self._a[i][j] = lam * self._a[i][j] + x[i] * x[j]
+        self._theta = self._solve()
+        self.num_observations += 1
+
+    def _solve(self) -> list[float]:
+        """argmin over theta >= 0 of the damped least-squares objective (active set: a
+        coefficient that comes out negative is pinned at 0 and the rest re-solved)."""
+        d = self.damping
+        free = list(range(4))
+        while True:
+            a = [[self._a[i][j] + (d if i == j else 0.0) for j in free] for i in free]
+            b = [self._b[i] + d * self._theta[i] for i in free]
+            sol = _gauss_solve(a, b)
+            theta = [0.0] * 4
+            for k, i in enumerate(free):
+                theta[i] = sol[k]
+            negative = [i for i in free if theta[i] < 0]
+            if not negative:
+                return theta
+            free = [i for i in free if i not in negative]
+            if not free:
+                return theta
+
+
+def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a small symmetric positive-definite system (Gaussian elimination, pivoting)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
