@@ -117,7 +117,8 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
 
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
-              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels)
+              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
+              tpot_target_ms=args.tpot_target_ms)
     startup = time.perf_counter() - start
     warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
     run_workload(llm, {"requests": warm}, 0.0)
@@ -126,6 +127,7 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
 
     return {"engine": "everystop", "dtype": args.dtype, "threads": torch.get_num_threads(),
             "cpu_kernels": args.cpu_kernels, "max_num_seqs": args.everystop_max_num_seqs,
+            "tpot_target_ms": args.tpot_target_ms,
             "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup, **res}
 
 
@@ -140,6 +142,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
     ap.add_argument("--everystop-max-num-seqs", type=int, default=128)
     ap.add_argument("--cpu-kernels", default="auto", help="everystop's kernel build")
+    ap.add_argument("--tpot-target-ms", type=lambda v: None if v == "auto" else float(v),
+                    default=0.0,
+                    help="everystop's step-time target: 0 = off (default; every request arrives "
+                         "at t=0, so throughput and TTFT are what is compared), auto, or ms")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--extra", default="", help="extra llama-server flags")

@@ -214,3 +214,30 @@ def _positive(obj: object, *names: str) -> None:
         value = getattr(obj, name)
         if not value > 0:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+TpotTarget = tuple[float | None, tuple[float | None, float | None, float | None]]
+
+
+def parse_tpot_target(text: str) -> TpotTarget:
+    """'100' -> 100 ms for every tier; 'off' or '0' -> no target (the fixed token budget);
+    '0:50,1:100,2:200' -> per tier; '100,0:50' -> 100 ms, tier 0 tighter. A tier left out
+    follows the plain value, or the machine-derived default when there is none."""
+    plain: float | None = None
+    tiers: list[float | None] = [None, None, None]
+    try:
+        for part in str(text).replace(" ", "").split(","):
+            tier, _, value = part.rpartition(":")
+            ms = 0.0 if value.lower() == "off" else float(value)
+            if ms < 0 or ms != ms:
+                raise ValueError
+            if not tier:
+                plain = ms
+            elif tier in ("0", "1", "2"):
+                tiers[int(tier)] = ms
+            else:
+                raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"expected MS, off, or TIER:MS,... (tiers 0, 1, 2), got {text!r}") from None
+    return plain, (tiers[0], tiers[1], tiers[2])

@@ -168,8 +168,9 @@ def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
     eng.add_request("b" * 40, params(30))
     run(eng)
     metrics = ServerMetrics()
-    metrics.attach(SimpleNamespace(engine=eng, num_in_flight=0, draining=False,
-                                   num_watchdog_aborts=0))
+    # What ServerMetrics reads of an AsyncEngine, served by the LLMEngine underneath.
+    metrics.attach(SimpleNamespace(add_listeners=eng.add_listeners, stats=eng.stats,
+                                   num_in_flight=0, draining=False, num_watchdog_aborts=0))
     got = {(s.name, s.labels.get("term")): s.value
            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     stats = eng.stats()

@@ -163,7 +163,7 @@ def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: 
                                                                          caplog) -> None:
     eng = make_engine(max_num_seqs=8, max_num_batched_tokens=256)
     front = AsyncEngine(eng, watchdog_interval_s=60.0)
-    tel = Telemetry(None, eng, lock=None,
+    tel = Telemetry(None, front,
                     guardrail_config=GuardrailConfig(overrun_steps=3, check_interval_s=60))
     admin = install_admin_routes(FastAPI(), front, admin_key=None, store=store, telemetry=tel)
     try:

@@ -18,7 +18,9 @@ from everystop.config import (
     KV_CACHE_DTYPES,
     ConfigError,
     EngineConfig,
+    TpotTarget,
 )
+from everystop.config import parse_tpot_target as config_parse_tpot_target
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -46,31 +48,14 @@ def _tier_caps(text: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2])
 
 
-TpotTarget = tuple[float | None, tuple[float | None, float | None, float | None]]
 
 
 def parse_tpot_target(text: str) -> TpotTarget:
-    """'100' -> 100 ms for every tier; 'off' or '0' -> no target (the fixed token budget);
-    '0:50,1:100,2:200' -> per tier; '100,0:50' -> 100 ms, tier 0 tighter. A tier left out
-    follows the plain value, or the machine-derived default when there is none."""
-    plain: float | None = None
-    tiers: list[float | None] = [None, None, None]
+    """--tpot-target-ms (see config.parse_tpot_target), with argparse's error on a bad value."""
     try:
-        for part in str(text).replace(" ", "").split(","):
-            tier, _, value = part.rpartition(":")
-            ms = 0.0 if value.lower() == "off" else float(value)
-            if ms < 0 or ms != ms:
-                raise ValueError
-            if not tier:
-                plain = ms
-            elif tier in ("0", "1", "2"):
-                tiers[int(tier)] = ms
-            else:
-                raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected MS, off, or TIER:MS,... (tiers 0, 1, 2), got {text!r}") from None
-    return plain, (tiers[0], tiers[1], tiers[2])
+        return config_parse_tpot_target(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

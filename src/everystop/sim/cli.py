@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from everystop.engine.args import parse_tpot_target
+from everystop.config import parse_tpot_target
 from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
 from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
