@@ -148,14 +148,15 @@ class ModelConfig:
     # runs, "off" = plain torch everywhere.
     cpu_kernels: str = "auto"
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
-    # 16-bit weights on CPU: multiply compute-bound inputs in fp32 ("fp32", faster without
-    # AMX) or with the library's 16-bit GEMM ("native").
-    cpu_16bit_gemm: Literal["fp32", "native"] = "fp32"
+    # 16-bit weights on CPU: multiply compute-bound inputs in fp32 ("fp32") or with the
+    # library's 16-bit GEMM ("native"); "auto" times both at start-up and keeps the faster
+    # (native bf16 is ~4x fp32 on a Zen 5, ~0.5x on CPUs whose bf16 GEMM is emulated).
+    cpu_16bit_gemm: Literal["auto", "fp32", "native"] = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("cpu_16bit_gemm", ("fp32", "native"))):
+                              ("cpu_16bit_gemm", ("auto", "fp32", "native"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, not "
                                   f"{getattr(self, name)!r}")

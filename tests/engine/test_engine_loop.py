@@ -125,3 +125,39 @@ def test_make_request_leaves_the_callers_params_unchanged() -> None:
     assert req.sampling_params is not params and req.sampling_params.stop_token_ids == [9, 7]
     assert req.sampling_params.stop is not params.stop
     assert filled.sampling_params.max_tokens == eng.max_model_len - 2
+
+
+def test_async_engine_builds_its_engine_on_the_engine_thread() -> None:
+    """All torch work on one thread (see AsyncEngine): the builder runs where the steps run,
+    and a builder's error reaches the caller."""
+    import threading
+
+    import pytest
+
+    from everystop.engine.async_engine import AsyncEngine
+
+    built_on: list[str] = []
+
+    def build():  # type: ignore[no-untyped-def]
+        built_on.append(threading.current_thread().name)
+        return make_toy_engine()
+
+    front = AsyncEngine(build)
+    try:
+        assert built_on == ["everystop-engine"]
+
+        async def one() -> list[int]:
+            got: list[int] = []
+            async for out in front.generate("hi", SamplingParams(max_tokens=5, ignore_eos=True)):
+                got.extend(out.new_token_ids)
+            return got
+
+        assert asyncio.run(one()) == reference_output([ord(c) for c in "hi"], 5)
+    finally:
+        front.shutdown()
+
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)

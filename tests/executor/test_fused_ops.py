@@ -157,3 +157,13 @@ def test_model_logits_same_with_and_without_fused_ops(default_runner):
     plain_tokens, plain_logits = greedy_generate(plain_runner, prompts, 4, per_seq=4)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-3, rtol=1e-4)
     assert fused_tokens == plain_tokens
+
+
+def test_16bit_gemm_route_follows_the_config():
+    from everystop.executor.model_runner import select_backends
+
+    for choice, fp32 in (("fp32", True), ("native", False)):
+        backends = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm=choice))
+        assert backends.kernels is not None and backends.kernels.fp32_gemm_for_16bit is fp32
+    auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"))
+    assert auto.kernels is not None and isinstance(auto.kernels.fp32_gemm_for_16bit, bool)

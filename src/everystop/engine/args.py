@@ -72,8 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-kernels", choices=CPU_KERNEL_CHOICES, default=None,
                    help="CPU kernel build: auto (the best this CPU runs), an ISA, or off")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
-    g.add_argument("--cpu-16bit-gemm", choices=["fp32", "native"], default=None,
-                   help="16-bit weights on CPU: prefill GEMMs in fp32 (default) or native")
+    g.add_argument("--cpu-16bit-gemm", choices=["auto", "fp32", "native"], default=None,
+                   help="16-bit weights on CPU: prefill GEMMs in fp32 or native (default auto: "
+                   "the faster here, timed at start-up)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

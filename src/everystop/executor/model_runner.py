@@ -20,6 +20,7 @@ from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutp
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.linear import fp32_gemm_is_faster
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model
@@ -57,10 +58,14 @@ def available_memory_bytes() -> int | None:
 
 
 def select_backends(config: ModelConfig) -> Backends:
-    """The kernels the layers call, chosen once from the config and the CPU's flags."""
+    """The kernels the layers call, chosen once from the config, the CPU's flags and (for 16-bit
+    weights with cpu_16bit_gemm="auto") a GEMM timed both ways."""
     kernels = None
     if torch.device(config.device).type == "cpu":
-        kernels = load_cpu_kernels(config.cpu_kernels, config.cpu_16bit_gemm == "fp32")
+        fp32_gemm = config.cpu_16bit_gemm == "fp32"
+        if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
+            fp32_gemm = fp32_gemm_is_faster(DTYPES[config.dtype])
+        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm)
     return Backends(kernels, config.attention_backend)
 
 
@@ -113,8 +118,12 @@ class ModelRunner:
         self.backends = select_backends(model_config)
         if parallel.rank == 0:
             kernels = self.backends.kernels
-            logger.info("CPU kernels: %s; attention: %s",
-                        kernels.isa if kernels else "off (plain torch)", self.backends.attention)
+            gemm = ("" if kernels is None or self.dtype == torch.float32 else
+                    f"; {model_config.dtype} prefill GEMMs in "
+                    f"{'fp32' if kernels.fp32_gemm_for_16bit else model_config.dtype}")
+            logger.info("CPU kernels: %s; attention: %s%s",
+                        kernels.isa if kernels else "off (plain torch)", self.backends.attention,
+                        gemm)
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,

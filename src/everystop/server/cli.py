@@ -73,13 +73,14 @@ def serve(args: argparse.Namespace) -> int:
     from everystop.server.metrics import ServerMetrics
 
     try:
-        engine = LLMEngine.from_config(config)
+        # Built on the engine thread: all torch work on one thread (see AsyncEngine).
+        front = AsyncEngine(lambda: LLMEngine.from_config(config))
     except Exception as exc:  # a bad model path or config: one line, not a traceback
         if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
             raise
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
-    front = AsyncEngine(engine)
+    engine = front.engine
     name = args.served_model_name or _model_name(engine.model_path or config.model.model)
     metrics = ServerMetrics()
 

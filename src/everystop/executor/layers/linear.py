@@ -14,7 +14,8 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = N
             out = _gemm_fp32(x.float(), weight)
             return out if out.dtype == x.dtype else out.to(x.dtype)
     return F.linear(x, weight)
+
+
+def fp32_gemm_is_faster(dtype: torch.dtype, rows: int = 256, size: int = 1024,
+                        repeats: int = 3) -> bool:
+    """Whether a compute-bound GEMM on `dtype` weights runs faster widened to fp32 than in the
+    library's own `dtype` GEMM, timed here (best of `repeats`, a few ms in all). Which wins
+    depends on the CPU: bf16 is ~4x fp32 where AVX512-BF16 runs full width (Zen 5), ~0.5x where
+    oneDNN emulates it."""
+    g = torch.Generator().manual_seed(0)
+    w16 = torch.randn(size, size, generator=g).to(dtype)
+    x16 = torch.randn(rows, size, generator=g).to(dtype)
+    w32, x32 = w16.float(), x16.float()
+
+    def best(fn: Callable[[], torch.Tensor]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(lambda: F.linear(x32, w32)) < best(lambda: F.linear(x16, w16))
 
 
 def _mkl_packing_available() -> bool:
