@@ -9,6 +9,9 @@ import platform
 import time
 from typing import Any
 
+# Environment that narrows what the libraries use (an AVX2-only CPU reproduced on a larger one).
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+           "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
              "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16")
 
@@ -27,6 +30,7 @@ def cpu_info() -> dict[str, Any]:
         pass
     return {"model": model, "cpus": os.cpu_count(),
             "isa_flags": [f for f in ISA_FLAGS if f in flags],
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
             "load_avg": list(os.getloadavg())}
 
 
