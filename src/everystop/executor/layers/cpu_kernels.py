@@ -15,6 +15,7 @@ the layers as a `CpuKernels` object: nothing is read from the environment on the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -22,7 +23,7 @@ import platform
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
 import torch
 
@@ -60,6 +61,9 @@ CHOICES = ("auto", "off", *ISA_NAMES)  # values of ModelConfig.cpu_kernels
 # enough to amortize loading a block, small enough that a prefill chunk splits into many items
 # for the threads to share.
 ROWS_PER_ITEM = 24
+# The ops each library registers (csrc/*.cpp).
+_OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "rope_write_kv_",
+        "argmax_rows", "linear_small")
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -161,9 +165,12 @@ class CpuKernels:
     isa: str
     fp32_gemm_for_16bit: bool = True
 
-    @property
-    def ops(self) -> Any:
-        return getattr(torch.ops, f"everystop_{self.isa}")
+    @functools.cached_property
+    def ops(self) -> SimpleNamespace:
+        """The library's ops as resolved overloads: a decode step makes ~200 calls, and an
+        OpOverloadPacket looks its overload up on every one."""
+        namespace = getattr(torch.ops, f"everystop_{self.isa}")
+        return SimpleNamespace(**{name: getattr(namespace, name).default for name in _OPS})
 
     def handles(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu"
