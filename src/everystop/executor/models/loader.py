@@ -170,7 +170,7 @@ def _open_gguf(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], tor
             w = _unpermute_rope(w, args.num_heads)
         elif hf_name.endswith("k_proj.weight"):
             w = _unpermute_rope(w, args.num_kv_heads)
-        return torch.from_numpy(np.ascontiguousarray(w))  # noqa: already a private copy
+        return torch.from_numpy(np.ascontiguousarray(w))  # already a private copy
 
     freq_factors = None
     if "rope_freqs.weight" in tensors:
