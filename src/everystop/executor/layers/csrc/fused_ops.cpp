@@ -177,6 +177,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One head rotated in place by the half tables c, s: [a | b] -> [a c - b s | b c + a s].
+template <typename T>
+inline void rotate_half_head(T* a, const float* c, const float* s, int64_t half) {
+  T* b = a + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(a[i]), x2 = to_f(b[i]);
+    a[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
+    b[i] = from_f<T>(x2 * c[i] + x1 * s[i]);
+  }
+}
+
 template <typename T>
 void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
@@ -189,14 +201,7 @@ void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       const float* c = cp + t * half;
       const float* s = sp + t * half;
       for (int64_t h = 0; h < heads; ++h) {
-        T* a = xp + t * ts + h * hs;
-        T* b = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(a[i]), x2 = to_f(b[i]);
-          a[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
-          b[i] = from_f<T>(x2 * c[i] + x1 * s[i]);
-        }
+        rotate_half_head(xp + t * ts + h * hs, c, s, half);
       }
     }
   });
@@ -238,14 +243,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       const float* s = sp + t * half;
       T* row = xp + t * ts;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-        T* a = row + h * D;
-        T* b = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(a[i]), x2 = to_f(b[i]);
-          a[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
-          b[i] = from_f<T>(x2 * c[i] + x1 * s[i]);
-        }
+        rotate_half_head(row + h * D, c, s, half);
       }
       const T* k = row + num_heads * D;
       const T* v = k + num_kv_heads * D;
