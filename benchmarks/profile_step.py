@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--tpot-target-ms", type=float, default=0.0,
+                    help="0 = the fixed token budget (as the committed profiles ran)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole workload (~47k tokens) must fit to run 128")
@@ -113,7 +115,8 @@ def main() -> None:
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
     if args.threads is not None:
         options["num_threads"] = args.threads
-    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
+    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype,
+                   tpot_target_ms=args.tpot_target_ms)
     llm = LLM(**options)
     engine = llm.engine
     runner = engine.executor.runner
