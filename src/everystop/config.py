@@ -40,7 +40,10 @@ class SchedulerConfig:
     # member keeps its seat and its KV blocks, and is still computed, until the batch drains.
     # False: finished members drop out of the pass (a kinder baseline than the usual one).
     static_padding: bool = True
-    max_model_len: int = 2048
+    # Longest prompt + output of one request. None: derived where the engine is built (the
+    # model's context length, capped by the tokens the KV pool holds for one sequence; with no
+    # model, the pool alone).
+    max_model_len: int | None = None
     # Preemption: recompute, swap to host, or let the cost model choose per victim.
     preemption_mode: PreemptionMode = "auto"
     # Below this many computed tokens a victim is always recomputed (cheap, no host memory).
@@ -65,7 +68,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
-                  "max_model_len", "aging_interval_s", "max_preemptions_in_window")
+                  "aging_interval_s", "max_preemptions_in_window")
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise a full running batch alone exceeds the budget and the tail of the running
             # queue silently gets no decode progress.

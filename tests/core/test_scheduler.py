@@ -144,6 +144,15 @@ def test_rejects_requests_that_can_never_run() -> None:
     assert not h.scheduler.has_unfinished
 
 
+def test_unset_max_model_len_is_what_the_pool_holds_for_one_sequence() -> None:
+    h = make_harness(num_blocks=10, block_size=4, max_model_len=None)
+    with pytest.raises(RequestRejected, match=r"max_model_len \(40\)"):
+        h.add("x", [1] * 30, 11)
+    h.add("y", [1] * 30, 10)
+    h.run()
+    assert len(h.outputs["y"]) == 10
+
+
 def test_queue_caps_raise_queue_full() -> None:
     h = make_harness(max_queued_per_tenant=2, max_queued_per_tier=(0, 3, 0))
     h.add("a", [1, 2], 2, tenant="x")

@@ -20,15 +20,22 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+def model_len_limit(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
+    """The configured max_model_len; unset (no model to ask), what the pool holds for one
+    sequence. The engine resolves it from the model where there is one."""
+    return cfg.max_model_len or kv.num_gpu_blocks * kv.block_size
+
+
 def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
                      queued_by_tenant: dict[str, int], queued_by_tier: dict[int, int]) -> None:
     """Raise RequestRejected (never runnable) or QueueFull (not now); return if it may queue."""
     if req.num_prompt_tokens == 0:
         raise RequestRejected("the prompt is empty")
-    if req.max_total_tokens > cfg.max_model_len:
+    max_model_len = model_len_limit(cfg, kv)
+    if req.max_total_tokens > max_model_len:
         raise RequestRejected(
             f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-            f"({req.sampling_params.max_tokens}) exceeds max_model_len ({cfg.max_model_len})")
+            f"({req.sampling_params.max_tokens}) exceeds max_model_len ({max_model_len})")
     usable = kv.num_gpu_blocks - kv.watermark_blocks
     if kv.blocks_needed(req.max_total_tokens) > usable:
         raise RequestRejected(

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from everystop.config import SchedulerConfig
-from everystop.core.intake import QueueFull, RequestRejected, check_admissible
+from everystop.core.intake import QueueFull, RequestRejected, check_admissible, model_len_limit
 from everystop.core.invariants import check_scheduler_integrity
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput, SchedulerStats
@@ -356,7 +356,7 @@ class Scheduler:
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if (req.num_output_tokens >= params.max_tokens
-                or req.num_tokens >= self.config.max_model_len):
+                or req.num_tokens >= model_len_limit(self.config, self.kv)):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -88,7 +88,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-static-padding", dest="static_padding", action="store_false",
                    default=None, help="static batching: drop finished members from the pass "
                    "instead of computing them until the batch drains")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length, capped "
+                   "by what the KV pool holds for one sequence; logged at start-up)")
     g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
     g.add_argument("--aging-interval", dest="aging_interval_s", type=float, default=None,
                    help="seconds after which a waiting request moves up one priority tier")

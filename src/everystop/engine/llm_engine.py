@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from everystop.core.intake import model_len_limit
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import (
     IterationRecord,
@@ -70,6 +71,9 @@ class LLMEngine:
         from everystop.tokenizer import load_tokenizer
 
         executor = create_executor(config)
+        # The executor resolved an unset max_model_len from the model and its pool.
+        config = dataclasses.replace(config, scheduler=config.scheduler.replace(
+            max_model_len=executor.max_model_len))
         tokenizer = load_tokenizer(config.model.tokenizer or executor.model_path)
         cost_model = executor.preemption_cost_model()
         logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
@@ -234,7 +238,7 @@ class LLMEngine:
     # -- what the floors above may read and change ----------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.config.scheduler.max_model_len
+        return model_len_limit(self.config.scheduler, self.kv)
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

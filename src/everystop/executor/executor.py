@@ -37,6 +37,11 @@ class ModelExecutor(Executor, Protocol):
 
     model_path: str
 
+    @property
+    def max_model_len(self) -> int:
+        """The configured limit, or the model's context capped by one sequence's pool share."""
+        ...
+
     def describe_capacity(self) -> str:
         """One log line: the KV cache's size in blocks, tokens and bytes."""
         ...
@@ -49,8 +54,8 @@ class ModelExecutor(Executor, Protocol):
 class LocalExecutor:
     """A ModelRunner in this process, on one device."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
-                 max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_model_len: int | None, max_num_batched_tokens: int = 2048) -> None:
         from everystop.executor.model_runner import ModelRunner  # imports torch
         from everystop.executor.models.loader import resolve_model_path
 
@@ -59,6 +64,7 @@ class LocalExecutor:
                                                       max_num_batched_tokens)
         self._num_gpu_blocks = self.runner.num_gpu_blocks
         self._num_cpu_blocks = self.runner.num_cpu_blocks
+        self._max_model_len = self.runner.max_model_len
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -67,6 +73,10 @@ class LocalExecutor:
     @property
     def num_cpu_blocks(self) -> int:
         return self._num_cpu_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         if self.runner is None:

@@ -102,11 +102,12 @@ def _shared_model(path: str | None, dtype: str, device: str,
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
-                 max_num_batched_tokens: int = 2048, parallel: ParallelContext = SINGLE) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_model_len: int | None, max_num_batched_tokens: int = 2048,
+                 parallel: ParallelContext = SINGLE) -> None:
+        """max_model_len None: the model's context length, capped by the pool's tokens."""
         self.model_config, self.cache_config = model_config, cache_config
         self.parallel = parallel
-        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
@@ -132,9 +133,11 @@ class ModelRunner:
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
                        self.backends))
         args = self.model.args
-        if max_model_len > args.max_position_embeddings:
+        if max_model_len is not None and max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                               f"length {args.max_position_embeddings}")
+        # The CUDA pool sizing profiles a prefill of sequences this long; capped below.
+        self.max_model_len = max_model_len or args.max_position_embeddings
         self.kv_dtype = kv_cache_dtype(cache_config, self.dtype, self.backends)
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.num_kv_heads = self.model.num_local_kv_heads
@@ -148,6 +151,8 @@ class ModelRunner:
         num_cpu_blocks = parallel.all_min(num_cpu_blocks)
         self.pool = KVPool(args.num_layers, self.num_kv_heads, args.head_dim, self.block_size,
                            num_device_blocks, num_cpu_blocks, self.kv_dtype, self.device)
+        if max_model_len is None:  # as vLLM: one sequence must fit the pool
+            self.max_model_len = min(self.max_model_len, self.num_gpu_blocks * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
 
     @property
@@ -158,8 +163,9 @@ class ModelRunner:
     def num_cpu_blocks(self) -> int:
         return self.pool.num_host_blocks
 
-    def describe_capacity(self, tokens_per_seq: int = 2048) -> str:
-        """One line on KV capacity, for startup logs."""
+    def describe_capacity(self) -> str:
+        """One line on KV capacity and max_model_len, for startup logs."""
+        tokens_per_seq = self.max_model_len
         blocks_per_seq = -(-tokens_per_seq // self.block_size)
         mib = self.num_gpu_blocks * self.bytes_per_block / 2**20
         shard = (f"rank 0 of {self.parallel.world_size} (per shard): "
@@ -169,8 +175,9 @@ class ModelRunner:
         return (f"KV cache: {shard}{dtype}{auto}, {self.bytes_per_token} B/token, "
                 f"{self.num_gpu_blocks} device blocks "
                 f"x {self.block_size} tokens ({mib:.0f} MiB), {self.num_cpu_blocks} host swap "
-                f"blocks; fits "
-                f"{self.num_gpu_blocks // blocks_per_seq} sequences of {tokens_per_seq} tokens")
+                f"blocks; max_model_len {tokens_per_seq} (model context "
+                f"{self.model.args.max_position_embeddings}; fits "
+                f"{self.num_gpu_blocks // blocks_per_seq} such sequences)")
 
     # --- sizing ----------------------------------------------------------------------------
 

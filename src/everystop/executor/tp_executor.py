@@ -77,6 +77,7 @@ class TensorParallelExecutor:
             raise
         self._num_gpu_blocks = self.runner.num_gpu_blocks
         self._num_cpu_blocks = self.runner.num_cpu_blocks
+        self._max_model_len = self.runner.max_model_len
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -177,6 +178,10 @@ class TensorParallelExecutor:
     @property
     def num_cpu_blocks(self) -> int:
         return self._num_cpu_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         runner = self._live_runner()
