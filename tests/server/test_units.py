@@ -20,6 +20,7 @@ from everystop.engine.args import (
 )
 from everystop.sampling_params import SamplingParams
 from everystop.server.admission import AdmissionConfig, AdmissionController, AdmissionRefused
+from everystop.server.cli import served_model_names
 from everystop.server.metrics import TenantLabels
 from everystop.server.streaming import DONE, sse
 
@@ -182,3 +183,16 @@ def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
     for term in ("fixed", "prefill_token", "decode_row", "context_token"):
         assert got[("everystop_step_cost_coefficient_seconds", term)] == stats.step_cost[term]
     assert stats.step_predicted_s == pytest.approx(stats.step_measured_s, rel=0.1)  # it learnt
+
+
+@pytest.mark.parametrize(("path", "names"), [
+    (None, ["SmolLM2-135M-Instruct"]),
+    ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1"]),
+    ("/m/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf",
+     ["Meta-Llama-3-8B-Instruct", "Meta-Llama-3-8B-Instruct-Q4_K_M"]),
+    ("/m/tiny.f16.gguf", ["tiny", "tiny.f16"]),
+    ("/m/Llama-2-7b-hf", ["Llama-2-7b-hf"]),  # an HF directory: its name, nothing stripped
+])
+def test_served_model_name_drops_the_quantization_suffix(path: str | None,
+                                                         names: list[str]) -> None:
+    assert served_model_names(path) == names

@@ -23,6 +23,7 @@ from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
+    model_info,
     model_list,
     parse_body,
 )
@@ -31,7 +32,8 @@ from everystop.server.serving import ServingContext, generate
 Extension = Callable[[FastAPI, AsyncEngine], Any]
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str | None = None,
+def build_app(async_engine: AsyncEngine, served_model_name: str, *,
+              aliases: Iterable[str] = (), api_key: str | None = None,
               admission: AdmissionConfig | None = None, metrics: ServerMetrics | None = None,
               max_n: int = 8, extensions: Iterable[Extension] = ()) -> FastAPI:
     app = FastAPI(title="everystop", docs_url=None, redoc_url=None, openapi_url=None)
@@ -57,8 +59,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            code="invalid_api_key")
 
+    # Other names the model answers to (e.g. the file's full stem); responses use the first.
+    known = {served_model_name, *aliases}
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name not in known:
             raise APIError(404, f"model {name!r} does not exist; this server serves "
                                 f"{served_model_name!r}", param="model",
                            code="model_not_found")
@@ -88,6 +93,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *, api_key: str
     async def models(http: Request) -> JSONResponse:
         check_auth(http)
         return JSONResponse(model_list(served_model_name, max_model_len))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str, http: Request) -> JSONResponse:
+        check_auth(http)
+        check_model(model_id)
+        return JSONResponse(model_info(model_id, max_model_len))
 
     @app.post("/tokenize")
     async def tokenize(http: Request) -> JSONResponse:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import pathlib
+import re
 import signal
 import sys
 from types import FrameType
@@ -38,7 +40,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model file's stem)")
+                   help="the model name clients send (default: the model file's stem without "
+                   "its quantization suffix; the full stem is accepted too)")
     g.add_argument("--max-queue-wait", dest="max_queue_wait_s", type=_wait_caps,
                    default=(0.0, 0.0, 0.0),
                    help="per tier S or S0,S1,S2: answer 429 when the expected queue wait "
@@ -81,7 +84,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
     engine = front.engine
-    name = args.served_model_name or _model_name(engine.model_path or config.model.model)
+    names = served_model_names(engine.model_path or config.model.model)
+    name = args.served_model_name or names[0]
     metrics = ServerMetrics()
 
     def observability(app: Any, front: Any) -> None:
@@ -90,19 +94,30 @@ def serve(args: argparse.Namespace) -> int:
         install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
                              telemetry=telemetry)
 
-    app = build_app(front, name, api_key=args.api_key, max_n=args.max_n, metrics=metrics,
+    app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,
+                    metrics=metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                     extensions=[observability])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level)
 
 
-def _model_name(path: Any) -> str:
+# A GGUF file's quantization suffix: "SmolLM2-135M-Instruct.Q4_1", "Llama-3-8B-Q4_K_M".
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16|FP16|FP32)$", re.IGNORECASE)
+
+
+def served_model_names(path: str | None) -> list[str]:
+    """The names a client may send for the model at `path`, the served name first: the file
+    stem without its quantization suffix (what the README and HF call it), then the full stem.
+
+    NOTE: not the GGUF's general.name: it is often spaced prose ("SmolLM2 135M Instruct"), and
+    reading it costs a metadata pass the server would otherwise not make."""
     if not path:
-        return "SmolLM2-135M-Instruct"  # the default model
-    import pathlib
+        return ["SmolLM2-135M-Instruct"]  # the default model
     p = pathlib.Path(str(path))
-    return p.stem if p.suffix == ".gguf" else p.name
+    stem = p.stem if p.suffix == ".gguf" else p.name
+    clean = _QUANT_SUFFIX.sub("", stem) or stem
+    return list(dict.fromkeys([clean, stem]))
 
 
 class _DrainingServer(uvicorn.Server):

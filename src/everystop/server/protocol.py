@@ -162,7 +162,10 @@ def chat_body(rid: str, model: str, choices: list[dict[str, Any]],
             **({"usage": usage} if usage is not None or not chunk else {})}
 
 
+def model_info(model: str, max_model_len: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": now_s(), "owned_by": "everystop",
+            "max_model_len": max_model_len}
+
+
 def model_list(model: str, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": now_s(),
-                                        "owned_by": "everystop",
-                                        "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_info(model, max_model_len)]}
