@@ -1,11 +1,17 @@
-"""Sampler: greedy, top-k/top-p support sets, seeded reproducibility, logprobs."""
+"""Sampler: greedy, top-k/top-p support sets, seeded reproducibility, logprobs; the controls
+(penalties, min_p, min_tokens, logit_bias) against reference computations."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
+from everystop.core.outputs import ScheduledSequence
+from everystop.executor.logits_controls import apply_controls
 from everystop.executor.sampler import Sampler
-from everystop.sampling_params import SamplingParams
+from everystop.sampling_params import SamplingParams, SamplingParamsError
 
 V = 1000
 
@@ -92,3 +98,89 @@ def test_logprobs_match_log_softmax_of_unmodified_logits():
     assert [t for t, _ in lp0.top] == top_ids.tolist()
     assert torch.allclose(torch.tensor([v for _, v in lp0.top]), top_vals, atol=1e-5)
     assert lp1.top == [] and lp1.token_id == logits[1].argmax().item()
+
+
+# -- controls: each against a reference computed on the logits by a plain loop ------------------
+
+def _seq(prompt: list[int] | None = None, output: list[int] | None = None,
+         eos: int | None = None) -> ScheduledSequence:
+    return ScheduledSequence("r", [0], 0, [0], True, SamplingParams(), prompt_token_ids=prompt,
+                             output_token_ids=output, eos_token_id=eos)
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    logits = _logits(2)
+    output = [5, 5, 7, 5, 9]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3), SamplingParams()]
+    seqs = [_seq([1, 2], output), _seq([1, 2], output)]
+    got = apply_controls(logits, params, [5, 5], seqs)
+    ref = logits.clone()
+    for t in set(output):
+        ref[0, t] -= 0.5 + 0.3 * output.count(t)
+    assert torch.allclose(got, ref)
+    assert torch.equal(got[1], logits[1])  # a row without controls is untouched
+    # Through the sampler: a strong frequency penalty moves the greedy choice off a repeat.
+    top = int(logits[0].argmax())
+    greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    out = Sampler("cpu")(logits[:1], [greedy], [20], [_seq([], [top] * 20)])
+    assert out.token_ids[0] != top
+    assert out.token_ids[0] == int((logits[0] - 40.0 * (torch.arange(V) == top)).argmax())
+
+
+def test_repetition_penalty_covers_prompt_and_output_hf_style() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    got = apply_controls(logits, params, [1], [_seq(prompt=[0, 1], output=[3, 3])])
+    ref = logits.clone()
+    for t in {0, 1, 3}:  # seen: divide a positive logit, multiply a negative one
+        ref[0, t] = ref[0, t] / 2.0 if ref[0, t] > 0 else ref[0, t] * 2.0
+    assert torch.allclose(got, ref)
+    assert got[0, 0] == 1.0 and got[0, 1] == -4.0 and got[0, 3] == -2.0
+
+
+def test_min_p_keeps_only_tokens_within_a_fraction_of_the_best() -> None:
+    logits = _logits(1, seed=5)
+    probs = torch.softmax(logits[0] / 0.8, -1)
+    allowed = set(torch.nonzero(probs >= 0.1 * probs.max()).flatten().tolist())
+    assert 1 < len(allowed) < V
+    sampler = Sampler("cpu", seed=0)
+    params = [SamplingParams(temperature=0.8, min_p=0.1)]
+    seen = {sampler(logits, params, [0]).token_ids[0] for _ in range(300)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 5.0  # EOS is the best token
+    logits[0, 6] = 4.0  # then a stop token id
+    logits[0, 1] = 3.0
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[6])]
+    seq = _seq(eos=3)
+    sampler = Sampler("cpu")
+    assert sampler(logits, params, [0], [seq]).token_ids == [1]
+    assert sampler(logits, params, [1], [seq]).token_ids == [1]
+    assert sampler(logits, params, [2], [seq]).token_ids == [3]  # reached: EOS allowed again
+
+
+def test_logit_bias_is_added_and_clamped() -> None:
+    logits = _logits(1)
+    params = [SamplingParams(temperature=0.0, logit_bias={"7": 250.0, 3: -5.5, V + 10: 9.0})]
+    assert params[0].logit_bias == {7: 100.0, 3: -5.5, V + 10: 9.0}
+    got = apply_controls(logits, params, [0], None)
+    ref = logits.clone()
+    ref[0, 7] += 100.0
+    ref[0, 3] -= 5.5
+    assert torch.allclose(got, ref)
+    out = Sampler("cpu")(logits, params, [0])
+    assert out.token_ids == [7]
+    # Logprobs still describe the model's own distribution.
+    assert out.logprobs[0] is None
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                                 dict(repetition_penalty=0.0), dict(min_p=1.5),
+                                 dict(min_tokens=20, max_tokens=10), dict(logit_bias={"a": 1}),
+                                 dict(n=0)])
+def test_control_parameters_are_validated(bad: dict[str, Any]) -> None:
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(**bad)

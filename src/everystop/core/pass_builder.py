@@ -30,11 +30,17 @@ class PassBuilder:
     def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
         """Schedule tokens num_computed_tokens .. +n of `req`."""
         start = req.num_computed_tokens
+        params = req.sampling_params
         entry = ScheduledSequence(
             request_id=req.request_id, token_ids=req.token_slice(start, start + n),
             start_pos=start, block_ids=block_ids, sample=start + n == req.num_tokens,
-            sampling_params=req.sampling_params, output_index=req.num_output_tokens,
+            sampling_params=params, output_index=req.num_output_tokens,
             is_prefill=start < req.num_prompt_tokens)
+        if params.penalizes:
+            entry.prompt_token_ids, entry.output_token_ids = (req.prompt_token_ids,
+                                                              req.output_token_ids)
+        if params.min_tokens > req.num_output_tokens:
+            entry.eos_token_id = None if params.ignore_eos else req.eos_token_id
         is_decode = n == 1 and start == req.num_tokens - 1
         (self.decodes if is_decode else self.prefills)[req.request_id] = entry
         self.budget.add(n, start, decode=is_decode, tier=req.priority)

@@ -279,7 +279,7 @@ class ModelRunner:
             sampled, logits = self.forward_logits(sched.scheduled)
             if sampled and logits is not None:  # None: a tensor-parallel rank other than 0
                 result = self.sampler(logits, [s.sampling_params for s in sampled],
-                                      [s.output_index for s in sampled])
+                                      [s.output_index for s in sampled], sampled)
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
                     output.sampled_token_ids[seq.request_id] = token
                     if logprob is not None:

@@ -1,5 +1,6 @@
 """Batched next-token sampling with per-row parameters (greedy, temperature, top-k, top-p,
-seeds) and optional logprobs, vectorized over rows.
+min-p, seeds; penalties, biases and min_tokens through `logits_controls`) and optional
+logprobs, vectorized over rows.
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
 probability p_i. The noise is drawn in vocabulary order, so a seeded row's choice depends only
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from everystop.core.outputs import TokenLogprob
+from everystop.core.outputs import ScheduledSequence, TokenLogprob
 from everystop.executor.layers.cpu_kernels import CpuKernels
+from everystop.executor.logits_controls import apply_controls, apply_min_p
 from everystop.sampling_params import SamplingParams
 
 
@@ -41,14 +43,17 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 output_indices: Sequence[int]) -> SamplerOutput:
-        """logits: [N, vocab] float32 (unmodified); one SamplingParams and output index per row."""
+                 output_indices: Sequence[int],
+                 seqs: Sequence[ScheduledSequence] | None = None) -> SamplerOutput:
+        """logits: [N, vocab] float32 (unmodified); one SamplingParams and output index per row;
+        `seqs` (one per row) gives the penalties their tokens seen and min_tokens its EOS id."""
         vocab = logits.shape[1]
         greedy_rows = [p.greedy for p in params]
-        tokens = _argmax(logits, self.kernels)
+        controlled = apply_controls(logits, params, output_indices, seqs)
+        tokens = _argmax(controlled, self.kernels)
         if not all(greedy_rows):
             greedy = torch.tensor(greedy_rows, device=logits.device)
-            sampled = self._sample(logits, params, output_indices, vocab)
+            sampled = self._sample(controlled, params, output_indices, vocab)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(logits, tokens, token_list, params))
@@ -62,6 +67,8 @@ class Sampler:
         scaled = logits / temps[:, None]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
+        if any(p.min_p for p in params):
+            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=dev))
         if min(top_k) < vocab or min(top_p) < 1.0:
             scaled = _apply_top_k_top_p(scaled, torch.tensor(top_k, device=dev),
                                         torch.tensor(top_p, device=dev, dtype=torch.float32))
