@@ -1,7 +1,8 @@
 """The OpenAI request bodies we accept (pydantic, strict types) and the response shapes we send.
 
 Parsing is strict on purpose: a string where a number belongs is a client bug, answered with
-400 rather than silently coerced. Unknown fields are ignored so newer clients keep working.
+400 rather than silently coerced. So is a field we do not honour: it gets a 400 naming it
+(`fields.py` lists the few that are safe to ignore), never a quietly different answer.
 """
 
 from __future__ import annotations
@@ -11,22 +12,23 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from everystop.server.errors import APIError, bad_request
+from everystop.server.fields import reason, strip_accepted
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -43,8 +45,13 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     # Scheduling tier: 0 premium, 1 standard, 2 best-effort.
     priority: int = Field(default=1, ge=0, le=2)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # vLLM's extras, honoured by the sampler.
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -69,16 +76,27 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # accepted; the chat template has no place for it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"text content only: a {kind!r} content part is not "
+                                     "supported")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -100,7 +118,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str
 
@@ -114,23 +132,24 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     try:
-        req = model.model_validate(data)
+        req = model.model_validate(strip_accepted(data))
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ())]
         param = loc[0] if loc else None
-        detail = err.get("msg", "invalid value")
+        detail = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         kind = str(err.get("type", ""))
+        if kind == "extra_forbidden":
+            raise APIError(400, f"{'.'.join(loc)}: {reason(loc[-1])}", param=param,
+                           code="unsupported_parameter") from None
         code = ("missing_required_parameter" if kind == "missing" else
                 "invalid_type" if kind.endswith(("_type", "_parsing")) or "union" in kind
                 else "invalid_value")
         raise APIError(400, f"{'.'.join(loc) or 'body'}: {detail}", param=param,
                        code=code) from None
-    for field in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, field, None):
-            raise bad_request(f"{field} is not supported", field, code="unsupported_parameter")
     if isinstance(req, CompletionRequest) and req.echo:
-        raise bad_request("echo is not supported", "echo", code="unsupported_parameter")
+        raise bad_request("echo is not supported yet (prompt logprobs)", "echo",
+                          code="unsupported_parameter")
     return req
 
 

@@ -62,11 +62,16 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-        logprobs=num_logprobs)
+        logprobs=num_logprobs, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
+        logit_bias=dict(body.logit_bias or {}))
     try:
         return SamplingParams(**opts)
-    except SamplingParamsError as exc:
-        raise bad_request(str(exc)) from None
+    except SamplingParamsError as exc:  # its message starts with the parameter's name
+        name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), name if name in type(body).model_fields else None) from None
 
 
 def tenant_of(http: HTTPRequest, body: _GenerationRequest) -> str:

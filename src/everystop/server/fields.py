@@ -1,0 +1,62 @@
+"""Request fields we do not model: the few that are safe to ignore, the ones whose default
+value we accept, and the reason we give for refusing the rest.
+
+A field is either honoured (declared on a request model in `protocol.py`) or answered with a
+400 that names it, never dropped. docs/openai-fields.md is the table users read; keep the two
+in step (tests/server/test_openai_fields.py walks that table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# Safe to ignore: they change bookkeeping on OpenAI's side, never the generated text.
+IGNORED = frozenset({"metadata", "store", "service_tier"})
+
+# OpenAI fields accepted only at the value that means "the default behaviour".
+DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "response_format": lambda v, _: v is None or v == {"type": "text"},
+    "tools": lambda v, _: not v,
+    "tool_choice": lambda v, _: v in (None, "none"),
+    "parallel_tool_calls": lambda v, _: v in (None, False),
+    "functions": lambda v, _: not v,
+    "function_call": lambda v, _: v in (None, "none"),
+    "modalities": lambda v, _: v in (None, ["text"]),
+    # best_of == n draws exactly the n choices it returns.
+    "best_of": lambda v, body: v is None or v == body.get("n", 1),
+}
+
+# Why a field is refused (anything not listed: "unknown or unsupported field").
+REASONS = {
+    "response_format": "structured output (json_object, json_schema) is not supported yet; "
+                       "only {\"type\": \"text\"}",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet; only \"none\"",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "modalities": "text output only",
+    "audio": "text output only",
+    "best_of": "best_of other than n is not supported (no server-side ranking)",
+    "suffix": "fill-in-the-middle (suffix) is not supported",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "guided_json": "structured output is not supported yet",
+    "guided_regex": "structured output is not supported yet",
+    "guided_choice": "structured output is not supported yet",
+    "guided_grammar": "structured output is not supported yet",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no reasoning mode",
+    "web_search_options": "web search is not supported",
+}
+
+
+def strip_accepted(data: dict[str, Any]) -> dict[str, Any]:
+    """The body without the fields that are ignored or at their default value; whatever is
+    left that the model does not declare is refused by name."""
+    return {k: v for k, v in data.items()
+            if k not in IGNORED and not (k in DEFAULT_ONLY and DEFAULT_ONLY[k](v, data))}
+
+
+def reason(field: str) -> str:
+    return REASONS.get(field, "unknown or unsupported field")

@@ -1,0 +1,304 @@
+"""Every row of docs/openai-fields.md, on every endpoint it names: a request carrying the
+example either shows the documented effect or gets the documented 400 naming the field.
+
+Fields that shape the response run on the toy engine (no model); sampling controls need real
+logits and run on the default model (greedy unless the row is about sampling)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.core.toy_executor import reference_output
+
+from .conftest import ROOT, ServerProcess, free_port
+
+MODEL = "SmolLM2-135M-Instruct"  # the default model, under its served name
+PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
+# Honoured rows whose effect needs the model's own logits.
+SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos"}
+
+
+@dataclass(frozen=True)
+class Row:
+    field: str
+    endpoints: tuple[str, ...]
+    status: str
+    example: Any
+
+
+def table() -> list[Row]:
+    rows = []
+    for line in (ROOT / "docs" / "openai-fields.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[3].startswith("`"):
+            continue
+        rows.append(Row(cells[0].strip("`"), tuple(cells[1].split()), cells[2],
+                        json.loads(cells[3].strip("`"))))
+    return rows
+
+
+ROWS = table()
+
+
+def cases() -> Iterator[Any]:
+    for row in ROWS:
+        for ep in row.endpoints:
+            model = row.status == "honoured" and row.field in SAMPLING
+            marks = [pytest.mark.server] + ([pytest.mark.model] if model else [])
+            yield pytest.param(row, ep, marks=marks, id=f"{ep}-{row.field}")
+
+
+def test_the_table_covers_every_request_field() -> None:
+    from everystop.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    documented = {(r.field, ep) for r in ROWS for ep in r.endpoints}
+    for ep, model in (("C", CompletionRequest), ("CC", ChatCompletionRequest)):
+        for name in model.model_fields:
+            assert (name, ep) in documented, f"{name} on {ep} is not in docs/openai-fields.md"
+    assert {r.status for r in ROWS} == {"honoured", "ignored", "400"}
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
+           "--kv-cache-memory", "128MiB"]
+    proc = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("fields") / "server.log")
+    proc.wait_ready(120)
+    yield proc
+    proc.stop()
+
+
+def post(server: ServerProcess, ep: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + PATHS[ep], json=body, timeout=120)
+
+
+def base(ep: str, model: str, content: str = "fields", max_tokens: int = 6) -> dict[str, Any]:
+    if ep == "C":
+        return {"model": model, "prompt": content, "max_tokens": max_tokens}
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens}
+
+
+def text_of(body: dict[str, Any], ep: str) -> str:
+    choice = body["choices"][0]
+    return str(choice["text"] if ep == "C" else choice["message"]["content"])
+
+
+def ok(server: ServerProcess, ep: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = post(server, ep, body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def toy_text(ep: str, content: str, n: int) -> str:
+    prompt = content if ep == "C" else f"<user>{content}\n<assistant>"
+    return "".join(chr(t) for t in reference_output([ord(c) for c in prompt], n))
+
+
+# -- the rows ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("row", "ep"), list(cases()))
+def test_field(row: Row, ep: str, request: pytest.FixtureRequest) -> None:
+    if row.status == "400":
+        server = request.getfixturevalue("toy_server")
+        body = base(ep, "toy")
+        if row.field == "content part other than text":
+            body["messages"][0]["content"] = row.example
+            err = post(server, ep, body).json()["error"]
+            assert err["param"] == "messages" and "text content only" in err["message"]
+            return
+        body[row.field] = row.example
+        r = post(server, ep, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (row.field, "unsupported_parameter"), err
+        return
+    if row.status == "ignored":
+        server = request.getfixturevalue("toy_server")
+        plain = ok(server, ep, base(ep, "toy"))
+        assert text_of(ok(server, ep, {**base(ep, "toy"), row.field: row.example}), ep) == \
+            text_of(plain, ep)
+        return
+    if row.field in SAMPLING:
+        server = request.getfixturevalue("model_server")
+        SAMPLING_EFFECTS[row.field](server, ep, row.example)
+    else:
+        TOY_EFFECTS[row.field](request.getfixturevalue("toy_server"), ep, row.example)
+
+
+Effect = Callable[[ServerProcess, str, Any], None]
+
+
+def _model(s: ServerProcess, ep: str, v: Any) -> None:
+    r = post(s, ep, {**base(ep, "toy"), "model": v})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def _prompt(s: ServerProcess, ep: str, v: Any) -> None:
+    body = {**base(ep, "toy"), "prompt" if ep == "C" else "messages": v}
+    assert text_of(ok(s, ep, body), ep) == toy_text(ep, "other", 6) != toy_text(ep, "fields", 6)
+
+
+def _max_tokens(s: ServerProcess, ep: str, v: Any) -> None:
+    field = "max_completion_tokens" if ep == "CC" else "max_tokens"
+    out = ok(s, ep, {**base(ep, "toy", max_tokens=5), field: v})
+    assert out["usage"]["completion_tokens"] == v and text_of(out, ep) == toy_text(ep, "fields", v)
+
+
+def _n(s: ServerProcess, ep: str, v: Any) -> None:
+    assert len(ok(s, ep, {**base(ep, "toy"), "n": v})["choices"]) == v
+
+
+def _stream(s: ServerProcess, ep: str, v: Any, options: Any = None) -> None:
+    body = {**base(ep, "toy"), "stream": v}
+    if options is not None:
+        body["stream_options"] = options
+    with httpx.stream("POST", s.url + PATHS[ep], json=body, timeout=30) as r:
+        frames = [line[6:] for line in r.iter_lines() if line]
+    assert frames[-1] == "[DONE]" and len(frames) > 2
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert chunks[0]["object"] in ("text_completion", "chat.completion.chunk")
+    if options is not None:
+        assert chunks[-1]["usage"]["completion_tokens"] == 6 and not chunks[-1]["choices"]
+
+
+def _stop(s: ServerProcess, ep: str, v: Any) -> None:
+    full = toy_text(ep, "fields", 6)
+    by_id = v == "STOP_ID_AT_3"
+    stop: Any = [ord(full[3])] if by_id else full[3:5]
+    out = ok(s, ep, {**base(ep, "toy"), "stop_token_ids" if by_id else "stop": stop})
+    cut = full.index(full[3]) if by_id else full.index(full[3:5])
+    assert text_of(out, ep) == full[:cut] and out["choices"][0]["finish_reason"] == "stop"
+
+
+def _logprobs(s: ServerProcess, ep: str, v: Any) -> None:
+    body = {**base(ep, "toy"), "logprobs": v}
+    if ep == "CC":
+        body["top_logprobs"] = 2
+    lp = ok(s, ep, body)["choices"][0]["logprobs"]
+    if ep == "C":
+        assert len(lp["tokens"]) == 6 and len(lp["top_logprobs"][0]) == v
+    else:
+        assert len(lp["content"]) == 6 and len(lp["content"][0]["top_logprobs"]) == 2
+
+
+def _top_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
+    lp = ok(s, ep, {**base(ep, "toy"), "logprobs": True, "top_logprobs": v})["choices"][0]
+    assert all(len(e["top_logprobs"]) == v for e in lp["logprobs"]["content"])
+
+
+def _user(s: ServerProcess, ep: str, v: Any, priority: int | None = None) -> None:
+    tenant = f"{v}-{ep}-{priority}"
+    body = {**base(ep, "toy"), "user": tenant}
+    if priority is not None:
+        body["priority"] = priority
+    ok(s, ep, body)
+    metrics = httpx.get(s.url + "/metrics", timeout=10).text
+    label = f'tenant="{tenant}"' if priority is None else \
+        f'priority="{priority}",tenant="{tenant}"'
+    assert label in metrics
+
+
+TOY_EFFECTS: dict[str, Effect] = {
+    "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
+    "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
+    "stream_options": lambda s, ep, v: _stream(s, ep, True, v), "stop": _stop,
+    "stop_token_ids": _stop, "logprobs": _logprobs, "top_logprobs": _top_logprobs,
+    "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v),
+}
+
+# On the model: a prompt greedy decoding repeats itself, and one the model answers and ends.
+REPEAT = "1 1 1 1 1 1 1 1 1 1 1 1"
+ANSWER = "What is 2+2? Answer with one number."
+
+
+def _gen(s: ServerProcess, ep: str, content: str = REPEAT, max_tokens: int = 12,
+         **extra: Any) -> dict[str, Any]:
+    body = base(ep, MODEL, content, max_tokens)
+    if ep == "C" and content == ANSWER:  # the chat turn, written out for completions
+        body["prompt"] = f"<|im_start|>user\n{ANSWER}<|im_end|>\n<|im_start|>assistant\n"
+    return ok(s, ep, {"temperature": 0, **body, **extra})
+
+
+def _greedy_equivalent(field: str) -> Effect:
+    def check(s: ServerProcess, ep: str, v: Any) -> None:
+        greedy = text_of(_gen(s, ep, "The capital of France is"), ep)
+        hot = [text_of(_gen(s, ep, "The capital of France is", temperature=2.0, seed=i,
+                             **{field: v}), ep) for i in range(3)]
+        assert hot == [greedy] * 3
+    return check
+
+
+def _temperature(s: ServerProcess, ep: str, v: Any) -> None:
+    texts = {text_of(_gen(s, ep, "Once upon a time", temperature=v), ep) for _ in range(2)}
+    assert len(texts) == 1
+    hot = {text_of(_gen(s, ep, "Once upon a time", temperature=1.5, seed=i), ep)
+           for i in range(4)}
+    assert len(hot) > 1
+
+
+def _seed(s: ServerProcess, ep: str, v: Any) -> None:
+    a, b = (text_of(_gen(s, ep, "Once upon a time", temperature=1.0, seed=v), ep)
+            for _ in range(2))
+    others = {text_of(_gen(s, ep, "Once upon a time", temperature=1.0, seed=v + i), ep)
+              for i in range(1, 4)}
+    assert a == b and others != {a}
+
+
+def _penalty(field: str) -> Effect:
+    def check(s: ServerProcess, ep: str, v: Any) -> None:
+        plain = _gen(s, ep)["choices"][0]
+        assert len(set(re.findall(r"\S+", text_of({"choices": [plain]}, ep)))) <= 2
+        assert text_of(_gen(s, ep, **{field: v}), ep) != text_of({"choices": [plain]}, ep)
+    return check
+
+
+def _min_tokens(s: ServerProcess, ep: str, v: Any) -> None:
+    natural = _gen(s, ep, ANSWER, 48)
+    assert natural["choices"][0]["finish_reason"] == "stop"
+    n = natural["usage"]["completion_tokens"]
+    longer = _gen(s, ep, ANSWER, 48, min_tokens=n + 4)
+    assert longer["usage"]["completion_tokens"] >= n + 4
+
+
+def _ignore_eos(s: ServerProcess, ep: str, v: Any) -> None:
+    assert _gen(s, ep, ANSWER, 48)["choices"][0]["finish_reason"] == "stop"
+    out = _gen(s, ep, ANSWER, 48, ignore_eos=v)
+    assert out["usage"]["completion_tokens"] == 48
+
+
+def _logit_bias(s: ServerProcess, ep: str, v: Any) -> None:
+    lp: Any = 0 if ep == "C" else True
+    out = _gen(s, ep, "The capital of France is", 5, logit_bias=v, logprobs=lp)
+    logprobs = out["choices"][0]["logprobs"]
+    tokens = logprobs["tokens"] if ep == "C" else [e["token"] for e in logprobs["content"]]
+    assert len(tokens) == 5 and len(set(tokens)) == 1
+    plain = text_of(_gen(s, ep, "The capital of France is", 5), ep)
+    assert text_of(out, ep) != plain
+
+
+SAMPLING_EFFECTS: dict[str, Effect] = {
+    "temperature": _temperature, "seed": _seed, "top_p": _greedy_equivalent("top_p"),
+    "top_k": _greedy_equivalent("top_k"), "min_p": _greedy_equivalent("min_p"),
+    "presence_penalty": _penalty("presence_penalty"),
+    "frequency_penalty": _penalty("frequency_penalty"),
+    "repetition_penalty": _penalty("repetition_penalty"), "min_tokens": _min_tokens,
+    "logit_bias": _logit_bias, "ignore_eos": _ignore_eos,
+}
+
+
+def test_every_honoured_row_has_an_effect_check() -> None:
+    honoured = {r.field for r in ROWS if r.status == "honoured"}
+    assert honoured == set(TOY_EFFECTS) | set(SAMPLING_EFFECTS)
