@@ -138,11 +138,24 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One of the `n` completions of a prompt (the offline API's vLLM-shaped view)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
     """What a consumer receives after each step that gave its request new tokens (or ended it).
 
-    `new_text` / `new_token_ids` are this step's delta; `text` / `token_ids` are cumulative.
-    Text that might be the start of a stop string is held back until it is known not to be.
+    `new_text` / `new_token_ids` / `new_logprobs` are this step's delta; `text` / `token_ids` /
+    `logprobs` are cumulative. Text that might be the start of a stop string is held back until
+    it is known not to be. `prompt` and `outputs` (all n completions) are filled in by the
+    offline `LLM` API only.
     """
 
     request_id: str
@@ -156,6 +169,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass

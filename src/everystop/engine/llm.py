@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from everystop.config import EngineConfig
-from everystop.core.outputs import RequestOutput
+from everystop.core.outputs import CompletionOutput, RequestOutput
 from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
 
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from everystop.tokenizer import Tokenizer
 
 Message = dict[str, str]
+# A text, token ids, or vLLM's dict prompt ({"prompt": ...} / {"prompt_token_ids": [...]}).
+PromptInput = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -24,18 +27,26 @@ class LLM:
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = LLMEngine.from_config(self.config)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """The offline API over an engine built elsewhere (a toy or simulated executor)."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine = engine.config, engine
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: int = 1) -> list[RequestOutput]:
-        """Raw prompts (no chat template), strings or token-id lists; one result per prompt,
-        in order, each with .text, .token_ids and .finish_reason."""
-        one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        batch = [prompts] if one else list(prompts)
-        return self._run(cast("list[str | list[int]]", batch), sampling_params, use_tqdm,
-                         priority)
+        """Raw prompts (no chat template): strings, token-id lists, or vLLM's dicts
+        {"prompt": str} / {"prompt_token_ids": [...]}. One result per prompt, in order, with
+        .text, .token_ids, .logprobs and .finish_reason of its first completion and all n of
+        them in .outputs."""
+        one = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = cast("list[PromptInput]", [prompts] if one else list(prompts))
+        return self._run([_prompt_of(p) for p in batch], sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -57,23 +68,46 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
             per_prompt = list(params)
-        order: dict[str, int] = {}
+        order: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion)
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-            req = self.engine.add_request(prompt, p, priority=priority)
-            order[req.request_id] = i
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
+            for j in range(p.n):  # n completions: seeded ones get seed + j, as the server does
+                params = p if j == 0 or p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+                req = self.engine.add_request(prompt, params, priority=priority)
+                order[req.request_id] = (i, j)
+        done: list[list[RequestOutput | None]] = [[None] * p.n for p in per_prompt]
+        bar = _progress(len(order)) if use_tqdm and len(order) > 1 else None
 
         def collect(out: RequestOutput) -> None:
             if out.finished and out.request_id in order:
-                results[order[out.request_id]] = out
+                i, j = order[out.request_id]
+                done[i][j] = out
                 if bar is not None:
                     bar.update(1)
 
         self.engine.run_until_done(collect)
         if bar is not None:
             bar.close()
-        return [r for r in results if r is not None]
+        results = []
+        for prompt, outs in zip(prompts, done):
+            finished = [o for o in outs if o is not None]
+            if not finished:
+                continue
+            first = finished[0]
+            first.prompt = prompt if isinstance(prompt, str) else None
+            first.outputs = [CompletionOutput(j, o.text, o.token_ids, o.logprobs, o.finish_reason)
+                             for j, o in enumerate(finished)]
+            results.append(first)
+        return results
+
+
+def _prompt_of(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return prompt
 
 
 def _progress(total: int) -> Any:

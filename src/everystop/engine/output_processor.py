@@ -104,7 +104,8 @@ class OutputProcessor:
             num_cached_tokens=max(0, req.num_cached_tokens), new_logprobs=new_logprobs,
             metrics=RequestMetrics(req.arrival_time, req.admitted_time, req.first_token_time,
                                    req.finished_time or (self._clock() if finished else None),
-                                   req.preemption_count))
+                                   req.preemption_count),
+            logprobs=list(state.logprobs))
         if finished:
             del self._states[req.request_id]
         return out
