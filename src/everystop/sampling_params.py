@@ -37,6 +37,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Completions per prompt (the offline API; the server fans `n` out itself).
     n: int = 1
+    # Logprob of every prompt token given its prefix, with this many top alternatives (None:
+    # not computed; a request asking for it is not served from the prefix cache).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +59,9 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k must be >= 0 (or -1 for none), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise SamplingParamsError(
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -55,3 +55,16 @@ def test_n_completions_per_prompt() -> None:
         assert [c.index for c in out.outputs] == [0, 1, 2]
         assert all(c.token_ids == expected(prompt, 3) for c in out.outputs)
         assert out.text == out.outputs[0].text
+
+
+def test_prompt_logprobs_cover_every_prompt_token_across_chunks_and_skip_the_cache() -> None:
+    llm = toy_llm()  # chunk_size 16: a 40-token prompt is scored in three chunks
+    prompt = "".join(chr(65 + i % 26) for i in range(40))
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1, ignore_eos=True)
+    for _ in range(2):  # the second run would hit the prefix cache; it must not
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None
+        assert [e.token_id for e in out.prompt_logprobs] == [ord(c) for c in prompt[1:]]
+        assert all(e.logprob == -0.5 and len(e.top) == 1 for e in out.prompt_logprobs)
+    plain = llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0

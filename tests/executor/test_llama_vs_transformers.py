@@ -103,3 +103,30 @@ def test_packed_batch_equals_each_alone(runner, prompts):
 def test_prompt_lengths_span_short_and_long(prompts):
     lens = sorted(len(p) for p in prompts)
     assert lens[0] <= 5 and lens[-1] >= 200
+
+
+def test_prompt_logprobs_match_transformers_log_softmax(runner, hf_model, prompts):
+    """Echo/loglikelihood: each prompt token's logprob given its prefix, scored in the prefill
+    (here in two chunks, the second sampled) against transformers on the same weights."""
+    from everystop.core.outputs import ScheduledSequence, SchedulerOutput
+    from everystop.sampling_params import SamplingParams
+
+    prompt = prompts[5]  # a raw prompt of a few dozen tokens
+    cut = len(prompt) // 2
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    scored = []
+    for start, end in ((0, cut), (cut, len(prompt))):
+        seq = ScheduledSequence("p", prompt[start:end], start, list(range(PER_SEQ)),
+                                end == len(prompt), params, is_prefill=True,
+                                prompt_token_ids=prompt)
+        scored += runner.execute(SchedulerOutput(scheduled=[seq])).prompt_logprobs["p"]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[:-1]
+    targets = torch.tensor(prompt[1:])
+    assert [e.token_id for e in scored] == prompt[1:]
+    diff = (torch.tensor([e.logprob for e in scored]) - ref[torch.arange(len(targets)),
+                                                             targets]).abs().max().item()
+    print(f"max |prompt logprob diff| vs transformers: {diff:.2e}")
+    assert diff < 2 * LOGIT_ATOL
+    assert [t for t, _ in scored[0].top] == ref[0].topk(2).indices.tolist()

@@ -34,4 +34,10 @@ class SlowToyExecutor(ToyExecutor):
             if k is not None and token is not None:
                 top = [(token, -0.25)] + [(token + i, -1.0 - i) for i in range(1, k)]
                 out.logprobs[e.request_id] = TokenLogprob(token, -0.25, top[:k])
+            want, prompt = e.sampling_params.prompt_logprobs, e.prompt_token_ids
+            if want is not None and prompt is not None:  # -0.5 for prompt token p+1
+                n = min(e.seq_len, len(prompt) - 1) - e.start_pos
+                out.prompt_logprobs[e.request_id] = [
+                    TokenLogprob(t, -0.5, [(t, -0.5)][:want])
+                    for t in prompt[e.start_pos + 1:e.start_pos + 1 + max(n, 0)]]
         return out

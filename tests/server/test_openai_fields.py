@@ -211,12 +211,23 @@ def _user(s: ServerProcess, ep: str, v: Any, priority: int | None = None) -> Non
     assert label in metrics
 
 
+def _echo(s: ServerProcess, ep: str, v: Any) -> None:
+    plain = text_of(ok(s, ep, base(ep, "toy")), ep)
+    assert text_of(ok(s, ep, {**base(ep, "toy"), "echo": v}), ep) == "fields" + plain
+    out = ok(s, ep, {**base(ep, "toy"), "echo": v, "logprobs": 1})
+    lp = out["choices"][0]["logprobs"]
+    assert lp["tokens"] == list("fields" + plain)
+    # The toy scores every prompt token after the first -0.5, every sampled one -0.25.
+    assert lp["token_logprobs"] == [None] + [-0.5] * 5 + [-0.25] * 6
+    assert lp["text_offset"] == list(range(12)) and lp["top_logprobs"][0] is None
+
+
 TOY_EFFECTS: dict[str, Effect] = {
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
     "stream_options": lambda s, ep, v: _stream(s, ep, True, v), "stop": _stop,
     "stop_token_ids": _stop, "logprobs": _logprobs, "top_logprobs": _top_logprobs,
-    "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v),
+    "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v), "echo": _echo,
 }
 
 # On the model: a prompt greedy decoding repeats itself, and one the model answers and ends.

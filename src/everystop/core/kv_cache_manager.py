@@ -64,8 +64,8 @@ class KVCacheManager:
 
         NOTE: at least one token is always left to compute, since sampling needs its logits.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         self.num_prefix_queries += 1
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs

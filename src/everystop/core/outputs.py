@@ -99,6 +99,9 @@ class ModelOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     execute_time_s: float = 0.0
+    # Prefill rows of requests with prompt_logprobs: one entry per scheduled position p whose
+    # next token p+1 is a prompt token (the entry scores that token), in position order.
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +113,8 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     stop_token_id: int | None = None  # the EOS / stop token that ended it, if any
+    # With the first output token: prompt tokens 1.. given their prefixes (prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -170,6 +175,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens 1.. given their prefixes (token 0 has none); None unless asked for.
+    prompt_logprobs: list[TokenLogprob] | None = None
     prompt: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
 

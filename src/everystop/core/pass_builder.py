@@ -36,7 +36,8 @@ class PassBuilder:
             start_pos=start, block_ids=block_ids, sample=start + n == req.num_tokens,
             sampling_params=params, output_index=req.num_output_tokens,
             is_prefill=start < req.num_prompt_tokens)
-        if params.penalizes:
+        if params.penalizes or (params.prompt_logprobs is not None
+                                and start < req.num_prompt_tokens):
             entry.prompt_token_ids, entry.output_token_ids = (req.prompt_token_ids,
                                                               req.output_token_ids)
         if params.min_tokens > req.num_output_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from everystop.core.outputs import TokenLogprob
 from everystop.sampling_params import SamplingParams
 
 
@@ -62,6 +63,8 @@ class Request:
     preemption_times: list[float] = field(default_factory=list)
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    # Logprobs of prompt tokens 1.. as prefill chunks score them (prompt_logprobs requests).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

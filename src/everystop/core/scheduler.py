@@ -30,7 +30,13 @@ from everystop.config import SchedulerConfig
 from everystop.core.intake import QueueFull, RequestRejected, check_admissible, model_len_limit
 from everystop.core.invariants import check_scheduler_integrity
 from everystop.core.kv_cache_manager import KVCacheManager
-from everystop.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput, SchedulerStats
+from everystop.core.outputs import (
+    ModelOutput,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprob,
+)
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.preemption import (
     PreemptionCostModel,
@@ -330,6 +336,9 @@ class Scheduler:
                 continue  # aborted while the pass ran
             req.num_computed_tokens = entry.start_pos + entry.num_tokens
             self.kv.cache_computed_blocks(req)
+            scored = result.prompt_logprobs.get(entry.request_id)
+            if scored:
+                _keep_prompt_logprobs(req, entry.start_pos, scored)
             if not entry.sample:
                 continue
             token = result.sampled_token_ids[entry.request_id]
@@ -337,6 +346,8 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             update = RequestUpdate(req.request_id, [token])
+            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+                update.prompt_logprobs = list(req.prompt_logprobs)
             lp = result.logprobs.get(entry.request_id)
             if lp is not None:
                 update.new_logprobs.append(lp)
@@ -405,3 +416,11 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants tests assert after every step (core/invariants.py)."""
         check_scheduler_integrity(self)
+
+
+def _keep_prompt_logprobs(req: Request, start: int, scored: list[TokenLogprob]) -> None:
+    """Append the part of a chunk's prompt logprobs not yet kept: entry k scores prompt token
+    start + k + 1; a recomputed prefill (after preemption) repeats what is already kept."""
+    have = len(req.prompt_logprobs)
+    if start <= have < start + len(scored):
+        req.prompt_logprobs.extend(scored[have - start:])

@@ -27,6 +27,7 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     emitted_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     stop_hold: int = 0  # chars held back: a suffix that may be the start of a stop string
 
 
@@ -56,6 +57,8 @@ class OutputProcessor:
             finish_reason = upd.finish_reason
             state.token_ids.extend(upd.new_token_ids)
             state.logprobs.extend(upd.new_logprobs)
+            if upd.prompt_logprobs is not None:
+                state.prompt_logprobs = upd.prompt_logprobs
             # An EOS or stop token ends the text without appearing in it.
             text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None
                         else upd.new_token_ids)
@@ -105,7 +108,7 @@ class OutputProcessor:
             metrics=RequestMetrics(req.arrival_time, req.admitted_time, req.first_token_time,
                                    req.finished_time or (self._clock() if finished else None),
                                    req.preemption_count),
-            logprobs=list(state.logprobs))
+            logprobs=list(state.logprobs), prompt_logprobs=state.prompt_logprobs)
         if finished:
             del self._states[req.request_id]
         return out

@@ -17,13 +17,14 @@ import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
-from everystop.executor.inputs import build_inputs
+from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model
+from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
 from everystop.executor.sampler import Sampler
 from everystop.sampling_params import SamplingParams
 
@@ -276,7 +277,17 @@ class ModelRunner:
         self.pool.swap_in(sched.blocks_to_swap_in)
         output = ModelOutput()
         if sched.scheduled:
-            sampled, logits = self.forward_logits(sched.scheduled)
+            seqs = sched.scheduled
+            inputs, hidden = self._forward(seqs)
+            sampled = [seqs[i] for i in inputs.sample_seq_indices]
+            plan = plan_prompt_logprobs(seqs, inputs.meta.query_start_loc_list, self.device)
+            rows = inputs.sample_indices if plan is None else torch.cat(
+                [inputs.sample_indices, plan.rows])
+            # NOTE: every tensor-parallel rank runs the LM head on the same rows.
+            logits = self.model.compute_logits(hidden[rows])
+            if plan is not None and logits is not None:
+                output.prompt_logprobs = score(logits[len(sampled):], plan)
+                logits = logits[:len(sampled)]
             if sampled and logits is not None:  # None: a tensor-parallel rank other than 0
                 result = self.sampler(logits, [s.sampling_params for s in sampled],
                                       [s.output_index for s in sampled], sampled)
@@ -294,11 +305,14 @@ class ModelRunner:
         """Run the packed forward pass; return the sequences with `sample` set and their
         float32 logits [N, vocab] (lm_head runs only on those rows; None on ranks other than 0
         under tensor parallelism)."""
-        inputs = build_inputs(seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
-                            inputs.meta)
+        inputs, hidden = self._forward(seqs)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         return [seqs[i] for i in inputs.sample_seq_indices], logits
+
+    def _forward(self, seqs: list[ScheduledSequence]) -> tuple[ModelInputs, torch.Tensor]:
+        inputs = build_inputs(seqs, self.block_size, self.device)
+        return inputs, self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                                  inputs.meta)
 
     @property
     def kv_caches(self) -> list[KVCache]:

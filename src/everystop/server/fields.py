@@ -40,7 +40,7 @@ REASONS = {
     "audio": "text output only",
     "best_of": "best_of other than n is not supported (no server-side ranking)",
     "suffix": "fill-in-the-middle (suffix) is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "prompt_logprobs": "use echo with logprobs on /v1/completions",
     "guided_json": "structured output is not supported yet",
     "guided_regex": "structured output is not supported yet",
     "guided_choice": "structured output is not supported yet",

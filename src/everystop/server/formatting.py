@@ -45,6 +45,28 @@ class CompletionFormat:
                 "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
+    def with_echo(self, prompt: str, prompt_ids: list[int], scored: list[TokenLogprob] | None,
+                  text: str, logprobs: dict[str, Any] | None
+                  ) -> tuple[str, dict[str, Any] | None]:
+        """Prepend the prompt (echo) to a choice's text and, with logprobs, its tokens' entries:
+        the first token has none (no prefix), as OpenAI's legacy completions answer."""
+        if logprobs is None:
+            return prompt + text, None
+        scored = list(scored or [])
+        entries: list[TokenLogprob | None] = [None] + scored
+        entries += [None] * (len(prompt_ids) - len(entries))
+        head = self.logprobs([], 0)
+        offset = 0
+        for tid, e in zip(prompt_ids, entries):
+            s = self.token_text(tid)
+            head["tokens"].append(s)
+            head["text_offset"].append(offset)
+            offset += len(s)
+            head["token_logprobs"].append(None if e is None else e.logprob)
+            head["top_logprobs"].append(
+                None if e is None else {self.token_text(t): v for t, v in e.top})
+        return prompt + text, {k: head[k] + logprobs[k] for k in head}
+
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs,

@@ -147,9 +147,6 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
                 else "invalid_value")
         raise APIError(400, f"{'.'.join(loc) or 'body'}: {detail}", param=param,
                        code=code) from None
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise bad_request("echo is not supported yet (prompt logprobs)", "echo",
-                          code="unsupported_parameter")
     return req
 
 

@@ -26,7 +26,7 @@ from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDrainin
 from everystop.sampling_params import SamplingParams, SamplingParamsError
 from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
-from everystop.server.formatting import Format
+from everystop.server.formatting import CompletionFormat, Format
 from everystop.server.metrics import ServerMetrics
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
@@ -50,6 +50,19 @@ class _Choice:
     logprobs: list[Any] = dataclasses.field(default_factory=list)
     out: RequestOutput | None = None
     last_token_at: float | None = None
+    echo: str | None = None  # the prompt's text, when /v1/completions echoes it
+
+
+def _echo_offset(c: _Choice) -> int:
+    return len(c.echo or "")
+
+
+def _with_echo(fmt: Format, c: _Choice, text: str, lp: dict[str, Any] | None,
+               out: RequestOutput | None) -> tuple[str, dict[str, Any] | None]:
+    if c.echo is None or not isinstance(fmt, CompletionFormat):
+        return text, lp
+    scored = out.prompt_logprobs if out is not None else None
+    return fmt.with_echo(c.echo, c.req.prompt_token_ids, scored, text, lp)
 
 
 def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> SamplingParams:
@@ -66,7 +79,9 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
-        logit_bias=dict(body.logit_bias or {}))
+        logit_bias=dict(body.logit_bias or {}),
+        # Echo with logprobs scores the prompt too (lm-eval's loglikelihood).
+        prompt_logprobs=num_logprobs if getattr(body, "echo", False) else None)
     try:
         return SamplingParams(**opts)
     except SamplingParamsError as exc:  # its message starts with the parameter's name
@@ -101,7 +116,11 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
                                               tenant=tenant, max_tokens_to_context=to_context)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
-            choices.append(_Choice(len(choices), req, prompt_index))
+            echo = None
+            if getattr(body, "echo", False):
+                echo = prompt if isinstance(prompt, str) else \
+                    ctx.engine.tokenizer.decode(list(prompt))
+            choices.append(_Choice(len(choices), req, prompt_index, echo=echo))
     _admit(ctx, choices, body.priority)
     if body.stream:
         return SSEResponse(_stream_events(ctx, body, fmt, choices))
@@ -220,14 +239,17 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
     started: set[int] = set()
     try:
         async for c, out in _merged(ctx.engine, choices):
-            offset = len(c.text)
+            offset = len(c.text) + _echo_offset(c)
             _absorb(ctx, c, out)
             first = c.index not in started
             if not (out.new_text or out.finished or first or (want_lp and out.new_logprobs)):
                 continue  # text held back (partial UTF-8 or a possible stop string)
             started.add(c.index)
             lp = fmt.logprobs(out.new_logprobs, offset) if want_lp else None
-            choice = fmt.chunk_choice(c.index, out.new_text, lp, out.finish_reason, first)
+            text = out.new_text
+            if first:
+                text, lp = _with_echo(fmt, c, text, lp, out)
+            choice = fmt.chunk_choice(c.index, text, lp, out.finish_reason, first)
             yield sse(fmt.body([choice], None, chunk=True))
         if body.include_usage:
             yield sse(fmt.body([], _usage(choices), chunk=True))
@@ -264,8 +286,9 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
     want_lp = any(c.req.sampling_params.logprobs is not None for c in choices)
     out_choices = []
     for c in choices:
-        lp = fmt.logprobs(c.logprobs, 0) if want_lp else None
-        out_choices.append(fmt.final_choice(c.index, c.text, lp,
+        lp = fmt.logprobs(c.logprobs, _echo_offset(c)) if want_lp else None
+        text, lp = _with_echo(fmt, c, c.text, lp, c.out)
+        out_choices.append(fmt.final_choice(c.index, text, lp,
                                             c.out.finish_reason if c.out else "abort"))
     return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
 
