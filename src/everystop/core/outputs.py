@@ -37,9 +37,9 @@ class ScheduledSequence:
     # whole batch drains and is recomputed at its last position (compute only: no K/V write,
     # no sample), as a padded batch tensor would be.
     padding: bool = False
-    # What the sampler's controls need, set only for the requests whose parameters use them:
-    # the tokens seen so far (penalties; the request's own lists, read before they grow) and
-    # the EOS id (min_tokens masks it until reached).
+    # Set only for the requests whose parameters use them: the tokens seen so far (penalties,
+    # and prompt logprobs, which score prompt token p+1 at position p; the request's own
+    # lists, read before they grow) and the EOS id (min_tokens masks it until reached).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
     eos_token_id: int | None = None
