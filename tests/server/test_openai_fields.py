@@ -220,6 +220,13 @@ def _echo(s: ServerProcess, ep: str, v: Any) -> None:
     # The toy scores every prompt token after the first -0.5, every sampled one -0.25.
     assert lp["token_logprobs"] == [None] + [-0.5] * 5 + [-0.25] * 6
     assert lp["text_offset"] == list(range(12)) and lp["top_logprobs"][0] is None
+    body = {**base(ep, "toy"), "echo": v, "logprobs": 1, "stream": True}
+    with httpx.stream("POST", s.url + PATHS[ep], json=body, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "fields" + plain
+    streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
 
 
 TOY_EFFECTS: dict[str, Effect] = {
