@@ -67,6 +67,20 @@ def test_the_table_covers_every_request_field() -> None:
     assert {r.status for r in ROWS} == {"honoured", "ignored", "400"}
 
 
+def test_null_means_not_set_and_default_values_are_accepted() -> None:
+    from everystop.server.errors import APIError
+    from everystop.server.protocol import ChatCompletionRequest, parse_body
+
+    body = {"messages": [{"role": "user", "content": "x"}], "suffix": None, "tools": None,
+            "tool_choice": "none", "response_format": {"type": "text"}, "store": False,
+            "parallel_tool_calls": False, "max_tokens": None}
+    assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).max_tokens is None
+    with pytest.raises(APIError) as err:
+        parse_body(json.dumps({**body, "tool_choice": "required"}).encode(),
+                   ChatCompletionRequest)
+    assert err.value.param == "tool_choice" and err.value.code == "unsupported_parameter"
+
+
 # -- servers -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

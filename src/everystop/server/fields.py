@@ -52,10 +52,12 @@ REASONS = {
 
 
 def strip_accepted(data: dict[str, Any]) -> dict[str, Any]:
-    """The body without the fields that are ignored or at their default value; whatever is
-    left that the model does not declare is refused by name."""
+    """The body without the fields that are ignored or at their default value (null always is:
+    clients send `"suffix": null` for "not set"); whatever is left that the model does not
+    declare is refused by name."""
     return {k: v for k, v in data.items()
-            if k not in IGNORED and not (k in DEFAULT_ONLY and DEFAULT_ONLY[k](v, data))}
+            if v is not None and k not in IGNORED
+            and not (k in DEFAULT_ONLY and DEFAULT_ONLY[k](v, data))}
 
 
 def reason(field: str) -> str:
