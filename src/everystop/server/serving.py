@@ -70,7 +70,7 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     opts: dict[str, Any] = dict(
-        max_tokens=max_tokens or 16,
+        max_tokens=max_tokens or max(16, body.min_tokens or 0),  # room for min_tokens
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
