@@ -251,12 +251,12 @@ TOY_EFFECTS: dict[str, Effect] = {
     "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v), "echo": _echo,
 }
 
-# On the model: a prompt greedy decoding repeats itself, and one the model answers and ends.
-REPEAT = "1 1 1 1 1 1 1 1 1 1 1 1"
+# On the model: a story (its greedy text repeats words), and a question it answers and ends.
+STORY = "Once upon a time, in a small village,"
 ANSWER = "What is 2+2? Answer with one number."
 
 
-def _gen(s: ServerProcess, ep: str, content: str = REPEAT, max_tokens: int = 12,
+def _gen(s: ServerProcess, ep: str, content: str = STORY, max_tokens: int = 12,
          **extra: Any) -> dict[str, Any]:
     body = base(ep, MODEL, content, max_tokens)
     if ep == "C" and content == ANSWER:  # the chat turn, written out for completions
@@ -291,9 +291,11 @@ def _seed(s: ServerProcess, ep: str, v: Any) -> None:
 
 def _penalty(field: str) -> Effect:
     def check(s: ServerProcess, ep: str, v: Any) -> None:
-        plain = _gen(s, ep)["choices"][0]
-        assert len(set(re.findall(r"\S+", text_of({"choices": [plain]}, ep)))) <= 2
-        assert text_of(_gen(s, ep, **{field: v}), ep) != text_of({"choices": [plain]}, ep)
+        # Greedy text that repeats tokens: penalized, it must take another path.
+        plain = text_of(_gen(s, ep, STORY, 24), ep)
+        words = re.findall(r"\w+", plain)
+        assert len(set(words)) < len(words)
+        assert text_of(_gen(s, ep, STORY, 24, **{field: v}), ep) != plain
     return check
 
 
