@@ -84,8 +84,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
     engine = front.engine
-    names = served_model_names(engine.model_path or config.model.model)
-    name = args.served_model_name or names[0]
+    # An explicit --served-model-name is the only name; otherwise the clean name and the stem.
+    names = ([args.served_model_name] if args.served_model_name
+             else served_model_names(engine.model_path or config.model.model))
+    name = names[0]
     metrics = ServerMetrics()
 
     def observability(app: Any, front: Any) -> None:
