@@ -151,6 +151,10 @@ def test_unset_max_model_len_is_what_the_pool_holds_for_one_sequence() -> None:
     h.add("y", [1] * 30, 10)
     h.run()
     assert len(h.outputs["y"]) == 10
+    # Blocks behind the watermark are not for one new sequence: (10 - 2) * 4 tokens.
+    kept = make_harness(num_blocks=10, block_size=4, watermark=0.2, max_model_len=None)
+    with pytest.raises(RequestRejected, match=r"max_model_len \(32\)"):
+        kept.add("x", [1] * 30, 3)
 
 
 def test_queue_caps_raise_queue_full() -> None:

@@ -22,8 +22,8 @@ class QueueFull(Exception):
 
 def model_len_limit(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
     """The configured max_model_len; unset (no model to ask), what the pool holds for one
-    sequence. The engine resolves it from the model where there is one."""
-    return cfg.max_model_len or kv.num_gpu_blocks * kv.block_size
+    sequence outside the watermark. The engine resolves it from the model where there is one."""
+    return cfg.max_model_len or (kv.num_gpu_blocks - kv.watermark_blocks) * kv.block_size
 
 
 def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,

@@ -152,8 +152,9 @@ class ModelRunner:
         num_cpu_blocks = parallel.all_min(num_cpu_blocks)
         self.pool = KVPool(args.num_layers, self.num_kv_heads, args.head_dim, self.block_size,
                            num_device_blocks, num_cpu_blocks, self.kv_dtype, self.device)
-        if max_model_len is None:  # as vLLM: one sequence must fit the pool
-            self.max_model_len = min(self.max_model_len, self.num_gpu_blocks * self.block_size)
+        if max_model_len is None:  # as vLLM: one sequence must fit what admission may use
+            usable = self.num_gpu_blocks - int(cache_config.watermark * self.num_gpu_blocks)
+            self.max_model_len = min(self.max_model_len, usable * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
 
     @property
