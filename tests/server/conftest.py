@@ -79,6 +79,17 @@ def start_toy_server(tmp: Path, *flags: str, ready_s: float = 30.0) -> ServerPro
     return server
 
 
+def start_model_server(tmp: Path, ready_s: float = 120.0) -> ServerProcess:
+    """The default model behind `everystop serve` with small limits (8 sequences, 256-token
+    steps, 512-token context, a 128 MiB pool), so a model test's server starts fast."""
+    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
+           "--kv-cache-memory", "128MiB"]
+    server = ServerProcess(cmd, free_port(), tmp / "server.log")
+    server.wait_ready(ready_s)
+    return server
+
+
 @pytest.fixture(scope="module")
 def toy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = start_toy_server(tmp_path_factory.mktemp("toy"), "--step-delay", "0.003")

@@ -5,7 +5,6 @@ on two CPU cores."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess, free_port
+from .conftest import ServerProcess, start_model_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -22,11 +21,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
-           "--kv-cache-memory", "128MiB"]
-    proc = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("model") / "server.log")
-    proc.wait_ready(120)
+    proc = start_model_server(tmp_path_factory.mktemp("model"))
     yield proc
     proc.stop()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 
 from tests.core.toy_executor import reference_output
 
-from .conftest import ROOT, ServerProcess, free_port
+from .conftest import ROOT, ServerProcess, start_model_server
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model, under its served name
 PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
@@ -85,11 +84,7 @@ def test_null_means_not_set_and_default_values_are_accepted() -> None:
 
 @pytest.fixture(scope="module")
 def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
-           "--kv-cache-memory", "128MiB"]
-    proc = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("fields") / "server.log")
-    proc.wait_ready(120)
+    proc = start_model_server(tmp_path_factory.mktemp("fields"))
     yield proc
     proc.stop()
 
