@@ -52,6 +52,8 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         try:
             yield LiveServer(server, load, db)
         finally:
-            load.stop()
+            load.stop()  # then the server goes, and the requests still streaming with it
+            server.stop()
+            load.join()
     finally:
         server.stop()

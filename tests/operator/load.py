@@ -39,7 +39,10 @@ class Load:
         return self
 
     def stop(self) -> None:
+        """Stop sending; failures from here on are not errors (the server may be gone)."""
         self._stop.set()
+
+    def join(self) -> None:
         for t in self._threads:
             t.join(timeout=60)
 
@@ -64,14 +67,21 @@ class Load:
         with httpx.Client(timeout=120, headers=self.headers) as client:
             n = 0
             while not self._stop.is_set():
-                self._request(client, tenant, tier, f"{tenant} {n} says: once upon a time")
+                # A shared per-tenant preamble (longer than a KV block) gives the prefix cache
+                # something to hit.
+                ok = self._request(client, tenant, tier, f"You are the assistant of {tenant}. "
+                                   f"Answer in one short sentence, politely. Question {n}: "
+                                   "what is a cat?")
                 n += 1
+                if not ok:  # a 429 (this tenant's queue is full): back off as a client would
+                    self._stop.wait(0.25)
 
     def _once(self, tenant: str, tier: int, i: int) -> None:
         with httpx.Client(timeout=120, headers=self.headers) as client:
             self._request(client, tenant, tier, f"burst {i}: the weather today")
 
-    def _request(self, client: httpx.Client, tenant: str, tier: int, prompt: str) -> None:
+    def _request(self, client: httpx.Client, tenant: str, tier: int, prompt: str) -> bool:
+        """Send one streamed completion; False when it was refused or failed."""
         body = {"prompt": prompt, "max_tokens": self.max_tokens, "stream": True,
                 "user": tenant, "priority": tier, "temperature": 0}
         try:
@@ -79,7 +89,7 @@ class Load:
                 if r.status_code == 429:
                     with self._lock:
                         self.rejected += 1
-                    return
+                    return False
                 if r.status_code != 200:
                     raise AssertionError(f"{r.status_code}: {r.read()[:200]!r}")
                 for line in r.iter_lines():
@@ -89,6 +99,7 @@ class Load:
             if not self._stop.is_set():
                 with self._lock:
                     self.errors.append(f"{tenant}/{tier}: {exc!r}")
-            return
+            return False
         with self._lock:
             self.done[(tenant, tier)] += 1
+        return True
