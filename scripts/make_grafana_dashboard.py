@@ -5,7 +5,7 @@
 
 Panels are listed here once, as (title, unit, [(PromQL, legend)]); the file is generated so the
 queries stay uniform (every one filtered by the template variables) and a test can evaluate
-each against a real Prometheus (tests/operator/test_prometheus_queries.py). Legends name the
+each against a real Prometheus (tests/operator/live/test_prometheus_queries.py). Legends name the
 labels each query keeps, and that test checks the results carry them.
 """
 

@@ -18,8 +18,8 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.operator.conftest import ADMIN_KEY, LiveServer, ensure_tools
-from tests.operator.load import TENANTS, TIERS
+from tests.operator.live.conftest import ADMIN_KEY, LiveServer, ensure_tools
+from tests.operator.live.load import TENANTS, TIERS
 from tests.server.conftest import ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.model]

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.operator.conftest import MODEL_NAME, LiveServer, ensure_tools
-from tests.operator.load import TENANTS, TIERS
+from tests.operator.live.conftest import MODEL_NAME, LiveServer, ensure_tools
+from tests.operator.live.load import TENANTS, TIERS
 from tests.server.conftest import ROOT, free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
