@@ -94,3 +94,23 @@ def test_sla_status_from_queue_wait_and_starvation_alerts() -> None:
     assert judge.recent_starvation("0", 1, now=10.0)  # a new alert
     assert judge.recent_starvation("0", 1, now=69.0)  # still within the window
     assert not judge.recent_starvation("0", 1, now=71.0)
+
+
+def test_live_window_forgets_what_is_older_than_the_window() -> None:
+    from everystop.core.outputs import RequestMetrics
+    from everystop.server.live_window import LiveWindow
+
+    now = [100.0]
+    window = LiveWindow(window_s=10, clock=lambda: now[0])
+    window.on_finished("a", 0, RequestMetrics(90.0, 90.5, 91.0, 95.0), 0.1, 40)
+    window.on_itl("a", 0, 0.2, 3)  # one frame carrying three tokens: three gaps of 0.2 s
+    window.on_rejected("tenant_queue", 0)
+    now[0] = 104.0
+    got = window.summary()
+    (row,) = got["rows"]
+    assert (row["tenant"], row["tier"], row["requests"]) == ("a", 0, 1)
+    assert row["ttft_p99_s"] == 1.0 and row["queue_p50_s"] == 0.5 and row["itl_p50_s"] == 0.2
+    assert row["streamed_tokens"] == 3 and row["generation_tokens_per_s"] == 10.0  # 40 / 4 s
+    assert got["rejected_per_s"] == {"tenant_queue": 0.25}
+    now[0] = 111.0
+    assert window.summary()["rows"] == []
