@@ -26,7 +26,7 @@ from bench_json import emit
 # Our kernels' ops live in one namespace per ISA build (everystop_avx2::..., ...): they are
 # matched as "everystop::<op>".
 LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
-              "mkl::_mkl_linear", "everystop::linear_small"}  # packed GEMM, decode GEMV
+              "mkl::_mkl_linear", "mkldnn::_linear_pointwise", "everystop::linear_small"}
 ATTENTION_OPS = {"everystop::paged_attention"}
 KV_WRITE_OPS = {"aten::index_copy_", "everystop::write_kv"}
 

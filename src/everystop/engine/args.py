@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-16bit-gemm", choices=["auto", "fp32", "native"], default=None,
                    help="16-bit weights on CPU: prefill GEMMs in fp32 or native (default auto: "
                    "the faster here, timed at start-up)")
+    g.add_argument("--no-decoder-stack", dest="decoder_stack", action="store_false",
+                   default=None, help="run decode steps layer by layer from Python instead of "
+                   "in one kernel call (for A/B measurement)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -124,7 +127,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
     "model", "tokenizer", "dtype", "device", "seed", "num_threads", "cpu_kernels",
-    "attention_backend", "cpu_16bit_gemm", "kv_cache_dtype", "max_num_seqs",
+    "attention_backend", "cpu_16bit_gemm", "decoder_stack", "kv_cache_dtype", "max_num_seqs",
     "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
     "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",

@@ -67,7 +67,7 @@ def select_backends(config: ModelConfig) -> Backends:
         if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
             fp32_gemm = fp32_gemm_is_faster(DTYPES[config.dtype])
         kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm)
-    return Backends(kernels, config.attention_backend)
+    return Backends(kernels, config.attention_backend, config.decoder_stack)
 
 
 def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,

@@ -30,8 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp"]
-_HEADERS = [_CSRC / "simd.h"]  # included by both sources
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "decoder_stack.cpp"]
+_HEADERS = [_CSRC / "simd.h"]  # included by every source
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
 # glibc declares its vector variants only under -ffast-math, hence exp_v in csrc/simd.h.)
@@ -63,7 +63,7 @@ CHOICES = ("auto", "off", *ISA_NAMES)  # values of ModelConfig.cpu_kernels
 ROWS_PER_ITEM = 24
 # The ops each library registers (csrc/*.cpp).
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "rope_write_kv_",
-        "argmax_rows", "linear_small")
+        "argmax_rows", "linear_small", "decoder_stack")
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -223,6 +223,20 @@ class CpuKernels:
     def linear_small(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [rows <= 8, in] @ weight.T streaming the weights once, fp32 accumulation."""
         return self.ops.linear_small(x, weight)
+
+    def decoder_stack(self, x: torch.Tensor, weights: list[torch.Tensor],
+                      key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                      cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, final_norm: torch.Tensor, eps: float,
+                      scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """Every decoder layer and the final norm for x [rows <= 8, hidden] in one call, with
+        the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
+        `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down]."""
+        return self.ops.decoder_stack(x, weights, key_caches, value_caches, cos, sin,
+                                      slot_mapping, block_tables, query_start_loc, seq_lens,
+                                      final_norm, eps, scale, num_heads, num_kv_heads,
+                                      ROWS_PER_ITEM)
 
 
 def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True

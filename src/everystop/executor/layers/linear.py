@@ -27,8 +27,8 @@ from everystop.executor.layers.parallel import ParallelContext, shard_heads, sha
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
 # the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
 # whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear; see
-# docs/perf/profile.md). Larger inputs are compute-bound and go to MKL's GEMM on prepacked
-# weights; other devices use F.linear.
+# docs/perf/profile.md). Larger inputs are compute-bound and go to oneDNN's GEMM (see
+# _gemm_fp32); other devices use F.linear.
 SMALL_ROWS = 8
 
 
@@ -67,36 +67,33 @@ def fp32_gemm_is_faster(dtype: torch.dtype, rows: int = 256, size: int = 1024,
     return best(lambda: F.linear(x32, w32)) < best(lambda: F.linear(x16, w16))
 
 
-def _mkl_packing_available() -> bool:
+def _onednn_available() -> bool:
     try:
-        return (torch.backends.mkl.is_available()
-                and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-                and hasattr(torch.ops.mkl, "_mkl_linear"))
+        return (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     except (AttributeError, RuntimeError):
         return False
 
 
-_MKL_PACKED = _mkl_packing_available()
+_ONEDNN = _onednn_available()
 
 
 def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x @ weight.T through MKL's packed-B GEMM: the weight is reordered once, on first
-    use, into MKL's internal layout (about 3x the fp32 bytes), so no call repacks it. Measured
-    1.2-1.5x faster than F.linear at 32-305 rows over the default model's projections
-    (docs/perf/profile.md). A 16-bit weight keeps only the packed fp32 form."""
-    packed = getattr(weight, "_everystop_packed", None)
-    if packed is None or packed[1].shape != weight.shape:
-        w32 = weight.float().contiguous()
-        data = torch.ops.mkl._mkl_reorder_linear_weight(w32, 128) if _MKL_PACKED else w32
-        packed = (data, torch.zeros(1).expand(weight.shape))  # (weight, shape-only stand-in)
-        weight._everystop_packed = packed  # type: ignore[attr-defined]
-    data, stand_in = packed
-    if not _MKL_PACKED:
-        return F.linear(x, data)
-    # NOTE: _mkl_linear reads the packed weight only when its batch-size argument equals the
-    # input's rows (otherwise it falls back to the "original weight" argument, which is why a
-    # shape-only stand-in is safe here: it is never read).
-    return torch.ops.mkl._mkl_linear(x, data, stand_in, None, x.shape[0])
+    """fp32 x @ weight.T through oneDNN's GEMM. On AMD Zen (AVX2 and AVX-512 alike) MKL's
+    sgemm, what F.linear calls, runs its generic code path: measured per thread, 1-thread CPU
+    time, default model's projections at 256-512 rows: oneDNN 119-128 GFLOP/s vs MKL (packed
+    weights) 100-110 with AVX2, 216-228 vs 96-100 with AVX-512 (docs/perf/profile.md). oneDNN
+    reads the plain weight, so no packed copy is kept beside it; a 16-bit weight keeps one
+    plain fp32 copy, made on first use."""
+    if weight.dtype != torch.float32:
+        w32 = getattr(weight, "_everystop_fp32", None)
+        if w32 is None or w32.shape != weight.shape:
+            w32 = weight.float().contiguous()
+            weight._everystop_fp32 = w32  # type: ignore[attr-defined]
+        weight = w32
+    if not _ONEDNN:
+        return F.linear(x, weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
 
 
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension

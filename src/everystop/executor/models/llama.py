@@ -13,9 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from everystop.executor.layers.attention import AttentionMetadata, paged_attention, write_kv
+from everystop.executor.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    select_backend,
+    write_kv,
+)
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (
+    SMALL_ROWS,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -57,10 +63,12 @@ class LlamaArgs:
 @dataclass(frozen=True)
 class Backends:
     """How the layers compute, fixed when the model is built: the CPU kernel library (None =
-    plain torch) and the attention implementation (see layers/attention.select_backend)."""
+    plain torch), the attention implementation (see layers/attention.select_backend) and
+    whether decode-sized batches run the whole decoder stack in one kernel call."""
 
     kernels: CpuKernels | None = None
     attention: str = "auto"
+    decoder_stack: bool = True
 
 
 TORCH_ONLY = Backends()
@@ -179,12 +187,62 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for a packed batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self._runs_decoder_stack(x, kv_caches, meta):
+            return self._decoder_stack(x, cos, sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]
+
+    def _runs_decoder_stack(self, x: torch.Tensor, kv_caches: list[KVCache],
+                            meta: AttentionMetadata) -> bool:
+        """Whether this batch may take the one-call decoder stack: it runs exactly the kernels
+        the layers would pick (GEMV at <= SMALL_ROWS rows, the attention kernel, fused norms),
+        so only where every layer would pick them; a tensor-parallel rank needs its
+        all-reduces between the kernels."""
+        kernels = self.backends.kernels
+        return (self.backends.decoder_stack and kernels is not None and self.ctx.world_size == 1
+                and 0 < x.shape[0] <= SMALL_ROWS and kernels.handles(x)
+                and meta.write_rows is None and bool(kv_caches)
+                and select_backend(x, kv_caches[0][0], kernels, self.backends.attention)
+                == "kernel"
+                and x.dtype == self.model.norm.weight.dtype
+                and self._stack_weights() is not None)
+
+    def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        kernels = self.backends.kernels
+        assert kernels is not None
+        first = self.model.layers[0]
+        attn = first.self_attn
+        weights = self._stack_weights()
+        assert weights is not None
+        return kernels.decoder_stack(
+            x.contiguous(), weights, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
+            meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
+            attn.num_heads, attn.num_kv_heads)
+
+    def _stack_weights(self) -> list[torch.Tensor] | None:
+        """Per layer [input norm, qkv, o, post-attention norm, gate_up, down]; None where a
+        weight is not contiguous (the layers would not take the GEMV then). Cached: reading 180
+        parameters through nn.Module attribute lookups every step costs ~0.1 ms; rebuilt when
+        the loader has replaced a parameter (load_state_dict(assign=True))."""
+        layers = self.model.layers
+        cached = self.__dict__.get("_stack_weight_cache")
+        if (cached is None or cached[0] is not layers[0].self_attn.qkv_proj.weight
+                or cached[1] is not layers[-1].mlp.down_proj.weight):
+            weights = [w for layer in layers for w in (
+                layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
+                layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+            usable = all(w.is_contiguous() for w in weights)
+            cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
+                      weights if usable else None)
+            self.__dict__["_stack_weight_cache"] = cached
+        return cached[2]
 
     @property
     def num_local_kv_heads(self) -> int:

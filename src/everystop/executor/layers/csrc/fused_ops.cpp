@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "simd.h"
 
@@ -535,3 +536,26 @@ ES_LIBRARY_IMPL(m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_small", &linear_small);
 }
+
+// The same entry points with external linkage, for the decoder stack (decoder_stack.cpp) to
+// call without the dispatcher. The namespace is the build's op namespace, so the libraries of
+// different ISAs loaded into one process never resolve to each other's symbols.
+namespace ES_NS {
+at::Tensor direct_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return rms_norm(x, w, eps);
+}
+at::Tensor direct_add_rms_norm_(at::Tensor residual, const at::Tensor& x, const at::Tensor& w,
+                                double eps) {
+  return add_rms_norm_(std::move(residual), x, w, eps);
+}
+at::Tensor direct_silu_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+void direct_rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots,
+                           int64_t num_heads, int64_t num_kv_heads) {
+  rope_write_kv_(std::move(qkv), cos, sin, std::move(key_cache), std::move(value_cache), slots,
+                 num_heads, num_kv_heads);
+}
+at::Tensor direct_linear_small(const at::Tensor& x, const at::Tensor& w) {
+  return linear_small(x, w);
+}
+}  // namespace ES_NS

@@ -293,3 +293,14 @@ ES_LIBRARY(m) {
 }
 
 ES_LIBRARY_IMPL(m) { m.impl("paged_attention", &paged_attention); }
+
+// With external linkage for the decoder stack (see the note at the end of fused_ops.cpp).
+namespace ES_NS {
+at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                  double scale, int64_t rows_per_item) {
+  return paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                         scale, rows_per_item);
+}
+}  // namespace ES_NS
