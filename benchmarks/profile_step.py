@@ -107,9 +107,9 @@ def main() -> None:
 
     # NOTE: everystop before torch, so its OpenMP wait policy applies (see everystop/__init__).
     import torch
-    from perf_workload import make_workload
 
     from everystop import LLM, SamplingParams
+    from everystop.workload import perf_workload
 
     options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": 128,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
@@ -120,7 +120,7 @@ def main() -> None:
     llm = LLM(**options)
     engine = llm.engine
     runner = engine.executor.runner
-    workload = make_workload(llm.get_tokenizer(), 0)
+    workload = perf_workload().to_dict()
     requests = workload["requests"]
     if args.single:
         requests = [max(requests, key=lambda r: r["prompt_len"] if r["prompt_len"] <= 300 else 0)]

@@ -32,7 +32,7 @@ from everystop.sim.fit import fit_coefficients, load_records, profile_shapes
 from everystop.sim.metrics import summarize
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.sim.specs import ModelSpec, load_model
-from everystop.sim.workload import Workload, resolve_workload
+from everystop.workload import Workload, resolve_workload
 
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 # Stand-in for the real engine in --self-test: roughly a 2-core CPU running SmolLM2 in fp32.

@@ -42,8 +42,8 @@ from everystop.sim.fit import fit_coefficients
 from everystop.sim.metrics import summarize
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.sim.specs import load_model
-from everystop.sim.workload import Workload, synthetic
 from everystop.stats import percentile
+from everystop.workload import Workload, synthetic
 
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 GOAL_KEYS = KEYS[:3]  # the goal: these within 10%
@@ -133,7 +133,7 @@ def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.R
 def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
     """Real-time replay of `workload`; the same summary keys as the simulator's `summarize`."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
-    prompts = {r.request_id: random_prompt(r.prompt_len, rng) for r in reqs}
+    prompts = {r.id: random_prompt(r.prompt_len, rng) for r in reqs}
     done = {}
     t0 = time.monotonic()
     i = 0
@@ -141,8 +141,8 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
         now = time.monotonic()
         while i < len(reqs) and t0 + reqs[i].arrival_s <= now:
             r = reqs[i]
-            engine.add_request(prompts[r.request_id], params(r.max_tokens),
-                               request_id=r.request_id, arrival_time=t0 + r.arrival_s)
+            engine.add_request(prompts[r.id], params(r.max_tokens),
+                               request_id=r.id, arrival_time=t0 + r.arrival_s)
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + reqs[i].arrival_s - time.monotonic()))

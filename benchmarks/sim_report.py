@@ -23,7 +23,7 @@ from everystop.sim.node import build_node
 from everystop.sim.report import _pyplot, plot_latency_cdf, plot_occupancy, write_json
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import load_hardware, load_model
-from everystop.sim.workload import synthetic
+from everystop.workload import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = "n=800,prompt=uniform:128:1024,output=uniform:20:800,seed=1"

@@ -67,12 +67,11 @@ def run_workload(llm: Any, workload: dict[str, Any], temperature: float) -> dict
 
 def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[str, Any]:
     """One request alone: TTFT, then ms per decoded token (timed through the engine's steps)."""
-    from perf_workload import _corpus_text
-
     from everystop import SamplingParams
+    from everystop.workload import english_corpus
 
     tok = llm.get_tokenizer()
-    prompt = tok.encode(_corpus_text()[:4000])[:prompt_len]
+    prompt = tok.encode(english_corpus(collapse_whitespace=False)[:4000])[:prompt_len]
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0,
                                               ignore_eos=True))
@@ -92,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=("workload", "single"), default="workload")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--workload", help="workload JSON (default: generate perf_workload seed 0)")
+    ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -124,8 +123,8 @@ def main() -> None:
             with open(args.workload) as f:
                 workload = json.load(f)
         else:
-            from perf_workload import make_workload
-            workload = make_workload(llm.get_tokenizer(), 0, args.num_requests)
+            from everystop.workload import perf_workload
+            workload = perf_workload(args.num_requests).to_dict()
         warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
         run_workload(llm, {"requests": warm}, args.temperature)
         runs = [run_workload(llm, workload, args.temperature) for _ in range(args.repeats)]

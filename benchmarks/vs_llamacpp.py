@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--llama-server", required=True, help="path to a llama-server binary")
     ap.add_argument("--gguf", required=True, help="GGUF for llama.cpp (e.g. an F16 conversion)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    ap.add_argument("--workload", help="workload JSON (default: perf_workload seed 0)")
+    ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
@@ -160,10 +160,8 @@ def main() -> None:
         with open(args.workload) as f:
             workload = json.load(f)
     else:
-        from perf_workload import make_workload
-
-        from everystop.tokenizer import load_tokenizer
-        workload = make_workload(load_tokenizer(), 0, args.num_requests)
+        from everystop.workload import perf_workload
+        workload = perf_workload(args.num_requests).to_dict()
     reqs = workload["requests"]
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
                            "llamacpp_slots": args.slots, "cpu": cpu_info(),

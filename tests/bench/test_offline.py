@@ -9,9 +9,9 @@ import pytest
 
 from everystop.bench.compare import CompareOptions, mode_options, run_compare
 from everystop.bench.offline import StepSample, run_engine, straggler_stats
-from everystop.bench.workload import LengthDist, WorkloadSpec, generate_workload
 from everystop.config import EngineConfig
 from everystop.engine.llm_engine import LLMEngine
+from everystop.workload import LengthDist, WorkloadSpec, generate_workload
 from tests.core.toy_executor import ToyExecutor
 from tests.engine.toy_engine import CharTokenizer
 

@@ -11,6 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
+from everystop.workload import TextTokenizer
+
+
+def default_tokenizer() -> TextTokenizer | None:
+    """The engine's default-model tokenizer, or None when the model or its loader is missing
+    (workloads then slice words and estimate lengths)."""
+    try:
+        from everystop.tokenizer import load_tokenizer
+        return load_tokenizer()
+    except Exception:  # any failure: no tokenizer, slice words instead
+        return None
 
 
 def register(subparsers: Any) -> None:
@@ -55,7 +66,7 @@ def _weights(text: str) -> dict[str, float]:
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
-    from everystop.bench.workload import LengthDist, WorkloadSpec, generate_workload
+    from everystop.workload import LengthDist, WorkloadSpec, generate_workload
     spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed,
                         prompt_len=LengthDist.parse(args.prompt_len),
                         output_len=LengthDist.parse(args.output_len),
@@ -64,7 +75,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
                         tenants=_weights(args.tenants), rate=args.rate,
                         burstiness=args.burstiness)
     wl = generate_workload(spec, args.name or Path(args.out).stem,
-                           tokenizer="default" if args.tokenizer == "default" else None)
+                           tokenizer=default_tokenizer() if args.tokenizer == "default" else None)
     wl.save(args.out)
     lens = [r.prompt_len for r in wl.requests]
     print(f"wrote {args.out}: {len(wl.requests)} requests, prompt tokens {min(lens)}..{max(lens)} "
@@ -106,7 +117,7 @@ def _serve_parser(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions, run_serve
-    from everystop.bench.workload import load_workload
+    from everystop.workload import load_workload
     wl = load_workload(args.workload)
     if args.num_requests:
         wl = wl.head(args.num_requests)
@@ -156,7 +167,7 @@ def _sweep_parser(sub: Any) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions
     from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
-    from everystop.bench.workload import default_tokenizer, load_workload
+    from everystop.workload import load_workload
     targets = dict(t.split("=", 1) for t in args.target)
     wl = load_workload(args.workload)
     if args.num_requests:
@@ -227,7 +238,7 @@ def _compare_parser(sub: Any) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     from everystop.bench.compare import CompareOptions, run_compare, shared_model_factory
     from everystop.bench.table import machine_description
-    from everystop.bench.workload import load_workload
+    from everystop.workload import load_workload
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ from typing import Any
 
 from everystop.bench.metrics import SLO, full_report
 from everystop.bench.offline import EngineRun, run_engine, straggler_stats, warm_up
-from everystop.bench.workload import Workload, arrival_offsets
+from everystop.workload import Workload, arrival_offsets
 
 ENGINE_MODES = ("static", "continuous", "chunked", "prefix")
 

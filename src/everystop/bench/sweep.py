@@ -16,7 +16,7 @@ from typing import Any
 
 from everystop.bench.client import ServeOptions, run_serve
 from everystop.bench.table import machine_description
-from everystop.bench.workload import Workload
+from everystop.workload import Workload
 
 METRICS = (  # (label, summary key, field) plotted against offered load
     ("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p99 (ms)", "ttft_ms", "p99"),

@@ -12,7 +12,7 @@ from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import hardware_keys, model_keys
-from everystop.sim.workload import resolve_workload
+from everystop.workload import resolve_workload
 
 WORKLOAD_HELP = ("workload JSON file, or a synthetic spec such as "
                  "'n=512,prompt=uniform:128:1024,output=uniform:20:800,rate=4,seed=0' "
