@@ -15,12 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+from everystop.plots import pyplot
 from everystop.sim.bounds import target_bounds
 from everystop.sim.capacity import design_capacity_table
 from everystop.sim.cost_model import CostModel, decode_shape
 from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node
-from everystop.sim.report import _pyplot, plot_latency_cdf, plot_occupancy, write_json
+from everystop.sim.report import plot_latency_cdf, plot_occupancy, write_json
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import load_hardware, load_model
 from everystop.workload import synthetic
@@ -55,7 +56,7 @@ def run_modes(rate: float | None) -> tuple[dict, dict]:
 
 
 def plot_decode_curve(path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     m = load_model("llama-3-70b")
     fig, ax = plt.subplots(figsize=(7, 3.8))
     batches = list(range(1, 257))

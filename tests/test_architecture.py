@@ -12,12 +12,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "everystop"
 
 # Plain data and helpers any floor may read.
-BASE = {"config", "sampling_params", "stats", "workload"}
+BASE = {"config", "sampling_params", "stats", "workload", "plots"}
 # floor -> the other floors of ours it may import (besides BASE).
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "stats": set(),
     "workload": set(),
+    "plots": set(),
     "executor.layers": {"core"},
     "executor.models": {"core", "executor.layers"},
     "executor": {"core", "executor.layers", "executor.models"},
@@ -30,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.
-NO_TORCH = {"core", "sim", "telemetry", "server", "config", "sampling_params", "stats",
+NO_TORCH = {"core", "sim", "telemetry", "server", "config", "sampling_params", "stats", "plots",
             "workload"}
 
 

@@ -278,12 +278,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _render(data: dict[str, Any], out_dir: Path, command: str) -> None:
-    from everystop.bench.plots import write_all
     from everystop.bench.table import markdown_report
+    from everystop.plots import write_compare_plots
     text = markdown_report(data, command)
     (out_dir / "README.md").write_text(text)
     print(text)
-    for path in write_all(data, out_dir):
+    for path in write_compare_plots(data, out_dir):
         print(f"wrote {path}")
 
 
