@@ -143,6 +143,10 @@ class WorkloadRequest:
     prefix_len: int = 0  # leading tokens shared with the rest of its prefix_group
     prompt_token_ids: list[int] | None = None
 
+    @property
+    def request_id(self) -> str:  # the simulator's former name for `id`
+        return self.id
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if not self.prefix_len:
