@@ -49,6 +49,9 @@ class ReplayExecutor:
         self.num_passes += 1
         return result
 
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
