@@ -1,9 +1,11 @@
-"""`everystop bench {workload,serve,compare,gate,report}`."""
+"""`everystop bench {workload,serve,compare,gate,sweep,report}` and the measurements
+`everystop bench {throughput,profile,roofline,vs-llamacpp,sim-calibrate}`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import shlex
 import sys
@@ -12,6 +14,26 @@ from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
 from everystop.workload import TextTokenizer
+
+# Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
+# and run(args), help). Each writes one result JSON (everystop.results.write_result).
+MEASUREMENTS = [
+    ("throughput", "everystop.bench.throughput", "offline throughput on the 128-request workload, "
+     "or single-stream decode latency"),
+    ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
+    ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
+    ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
+    ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
+     "this machine's engine and check its predictions"),
+]
+
+
+def script_main(name: str) -> None:
+    """The body of a thin benchmarks/ script: `everystop bench NAME` with the script's flags."""
+    module = importlib.import_module(dict((n, m) for n, m, _ in MEASUREMENTS)[name])
+    ap = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+    module.add_arguments(ap)
+    raise SystemExit(module.run(ap.parse_args()))
 
 
 def default_tokenizer() -> TextTokenizer | None:
@@ -33,6 +55,12 @@ def register(subparsers: Any) -> None:
     _compare_parser(sub)
     _gate_parser(sub)
     _sweep_parser(sub)
+    for name, module_name, help_text in MEASUREMENTS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
     rep.add_argument("compare_json")
     rep.add_argument("--out-dir", default=None, help="default: next to the JSON")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from everystop.plots import latency_cdfs, occupancy_plot
+from everystop.results import write_result
 from everystop.sim.simulator import SimResult
 
 
@@ -19,7 +20,7 @@ def write_run(out_dir: Path, summary: dict, result: SimResult, node: dict,
               plots: bool = True) -> list[Path]:
     """summary.json, iterations.json (the calibration record format) and plots in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "summary.json", {"node": node, "summary": summary})
+    write_result({"node": node, "summary": summary}, out_dir / "summary.json", quiet=True)
     write_json(out_dir / "iterations.json", [it.to_dict() for it in result.iterations])
     written = [out_dir / "summary.json", out_dir / "iterations.json"]
     if plots:
