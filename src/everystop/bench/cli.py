@@ -75,7 +75,8 @@ def _workload_parser(sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", default="uniform:32:512",
-                   help="fixed:N | uniform:A:B | log_uniform:A:B (tokens)")
+                   help="fixed:N | uniform:A:B | log_uniform:A:B | lognormal:MEDIAN:SIGMA"
+                   "[:MAX | :MIN:MAX] (tokens; the syntax of everystop.workload)")
     p.add_argument("--output-len", default="log_uniform:16:256")
     p.add_argument("--prefix-fraction", type=float, default=0.0,
                    help="fraction of requests that start with a shared prefix")
