@@ -42,8 +42,8 @@ def _free_port() -> int:
 
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith((name + " ", name + "{")):  # every series has a model_name label
+            return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 

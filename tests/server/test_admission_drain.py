@@ -84,8 +84,10 @@ def test_tenant_queue_cap_and_tier_wait_threshold_answer_429(tmp_path: Path) -> 
             await asyncio.gather(*tasks, return_exceptions=True)
             assert (await ok).status_code == 200
         text = httpx.get(server.url + "/metrics", timeout=5).text
-        assert 'everystop:requests_rejected_total{priority="1",reason="tenant_queue"} 1.0' in text
-        assert 'everystop:requests_rejected_total{priority="2",reason="expected_wait"} 1.0' in text
+        assert ('everystop:requests_rejected_total{model_name="toy",reason="tenant_queue",'
+                'tier="1"} 1.0') in text
+        assert ('everystop:requests_rejected_total{model_name="toy",reason="expected_wait",'
+                'tier="2"} 1.0') in text
 
     try:
         asyncio.run(asyncio.wait_for(main(), 60))

@@ -229,10 +229,20 @@ def test_metrics_are_prometheus_text_with_vllm_style_names(toy_server: ServerPro
                  "everystop:inter_token_latency_seconds", "everystop:e2e_request_latency_seconds",
                  "everystop:request_queue_time_seconds", "everystop:num_preemptions_total",
                  "everystop:iteration_latency_seconds", "everystop:iteration_prefill_tokens",
-                 "everystop:iteration_decode_tokens", "everystop:generation_tokens_total"):
+                 "everystop:iteration_decode_tokens", "everystop:generation_tokens_total",
+                 # vLLM's names for what vLLM also measures (docs/metrics.md)
+                 "everystop:time_per_output_token_seconds", "everystop:request_prompt_tokens",
+                 "everystop:request_generation_tokens", "everystop:request_prefill_time_seconds",
+                 "everystop:request_decode_time_seconds", "everystop:iteration_tokens_total",
+                 "everystop:request_inference_time_seconds", "everystop:prefix_cache_hits_total",
+                 "everystop:prefix_cache_queries_total"):
         assert (f"# TYPE {name} " in r.text
                 or f"# TYPE {name.removesuffix('_total')} " in r.text), name
-    assert 'everystop:time_to_first_token_seconds_count{priority="1",tenant="default"}' in r.text
+    # every series names the model (vLLM's dashboards filter on model_name)
+    assert ('everystop:time_to_first_token_seconds_count{model_name="toy",tenant="default",'
+            'tier="1"}') in r.text
+    samples = [line for line in r.text.splitlines() if line and not line.startswith("#")]
+    assert samples and all('model_name="toy"' in line for line in samples)
 
 
 def test_stalled_reader_does_not_hold_up_the_engine_or_others(toy_server: ServerProcess) -> None:

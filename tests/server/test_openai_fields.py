@@ -216,7 +216,7 @@ def _user(s: ServerProcess, ep: str, v: Any, priority: int | None = None) -> Non
     ok(s, ep, body)
     metrics = httpx.get(s.url + "/metrics", timeout=10).text
     label = f'tenant="{tenant}"' if priority is None else \
-        f'priority="{priority}",tenant="{tenant}"'
+        f'tenant="{tenant}",tier="{priority}"'
     assert label in metrics
 
 

@@ -176,12 +176,12 @@ def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     stats = eng.stats()
     # the last step decodes both requests: 10 ms + 2 rows * 2 ms
-    assert got[("everystop_step_cost_measured_seconds", None)] == pytest.approx(0.014)
-    assert got[("everystop_step_cost_predicted_seconds", None)] == stats.step_predicted_s > 0
-    assert got[("everystop_prefill_budget_tokens", None)] == stats.prefill_budget_tokens
+    assert got[("everystop:step_cost_measured_seconds", None)] == pytest.approx(0.014)
+    assert got[("everystop:step_cost_predicted_seconds", None)] == stats.step_predicted_s > 0
+    assert got[("everystop:prefill_budget_tokens", None)] == stats.prefill_budget_tokens
     assert stats.prefill_budget_tokens < 64  # the 30 ms target binds, not the token cap
     for term in ("fixed", "prefill_token", "decode_row", "context_token"):
-        assert got[("everystop_step_cost_coefficient_seconds", term)] == stats.step_cost[term]
+        assert got[("everystop:step_cost_coefficient_seconds", term)] == stats.step_cost[term]
     assert stats.step_predicted_s == pytest.approx(stats.step_measured_s, rel=0.1)  # it learnt
 
 

@@ -31,9 +31,12 @@ class KVCacheManager:
         # Host blocks released by a swap-in are reusable only from the next step: the executor
         # performs this step's swap-outs before its swap-ins.
         self._cpu_release_next_step: list[int] = []
-        # Counters.
+        # Counters. Lookups count every try (a request may be looked up again while it waits);
+        # the token counters count once per admission, in tokens as vLLM does.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -81,6 +84,14 @@ class KVCacheManager:
         if hit:
             self.num_prefix_hits += 1
         return hit
+
+    def count_prefix_use(self, req: Request, num_hit_blocks: int) -> None:
+        """Count an admitted request's prefix lookup in tokens: its tokens queried, and those
+        its `num_hit_blocks` cached blocks spared (called once per admission that looked up)."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return  # no lookup was made (see get_computed_blocks)
+        self.num_prefix_query_tokens += req.num_tokens
+        self.num_prefix_hit_tokens += num_hit_blocks * self.block_size
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's blocks that are now full and computed, so others can reuse

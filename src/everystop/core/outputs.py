@@ -206,6 +206,10 @@ class SchedulerStats:
     step_predicted_s: float = 0.0
     step_measured_s: float = 0.0
     auto_tpot_target_s: float = 0.0
+    # Prefix cache in tokens (prefix_queries/prefix_hits above count lookups): tokens of the
+    # admitted requests that looked up, and the tokens their cached blocks covered.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass

@@ -233,6 +233,8 @@ class Scheduler:
     def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
         if req.status == RequestStatus.WAITING:
             self._count_queued(req, -1)
+        if req.num_computed_tokens == 0:  # the admissions that looked the prefix up
+            self.kv.count_prefix_use(req, len(computed))
         req.num_computed_tokens = len(computed) * self.kv.block_size
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
@@ -375,6 +377,8 @@ class Scheduler:
             num_used_blocks=pool.num_used_blocks, num_total_blocks=pool.num_blocks,
             kv_usage=pool.usage(), prefix_queries=self.kv.num_prefix_queries,
             prefix_hits=self.kv.num_prefix_hits,
+            prefix_query_tokens=self.kv.num_prefix_query_tokens,
+            prefix_hit_tokens=self.kv.num_prefix_hit_tokens,
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
             swap_out_blocks=self.num_swap_out_blocks, swap_in_blocks=self.num_swap_in_blocks,

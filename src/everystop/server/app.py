@@ -39,7 +39,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     app = FastAPI(title="everystop", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     metrics = metrics or ServerMetrics()
-    metrics.attach(async_engine)
+    metrics.attach(async_engine, model_name=served_model_name)
     controller = AdmissionController(
         admission or AdmissionConfig(),
         max_num_seqs=lambda: async_engine.scheduler_config.max_num_seqs,

@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     from everystop.engine.llm_engine import LLMEngine
     from everystop.server.admin import install_admin_routes, install_telemetry
     from everystop.server.app import build_app
+    from everystop.server.dashboard import install_dashboard
     from everystop.server.metrics import ServerMetrics
 
     try:
@@ -95,6 +96,7 @@ def serve(args: argparse.Namespace) -> int:
                                       registry=metrics.registry, model_version=name)
         install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
                              telemetry=telemetry)
+        install_dashboard(app, front, metrics, admin_key=args.admin_key)
 
     app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,
                     metrics=metrics,

@@ -1,14 +1,18 @@
-"""Prometheus metrics with vLLM-style names (`everystop:*`), on a private registry.
+"""Prometheus metrics under vLLM's names and units (`everystop:*` for `vllm:*`), on a private
+registry; docs/metrics.md maps every series to vLLM's.
 
 Three sources feed them:
   - engine listeners (engine thread): per-iteration latency and token counts, and per finished
-    request its TTFT, queue time, end-to-end latency and token counts;
+    request its TTFT, TPOT, queue/prefill/decode/inference/end-to-end times and token counts;
   - the routes (event loop): inter-token latency as tokens reach the client, 429s by reason;
   - a collector read at scrape time: queue lengths, KV usage, prefix-cache and preemption
     counters straight from the scheduler, so they are never stale.
 
-Tenant labels are bounded: the first `max_tenants` tenants seen keep their name, any later one
-is reported as "other" (an unbounded label set would grow the registry without limit).
+Every series carries `model_name` (vLLM's dashboards filter on it): it is added at scrape time
+to whatever sits on `registry`, the guardrail and telemetry collectors included. Request series
+carry `tier` (the priority tier, 0 = premium) and `tenant`. Tenant labels are bounded: the first
+`max_tenants` tenants seen keep their name, any later one is reported as "other" (an unbounded
+label set would grow the registry without limit).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from prometheus_client.registry import Collector
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput, SchedulerStats
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
+from everystop.server.live_window import LiveWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_REQUEST = ["tier", "tenant"]
 
 
 class TenantLabels:
@@ -50,76 +56,137 @@ class TenantLabels:
 
 
 class ServerMetrics:
-    def __init__(self, max_tenants: int = 20) -> None:
-        self.registry = CollectorRegistry()
-        self.tenant_label = TenantLabels(max_tenants)
-        r = self.registry
-        lbl = ["priority", "tenant"]
-        self.ttft = Histogram("everystop:time_to_first_token_seconds", "Time to first token",
-                              lbl, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("everystop:inter_token_latency_seconds",
-                             "Time between tokens reaching the client", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("everystop:e2e_request_latency_seconds", "Arrival to finish", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("everystop:request_queue_time_seconds",
-                                    "Arrival to first scheduled", lbl,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.iteration_latency = Histogram("everystop:iteration_latency_seconds",
-                                           "One engine step", buckets=_LATENCY_BUCKETS,
-                                           registry=r)
-        self.prefill_tokens_iter = Histogram("everystop:iteration_prefill_tokens",
-                                             "Prefill tokens per engine step",
-                                             buckets=_TOKEN_BUCKETS, registry=r)
-        self.decode_tokens_iter = Histogram("everystop:iteration_decode_tokens",
-                                            "Decode tokens per engine step",
-                                            buckets=_TOKEN_BUCKETS, registry=r)
-        self.request_success = Counter("everystop:request_success", "Finished requests",
-                                       ["finished_reason", "priority"], registry=r)
-        self.prompt_tokens = Counter("everystop:prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
-        self.generation_tokens = Counter("everystop:generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.rejected = Counter("everystop:requests_rejected", "429 answers by reason",
-                                ["reason", "priority"], registry=r)
+    """Args:
+        model_name: the `model_name` label value (the served name; `attach` may set it).
+        max_tenants: tenants that keep their own label value.
+    """
 
-    def attach(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, max_tenants: int = 20, model_name: str = "unknown") -> None:
+        self.registry = CollectorRegistry()  # where every collector registers
+        self.model_name = model_name
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(_WithModelName(self.registry, lambda: self.model_name))
+        self.tenant_label = TenantLabels(max_tenants)
+        # The live page's recent samples, fed by the same events as the histograms.
+        self.window = LiveWindow()
+        r = self.registry
+
+        def latency(name: str, doc: str, labels: list[str] = _REQUEST) -> Histogram:
+            return Histogram(f"everystop:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=r)
+
+        def tokens(name: str, doc: str, labels: list[str] = _REQUEST) -> Histogram:
+            return Histogram(f"everystop:{name}", doc, labels, buckets=_TOKEN_BUCKETS,
+                             registry=r)
+
+        self.ttft = latency("time_to_first_token_seconds", "Arrival to first token")
+        self.tpot = latency("time_per_output_token_seconds",
+                            "Per request: first token to finish over the tokens after the first")
+        self.itl = latency("inter_token_latency_seconds",
+                           "Time between tokens reaching the client (one sample per token)")
+        self.e2e = latency("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = latency("request_queue_time_seconds", "Arrival to first scheduled")
+        self.inference_time = latency("request_inference_time_seconds",
+                                      "First scheduled to finish")
+        self.prefill_time = latency("request_prefill_time_seconds",
+                                    "First scheduled to first token")
+        self.decode_time = latency("request_decode_time_seconds", "First token to finish")
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
+        self.request_generation_tokens = tokens("request_generation_tokens",
+                                                "Generated tokens per request")
+        self.iteration_latency = latency("iteration_latency_seconds", "One engine step", [])
+        self.iteration_tokens = tokens("iteration_tokens_total",
+                                       "Tokens (prefill + decode) per engine step", [])
+        self.prefill_tokens_iter = tokens("iteration_prefill_tokens",
+                                          "Prefill tokens per engine step", [])
+        self.decode_tokens_iter = tokens("iteration_decode_tokens",
+                                         "Decode tokens per engine step", [])
+        self.request_success = Counter("everystop:request_success", "Finished requests",
+                                       ["finished_reason", "tier"], registry=r)
+        self.prompt_tokens = Counter("everystop:prompt_tokens", "Prompt tokens processed",
+                                     _REQUEST, registry=r)
+        self.generation_tokens = Counter("everystop:generation_tokens", "Tokens generated",
+                                         _REQUEST, registry=r)
+        self.rejected = Counter("everystop:requests_rejected", "429 answers by reason",
+                                ["reason", "tier"], registry=r)
+
+    def attach(self, async_engine: AsyncEngine, model_name: str | None = None) -> None:
         """Hook the engine's listeners and the scrape-time collector."""
+        if model_name is not None:
+            self.model_name = model_name
         async_engine.add_listeners(self.on_iteration, self.on_finished)
         self.registry.register(_EngineCollector(async_engine))
 
     # -- engine thread ---------------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord, _: SchedulerOutput) -> None:
         self.iteration_latency.observe(record.latency_s)
+        self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
         self.prefill_tokens_iter.observe(record.num_prefill_tokens)
         self.decode_tokens_iter.observe(record.num_decode_tokens)
+        self.window.on_iteration(record)
 
     def on_finished(self, req: Request, out: RequestOutput) -> None:
-        labels = (str(req.priority), self.tenant_label(req.tenant))
+        tier, tenant = str(req.priority), self.tenant_label(req.tenant)
+        num_prompt, num_generated = len(out.prompt_token_ids), len(out.token_ids)
         m = out.metrics
+        tpot = None
         if m is not None:
             if m.ttft_s is not None:
-                self.ttft.labels(*labels).observe(m.ttft_s)
+                self.ttft.labels(tier, tenant).observe(m.ttft_s)
             if m.queue_wait_s is not None:
-                self.queue_time.labels(*labels).observe(m.queue_wait_s)
-            if m.finished_time is not None:
-                self.e2e.labels(*labels).observe(m.finished_time - m.arrival_time)
-        self.request_success.labels(out.finish_reason or "abort", str(req.priority)).inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+                self.queue_time.labels(tier, tenant).observe(m.queue_wait_s)
+            done, first, admitted = m.finished_time, m.first_token_time, m.admitted_time
+            if done is not None:
+                self.e2e.labels(tier, tenant).observe(done - m.arrival_time)
+            if admitted is not None and first is not None:
+                self.prefill_time.labels(tier, tenant).observe(first - admitted)
+            if admitted is not None and done is not None:
+                self.inference_time.labels(tier, tenant).observe(done - admitted)
+            if first is not None and done is not None:
+                self.decode_time.labels(tier, tenant).observe(done - first)
+                if num_generated > 1:
+                    tpot = (done - first) / (num_generated - 1)
+                    self.tpot.labels(tier, tenant).observe(tpot)
+        self.request_prompt_tokens.labels(tier, tenant).observe(num_prompt)
+        self.request_generation_tokens.labels(tier, tenant).observe(num_generated)
+        self.request_success.labels(out.finish_reason or "abort", tier).inc()
+        self.prompt_tokens.labels(tier, tenant).inc(num_prompt)
+        self.generation_tokens.labels(tier, tenant).inc(num_generated)
+        self.window.on_finished(tenant, req.priority, m, tpot, num_generated)
 
     # -- event loop -----------------------------------------------------------------------------
     def observe_itl(self, priority: int, tenant: str, gap_s: float, num_tokens: int) -> None:
-        child = self.itl.labels(str(priority), self.tenant_label(tenant))
+        label = self.tenant_label(tenant)
+        child = self.itl.labels(str(priority), label)
         per_token = gap_s / max(1, num_tokens)
         for _ in range(num_tokens):
             child.observe(per_token)
+        self.window.on_itl(label, priority, per_token, num_tokens)
 
     def count_rejected(self, reason: str, priority: int) -> None:
         self.rejected.labels(reason, str(priority)).inc()
+        self.window.on_rejected(reason, priority)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
+
+
+class _WithModelName(Collector):
+    """Everything on `inner`, each sample labelled with the served model's name."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: Any) -> None:
+        self.inner = inner
+        self.model_name = model_name
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        name = self.model_name()
+        for family in self.inner.collect():  # fresh objects on every collect: safe to edit
+            family.samples = [s._replace(labels={"model_name": name, **s.labels})
+                              for s in family.samples]
+            yield family
 
 
 class _EngineCollector(Collector):
@@ -130,6 +197,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         stats = self.front.stats()
+        cache_config = getattr(self.front, "cache_config", None)
         for name, doc, value in (
                 ("num_requests_running", "Sequences in the running batch", stats.num_running),
                 ("num_requests_waiting", "Queued or preempted requests", stats.num_waiting),
@@ -137,14 +205,21 @@ class _EngineCollector(Collector):
                 ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", stats.kv_usage),
                 ("kv_cache_used_blocks", "KV blocks in use", stats.num_used_blocks),
                 ("kv_cache_total_blocks", "KV blocks in the pool", stats.num_total_blocks),
-                ("prefix_cache_hit_rate", "Prefix-cache hits / queries since start",
-                 stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0),
+                ("kv_cache_watermark_perc", "Fraction of KV blocks admissions leave free (0-1)",
+                 0.0 if cache_config is None else cache_config.watermark),
+                ("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens since start",
+                 prefix_hit_rate(stats)),
                 ("num_streams_open", "Requests with a live consumer", self.front.num_in_flight),
                 ("draining", "1 while shutting down", float(self.front.draining))):
             yield GaugeMetricFamily(f"everystop:{name}", doc, value=value)
         for name, doc, value in (
-                ("prefix_cache_queries", "Prefix-cache lookups (tokens)", stats.prefix_queries),
-                ("prefix_cache_hits", "Prefix-cache hits (tokens)", stats.prefix_hits),
+                ("prefix_cache_queries", "Prefix-cache queried tokens (admitted requests)",
+                 stats.prefix_query_tokens),
+                ("prefix_cache_hits", "Prefix-cache hit tokens (served from cached blocks)",
+                 stats.prefix_hit_tokens),
+                ("kv_swap_out_blocks", "KV blocks copied to host swap", stats.swap_out_blocks),
+                ("kv_swap_in_blocks", "KV blocks copied back from host swap",
+                 stats.swap_in_blocks),
                 ("watchdog_aborts", "Sequences freed by the watchdog",
                  self.front.num_watchdog_aborts)):
             yield CounterMetricFamily(f"everystop:{name}", doc, value=value)
@@ -156,10 +231,16 @@ class _EngineCollector(Collector):
         yield pre
 
 
+def prefix_hit_rate(stats: SchedulerStats) -> float:
+    """Hit tokens over queried tokens since start (0 before the first lookup)."""
+    return stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens \
+        else 0.0
+
+
 def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:
     """The step budget: fitted step cost, the last measured pass against its prediction, and
     the prefill tokens the TPOT target left after the last pass's decodes."""
-    coeffs = GaugeMetricFamily("everystop_step_cost_coefficient_seconds",
+    coeffs = GaugeMetricFamily("everystop:step_cost_coefficient_seconds",
                                "Fitted step cost per unit of each term", labels=["term"])
     for term, value in stats.step_cost.items():
         coeffs.add_metric([term], value)
@@ -173,4 +254,4 @@ def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:
              stats.auto_tpot_target_s),
             ("prefill_budget_tokens", "Prefill tokens the last step's target left after its "
              "decodes", stats.prefill_budget_tokens)):
-        yield GaugeMetricFamily(f"everystop_{name}", doc, value=value)
+        yield GaugeMetricFamily(f"everystop:{name}", doc, value=value)

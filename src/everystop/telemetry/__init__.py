@@ -6,5 +6,6 @@
   recorder.py  engine listeners -> rows (TTFT, TPOT p50, queue wait)
   alerts.py    guardrails (prefill ceiling, starvation, KV leak) and their prometheus collector
   service.py   all of the above for one engine (Telemetry / open_telemetry)
-  report.py    `everystop report`
+  report.py    `everystop report` (text, JSON)
+  report_html.py  `everystop report --html`: the same as a page with PNG plots
 """

@@ -10,13 +10,15 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from datetime import datetime
+from typing import Any, TypeVar
 
 from everystop.stats import percentile
 from everystop.telemetry.rows import AlertRow, ConfigRow, IterationRow, SequenceRow
 from everystop.telemetry.store import Store, is_postgres_dsn, open_store
 
 METRICS = (("queue_wait", "queue_wait_ms"), ("ttft", "ttft_ms"), ("tpot", "tpot_p50_ms"))
+R = TypeVar("R")
 
 
 def _group_summary(rows: list[SequenceRow]) -> dict[str, Any]:
@@ -46,20 +48,34 @@ def _by(rows: Iterable[SequenceRow], key: str) -> dict[Any, list[SequenceRow]]:
     return dict(sorted(groups.items()))
 
 
-def build_report(store: Store, *, since: float | None = None, recent_alerts: int = 20
-                 ) -> dict[str, Any]:
-    """The report as plain data (what --json prints). `since`: epoch seconds."""
-    seqs = store.fetch(SequenceRow, since=since)
-    iters = store.fetch(IterationRow, since=since)
-    alerts = store.fetch(AlertRow, since=since)
-    configs = store.fetch(ConfigRow, since=since)
+def fetch_range(store: Store, row_type: type[R], since: float | None,
+                until: float | None) -> list[R]:
+    """Rows of a type whose first time field lies in [since, until] (epoch seconds)."""
+    rows = store.fetch(row_type, since=since)
+    if until is None:
+        return rows
+    field = row_type.time_fields[0]  # type: ignore[attr-defined]
+    return [r for r in rows if getattr(r, field) <= until]
+
+
+def build_report(store: Store, *, since: float | None = None, until: float | None = None,
+                 recent_alerts: int = 20) -> dict[str, Any]:
+    """The report as plain data (what --json prints). `since`, `until`: epoch seconds."""
+    seqs = fetch_range(store, SequenceRow, since, until)
+    iters = fetch_range(store, IterationRow, since, until)
+    alerts = fetch_range(store, AlertRow, since, until)
+    configs = fetch_range(store, ConfigRow, since, until)
     counts = Counter((a.kind, a.tier) for a in alerts)
     latencies = [i.iteration_latency_ms for i in iters]
     return {
         "since": since,
+        "until": until,
         "overall": _group_summary(seqs),
         "tenants": [{"tenant": k, **_group_summary(v)} for k, v in _by(seqs, "tenant_id").items()],
         "tiers": [{"tier": k, **_group_summary(v)} for k, v in _by(seqs, "priority_tier").items()],
+        "tenant_tiers": [{"tenant": tenant, "tier": tier, **_group_summary(v)}
+                         for tenant, group in _by(seqs, "tenant_id").items()
+                         for tier, v in _by(group, "priority_tier").items()],
         "iterations": {
             "count": len(iters),
             "mean_batch_size": sum(i.batch_size for i in iters) / len(iters) if iters else 0.0,
@@ -139,18 +155,44 @@ def register(subparsers: Any) -> None:
                    help="the telemetry store: a SQLite path or a postgresql:// DSN")
     p.add_argument("--since", type=float, default=None, metavar="SECONDS",
                    help="only the last SECONDS (default: everything)")
+    p.add_argument("--start", type=_when, default=None, metavar="TIME",
+                   help="only from TIME: ISO 8601 (local time unless it says) or epoch seconds")
+    p.add_argument("--end", type=_when, default=None, metavar="TIME",
+                   help="only up to TIME (same forms as --start)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--html", default=None, metavar="OUT.html",
+                   help="also write an HTML report with PNG plots beside it (needs matplotlib)")
     p.set_defaults(func=main)
+
+
+def _when(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ISO 8601 (2026-12-01T13:05) or epoch seconds, got {text!r}") from None
 
 
 def main(args: argparse.Namespace) -> int:
     if not is_postgres_dsn(args.db) and not os.path.exists(args.db):
         print(f"everystop report: no telemetry database at {args.db}", file=sys.stderr)
         return 2
+    since = None if args.since is None else time.time() - args.since
+    if args.start is not None:
+        since = args.start if since is None else max(since, args.start)
+    until = args.end
     store = open_store(args.db)
     try:
-        since = None if args.since is None else time.time() - args.since
-        report = build_report(store, since=since)
+        report = build_report(store, since=since, until=until)
+        if args.html:
+            from everystop.telemetry.report_html import write_html_report
+
+            files = write_html_report(store, report, args.html)
+            print(f"everystop report: wrote {', '.join(files)}", file=sys.stderr)
     finally:
         store.close()
     if args.json:
