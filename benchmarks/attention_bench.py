@@ -17,16 +17,16 @@ Writes benchmarks/results/attention_bench.json and prints it.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from everystop.bench.machine import cpu_info, read_bandwidth_gb_s
+from everystop.bench.roofline import read_bandwidth_gb_s
 from everystop.executor.layers.attention import AttentionMetadata, paged_attention
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
+from everystop.results import write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SPREAD = 9, 3, 64, 16, 8, 4
 
@@ -106,12 +106,10 @@ def main() -> None:
                 "share_of_read_bandwidth": {k: v / read_gb_s for k, v in gb_s.items()}})
     report = {
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
-        "threads": args.threads, "torch": torch.__version__, "cpu": cpu_info(),
+        "threads": args.threads, "torch": torch.__version__,
         "read_bandwidth_gb_s": read_gb_s, "timing": "min over repeats", "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_result(report, args.out)
 
 
 if __name__ == "__main__":

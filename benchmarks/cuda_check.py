@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from bench_json import emit
+from everystop.results import write_result
 
 PROMPTS = [list(range(1000, 1037)), list(range(3000, 3003)), list(range(200, 290))]
 
@@ -126,7 +126,7 @@ def main() -> int:
     result["wall_s"] = time.perf_counter() - start
     c = result["correctness"]
     result["ok"] = all(v["ok"] for v in c.values())
-    emit(result, args.out)
+    write_result(result, args.out)
     return 0 if result["ok"] else 1
 
 

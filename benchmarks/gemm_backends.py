@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_json import emit
+from everystop.results import write_result
 
 # SmolLM2-135M: [out, in] of the fused projections.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -62,9 +60,9 @@ def main() -> None:
             got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
             candidates = {
-                "mkl_packed": lambda: torch.ops.mkl._mkl_linear(x, packed, stand_in, None, rows),
-                "mkl_sgemm": lambda: F.linear(x, w),
-                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                "mkl_packed": partial(torch.ops.mkl._mkl_linear, x, packed, stand_in, None, rows),
+                "mkl_sgemm": partial(F.linear, x, w),
+                "onednn": partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], ""),
             }
             for name, fn in candidates.items():
                 totals[name] = totals.get(name, 0.0) + cpu_best(fn)
@@ -73,11 +71,11 @@ def main() -> None:
                                          for name, t in totals.items()},
                         **{f"{name}_gflops_per_thread": round(flops / t / 1e9, 1)
                            for name, t in totals.items()}})
-    emit({"bench": "gemm-backends", "timing": "one thread's CPU time, best of "
+    write_result({"bench": "gemm-backends", "timing": "one thread's CPU time, best of "
           f"{args.repeats}", "shapes": SHAPES,
           "isa_env": {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
-          "load_avg": os.getloadavg(), "results": results}, args.out)
+          "results": results}, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from everystop.results import write_result
 from everystop.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,8 +154,7 @@ def main() -> int:
             "server_cmd": " ".join(cmd[1:]),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
+        write_result(result, args.out)
         return 0
     finally:
         if load is not None:

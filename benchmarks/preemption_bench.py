@@ -20,6 +20,7 @@ import statistics
 import time
 
 from everystop import LLM, SamplingParams
+from everystop.results import write_result
 
 MODES = ("recompute", "swap", "auto")
 
@@ -95,8 +96,7 @@ def main() -> None:
                            "output_tokens": sum(m for _, m in reqs)},
               "outputs_equal_across_modes": True, "rounds": rounds, "summary": summary}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(result, args.out, quiet=True)
     print(json.dumps(summary, indent=2))
 
 

@@ -22,6 +22,7 @@ from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler
+from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
 
 
@@ -100,8 +101,7 @@ def main() -> None:
         result["decode"] = bench_decode(dtype=args.dtype)
         print(json.dumps(result["decode"], indent=2))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(result, args.out, quiet=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ and runs an all-reduce and a gather on it, and says that equality was not checke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ from everystop import LLM, SamplingParams
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.executor.tp_executor import TensorParallelExecutor
 from everystop.executor.tp_group import create_store, encode_plan, send_message
+from everystop.results import write_result
 
 WORDS = ("every station the train stops and a few careful passengers step onto the platform "
          "while the small model writes notes about the weather").split()
@@ -146,9 +146,7 @@ def main() -> int:
                                                      "broadcast")},
         })
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(json.dumps(report, indent=2))
+    write_result(report, args.out)
     return 0 if report.get("tokens_equal", True) else 1
 
 

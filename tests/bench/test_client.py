@@ -9,7 +9,7 @@ import pytest
 
 from everystop.bench.client import ServeOptions, api_root, run_serve, send_schedule
 from everystop.bench.metrics import SLO
-from everystop.bench.workload import Workload, WorkloadRequest
+from everystop.workload import Workload, WorkloadRequest
 
 from .fake_sse_server import FakeServer
 

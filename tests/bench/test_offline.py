@@ -9,9 +9,9 @@ import pytest
 
 from everystop.bench.compare import CompareOptions, mode_options, run_compare
 from everystop.bench.offline import StepSample, run_engine, straggler_stats
-from everystop.bench.workload import LengthDist, WorkloadSpec, generate_workload
 from everystop.config import EngineConfig
 from everystop.engine.llm_engine import LLMEngine
+from everystop.workload import LengthDist, WorkloadSpec, generate_workload
 from tests.core.toy_executor import ToyExecutor
 from tests.engine.toy_engine import CharTokenizer
 
@@ -74,8 +74,8 @@ def test_static_mode_leaves_seats_empty_and_continuous_does_not_wait() -> None:
 
 
 def test_compare_writes_json_table_and_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from everystop.bench.plots import write_all
     from everystop.bench.table import markdown_report
+    from everystop.plots import write_compare_plots
     opts = CompareOptions(static_batch_size=4, loads=[0.5], chunk_budget=16, progress=False,
                           gate_delay_ms=2.0)
     out = tmp_path / "compare.json"
@@ -96,7 +96,7 @@ def test_compare_writes_json_table_and_plots(tmp_path) -> None:  # type: ignore[
     text = markdown_report(data, "everystop bench compare ...")
     assert "Continuous batching + chunked prefill" in text and "Static batching, bs=4" in text
     assert "of decode steps ran with more than half the batch already finished" in text
-    paths = write_all(data, tmp_path)
+    paths = write_compare_plots(data, tmp_path)
     assert all(p.stat().st_size > 1000 for p in paths)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from everystop.bench.client import ServeOptions
 from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
-from everystop.bench.workload import Workload, WorkloadRequest
+from everystop.workload import Workload, WorkloadRequest
 
 from .fake_sse_server import FakeServer
 

@@ -41,6 +41,9 @@ class ToyExecutor:
                                                          for _ in range(num_cpu_blocks)]
         self.num_steps = 0
 
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 

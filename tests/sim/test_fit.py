@@ -1,14 +1,15 @@
 """Fitting the cost model to measured iterations (synthetic measurements here)."""
 
+import argparse
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
+from everystop.sim import calibrate as sim_calibrate
 from everystop.sim.cost_model import Coefficients, CostModel, IterationShape
 from everystop.sim.fit import fit_coefficients, profile_shapes
 from everystop.sim.specs import load_model
+from everystop.workload import resolve_workload
 
 SMOL = load_model("smollm2-135m")
 TRUE = Coefficients(sec_per_flop=1 / 25e9, sec_per_byte=1 / 6e9, overhead_s=0.004,
@@ -52,17 +53,12 @@ def test_minimal_record_format_is_accepted():
 
 
 def test_calibration_pipeline_predicts_another_workload():
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    try:
-        import sim_calibrate
-    finally:
-        sys.path.pop(0)
     model = SMOL
-    args = sim_calibrate.argparse.Namespace(num_gpu_blocks=None, kv_cache_memory=float(1 << 30),
+    args = argparse.Namespace(num_gpu_blocks=None, kv_cache_memory=float(1 << 30),
                                             max_num_seqs=16, max_num_batched_tokens=512,
                                             chunk_size=128, max_model_len=1024)
     setup = sim_calibrate.cpu_setup(model, args)
-    workload = sim_calibrate.resolve_workload("n=24,prompt=uniform:16:200,output=uniform:4:40,"
+    workload = resolve_workload("n=24,prompt=uniform:16:200,output=uniform:4:40,"
                                               "rate=0.5,seed=4")
     truth = sim_calibrate.self_test(model, workload, setup, seed=3)
     coeffs, _ = fit_coefficients(model, truth["records"])

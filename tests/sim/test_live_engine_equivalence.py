@@ -13,7 +13,7 @@ from everystop.core.request import Request
 from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
 from everystop.sim.simulator import SimResult, SimSetup, simulate
-from everystop.sim.workload import Workload, prompt_token_ids, synthetic
+from everystop.workload import Workload, synthetic, synthetic_prompt_ids
 
 from ..core.helpers import FakeClock
 from ..core.toy_executor import ToyExecutor
@@ -49,6 +49,9 @@ class ReplayExecutor:
         self.num_passes += 1
         return result
 
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -80,7 +83,7 @@ def _live_engine(workload: Workload, setup: SimSetup, latencies: list[float]):
         while i < len(pending) and pending[i][1].arrival_s <= clock.now:
             k, spec = pending[i]
             engine.add_request(Request(
-                spec.request_id, prompt_token_ids(spec, k),
+                spec.id, synthetic_prompt_ids(spec, k),
                 SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
                 arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant))
             i += 1

@@ -11,7 +11,7 @@ from everystop.sampling_params import SamplingParams
 from everystop.sim.metrics import cost_per_million, percentile, summarize
 from everystop.sim.node import build_node
 from everystop.sim.simulator import SimSetup, simulate
-from everystop.sim.workload import prompt_token_ids, synthetic
+from everystop.workload import synthetic, synthetic_prompt_ids
 
 from ..core.helpers import FakeClock
 from ..core.toy_executor import ToyExecutor
@@ -38,7 +38,7 @@ def _engine_loop(workload, setup, latencies):
     while i < len(pending) or sched.has_unfinished:
         while i < len(pending) and pending[i][1].arrival_s <= clock.now:
             k, spec = pending[i]
-            sched.add_request(Request(spec.request_id, prompt_token_ids(spec, k),
+            sched.add_request(Request(spec.id, synthetic_prompt_ids(spec, k),
                                       SamplingParams(max_tokens=spec.max_tokens, temperature=0,
                                                      ignore_eos=True),
                                       arrival_time=spec.arrival_s, priority=spec.priority,
@@ -73,7 +73,7 @@ def test_same_batches_as_an_engine_loop(chunked, mode):
     assert engine_batches == sim_batches
     assert all(r.num_output_tokens == s.max_tokens
                for r, s in zip(sorted(result.requests, key=lambda r: r.request_id),
-                               sorted(workload.requests, key=lambda s: s.request_id)))
+                               sorted(workload.requests, key=lambda s: s.id)))
 
 
 def test_prefix_groups_hit_the_prefix_cache():

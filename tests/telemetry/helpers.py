@@ -51,5 +51,8 @@ class SlowExecutor:
         time.sleep(self.pause_s)
         return self.inner.execute(sched)
 
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass

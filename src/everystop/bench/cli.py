@@ -1,9 +1,11 @@
-"""`everystop bench {workload,serve,compare,gate,report}`."""
+"""`everystop bench {workload,serve,compare,gate,sweep,report}` and the measurements
+`everystop bench {throughput,profile,roofline,vs-llamacpp,sim-calibrate}`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import shlex
 import sys
@@ -11,6 +13,37 @@ from pathlib import Path
 from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
+from everystop.workload import TextTokenizer
+
+# Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
+# and run(args), help). Each writes one result JSON (everystop.results.write_result).
+MEASUREMENTS = [
+    ("throughput", "everystop.bench.throughput", "offline throughput on the 128-request workload, "
+     "or single-stream decode latency"),
+    ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
+    ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
+    ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
+    ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
+     "this machine's engine and check its predictions"),
+]
+
+
+def script_main(name: str) -> None:
+    """The body of a thin benchmarks/ script: `everystop bench NAME` with the script's flags."""
+    module = importlib.import_module(dict((n, m) for n, m, _ in MEASUREMENTS)[name])
+    ap = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+    module.add_arguments(ap)
+    raise SystemExit(module.run(ap.parse_args()))
+
+
+def default_tokenizer() -> TextTokenizer | None:
+    """The engine's default-model tokenizer, or None when the model or its loader is missing
+    (workloads then slice words and estimate lengths)."""
+    try:
+        from everystop.tokenizer import load_tokenizer
+        return load_tokenizer()
+    except Exception:  # any failure: no tokenizer, slice words instead
+        return None
 
 
 def register(subparsers: Any) -> None:
@@ -22,6 +55,12 @@ def register(subparsers: Any) -> None:
     _compare_parser(sub)
     _gate_parser(sub)
     _sweep_parser(sub)
+    for name, module_name, help_text in MEASUREMENTS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
     rep.add_argument("compare_json")
     rep.add_argument("--out-dir", default=None, help="default: next to the JSON")
@@ -36,7 +75,8 @@ def _workload_parser(sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", default="uniform:32:512",
-                   help="fixed:N | uniform:A:B | log_uniform:A:B (tokens)")
+                   help="fixed:N | uniform:A:B | log_uniform:A:B | lognormal:MEDIAN:SIGMA"
+                   "[:MAX | :MIN:MAX] (tokens; the syntax of everystop.workload)")
     p.add_argument("--output-len", default="log_uniform:16:256")
     p.add_argument("--prefix-fraction", type=float, default=0.0,
                    help="fraction of requests that start with a shared prefix")
@@ -55,7 +95,7 @@ def _weights(text: str) -> dict[str, float]:
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
-    from everystop.bench.workload import LengthDist, WorkloadSpec, generate_workload
+    from everystop.workload import LengthDist, WorkloadSpec, generate_workload
     spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed,
                         prompt_len=LengthDist.parse(args.prompt_len),
                         output_len=LengthDist.parse(args.output_len),
@@ -64,7 +104,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
                         tenants=_weights(args.tenants), rate=args.rate,
                         burstiness=args.burstiness)
     wl = generate_workload(spec, args.name or Path(args.out).stem,
-                           tokenizer="default" if args.tokenizer == "default" else None)
+                           tokenizer=default_tokenizer() if args.tokenizer == "default" else None)
     wl.save(args.out)
     lens = [r.prompt_len for r in wl.requests]
     print(f"wrote {args.out}: {len(wl.requests)} requests, prompt tokens {min(lens)}..{max(lens)} "
@@ -106,7 +146,7 @@ def _serve_parser(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions, run_serve
-    from everystop.bench.workload import load_workload
+    from everystop.workload import load_workload
     wl = load_workload(args.workload)
     if args.num_requests:
         wl = wl.head(args.num_requests)
@@ -156,7 +196,7 @@ def _sweep_parser(sub: Any) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions
     from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
-    from everystop.bench.workload import default_tokenizer, load_workload
+    from everystop.workload import load_workload
     targets = dict(t.split("=", 1) for t in args.target)
     wl = load_workload(args.workload)
     if args.num_requests:
@@ -227,7 +267,7 @@ def _compare_parser(sub: Any) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     from everystop.bench.compare import CompareOptions, run_compare, shared_model_factory
     from everystop.bench.table import machine_description
-    from everystop.bench.workload import load_workload
+    from everystop.workload import load_workload
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -267,12 +307,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _render(data: dict[str, Any], out_dir: Path, command: str) -> None:
-    from everystop.bench.plots import write_all
     from everystop.bench.table import markdown_report
+    from everystop.plots import write_compare_plots
     text = markdown_report(data, command)
     (out_dir / "README.md").write_text(text)
     print(text)
-    for path in write_all(data, out_dir):
+    for path in write_compare_plots(data, out_dir):
         print(f"wrote {path}")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from everystop.bench.metrics import SLO, RequestResult, full_report
-from everystop.bench.workload import Workload, WorkloadRequest, arrival_offsets
+from everystop.workload import Workload, WorkloadRequest, arrival_offsets
 
 
 @dataclass

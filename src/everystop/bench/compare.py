@@ -27,7 +27,7 @@ from typing import Any
 
 from everystop.bench.metrics import SLO, full_report
 from everystop.bench.offline import EngineRun, run_engine, straggler_stats, warm_up
-from everystop.bench.workload import Workload, arrival_offsets
+from everystop.workload import Workload, arrival_offsets
 
 ENGINE_MODES = ("static", "continuous", "chunked", "prefix")
 
@@ -219,8 +219,10 @@ def shared_model_factory(base_options: dict[str, Any], max_budget: int) -> Engin
             probe = EngineConfig.from_options(**{**base_options,
                                                  "max_num_batched_tokens": max_budget})
             first = LLMEngine.from_config(probe)
-            shared.append((first.executor, first.tokenizer, first.scheduler.cost_model))
-        executor, tokenizer, cost_model = shared[0]
-        return LLMEngine(config, executor, tokenizer, cost_model=cost_model)
+            shared.append((first.executor, first.tokenizer, first.scheduler.cost_model,
+                           first.model_path))
+        executor, tokenizer, cost_model, model_path = shared[0]
+        return LLMEngine(config, executor, tokenizer, cost_model=cost_model,
+                         model_path=model_path)
 
     return build

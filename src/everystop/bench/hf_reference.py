@@ -14,7 +14,7 @@ from typing import Any
 
 from everystop.bench.metrics import RequestResult
 from everystop.bench.offline import EngineRun, StepSample
-from everystop.bench.workload import Workload
+from everystop.workload import Workload
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from everystop.bench.metrics import RequestResult
-from everystop.bench.workload import Workload
 from everystop.core.outputs import IterationRecord, SchedulerOutput
 from everystop.sampling_params import SamplingParams
+from everystop.workload import Workload
 
 
 @dataclass

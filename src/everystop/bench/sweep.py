@@ -16,7 +16,7 @@ from typing import Any
 
 from everystop.bench.client import ServeOptions, run_serve
 from everystop.bench.table import machine_description
-from everystop.bench.workload import Workload
+from everystop.workload import Workload
 
 METRICS = (  # (label, summary key, field) plotted against offered load
     ("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p99 (ms)", "ttft_ms", "p99"),
@@ -63,9 +63,9 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
 
 def plot_sweep(data: dict[str, Any], path: Path) -> Path:
     """One panel per metric, one line per target, offered load on x."""
-    from everystop.bench.plots import _plt
+    from everystop.plots import pyplot, save
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (label, key, field) in zip(axes.flat, METRICS):
         for name, by_load in data["runs"].items():
@@ -79,8 +79,4 @@ def plot_sweep(data: dict[str, Any], path: Path) -> Path:
     meta = data["meta"]
     fig.suptitle(f"{meta['workload']} ({meta['num_requests']} requests) on {meta['machine']}",
                  fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from everystop.config import SchedulerConfig
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.core.request import Request
 from everystop.core.step_budget import StepBudget
@@ -26,6 +27,23 @@ class PassBuilder:
     @property
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills)
+
+    def prefill_size(self, cfg: SchedulerConfig, req: Request, start: int) -> int:
+        """Prefill tokens `req` gets this pass from position `start` (see core/step_budget.py
+        for the time budget and the anti-starvation floor)."""
+        remaining = req.num_tokens - start
+        if self.budget.tokens_left <= 0 or remaining <= 0:
+            return 0
+        waited_since = req.preemption_times[-1] if req.preemption_times else req.arrival_time
+        starving = self.now - waited_since >= cfg.aging_interval_s
+        if cfg.enable_chunked_prefill:
+            return min(remaining, cfg.chunk_size, self.budget.room(start, starving))
+        # Whole prompts only; one oversized prompt may run alone, a starving one may overshoot
+        # the target (a floor chunk cannot help a prompt that must run whole).
+        room = self.budget.tokens_left if starving else self.budget.room(start)
+        if remaining <= room or self.is_empty:
+            return remaining
+        return 0
 
     def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
         """Schedule tokens num_computed_tokens .. +n of `req`."""

@@ -66,6 +66,24 @@ class Request:
     # Logprobs of prompt tokens 1.. as prefill chunks score them (prompt_logprobs requests).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
+    def keep_prompt_logprobs(self, start: int, scored: list[TokenLogprob]) -> None:
+        """Append the part of a chunk's prompt logprobs not yet kept: entry k scores prompt
+        token start + k + 1; a recomputed prefill (after preemption) repeats what is kept."""
+        have = len(self.prompt_logprobs)
+        if start <= have < start + len(scored):
+            self.prompt_logprobs.extend(scored[have - start:])
+
+    def stop_status(self, token: int, max_len: int) -> RequestStatus | None:
+        """How the request ends with `token` just appended (None: it goes on)."""
+        params = self.sampling_params
+        if not params.ignore_eos and token == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -35,7 +35,6 @@ from everystop.core.outputs import (
     RequestUpdate,
     SchedulerOutput,
     SchedulerStats,
-    TokenLogprob,
 )
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.preemption import (
@@ -162,7 +161,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.request_id in step.decodes:
                 continue
-            n = self._prefill_size(step, req, req.num_computed_tokens)
+            n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
                 self._emit(step, req, n)
 
@@ -203,27 +202,10 @@ class Scheduler:
             self.kv.forget(req)
         self._padding.clear()
 
-    def _prefill_size(self, step: PassBuilder, req: Request, start: int) -> int:
-        """Prefill tokens `req` gets this pass from position `start` (see core/step_budget.py
-        for the time budget and the anti-starvation floor)."""
-        remaining = req.num_tokens - start
-        if step.budget.tokens_left <= 0 or remaining <= 0:
-            return 0
-        waited_since = req.preemption_times[-1] if req.preemption_times else req.arrival_time
-        starving = step.now - waited_since >= self.config.aging_interval_s
-        if self.config.enable_chunked_prefill:
-            return min(remaining, self.config.chunk_size, step.budget.room(start, starving))
-        # Whole prompts only; one oversized prompt may run alone, a starving one may overshoot
-        # the target (a floor chunk cannot help a prompt that must run whole).
-        room = step.budget.tokens_left if starving else step.budget.room(start)
-        if remaining <= room or step.is_empty:
-            return remaining
-        return 0
-
     def _admit_swapped(self, step: PassBuilder) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped.peek()
-            n = self._prefill_size(step, req, req.num_computed_tokens)
+            n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if not n or not self.kv.can_swap_in(req, n):
                 return
             self.swapped.pop()
@@ -238,7 +220,7 @@ class Scheduler:
                     req, step):
                 return
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            n = self._prefill_size(step, req, len(computed) * self.kv.block_size)
+            n = step.prefill_size(self.config, req, len(computed) * self.kv.block_size)
             if not n:
                 return
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
@@ -340,7 +322,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(req)
             scored = result.prompt_logprobs.get(entry.request_id)
             if scored:
-                _keep_prompt_logprobs(req, entry.start_pos, scored)
+                req.keep_prompt_logprobs(entry.start_pos, scored)
             if not entry.sample:
                 continue
             token = result.sampled_token_ids[entry.request_id]
@@ -353,7 +335,7 @@ class Scheduler:
             lp = result.logprobs.get(entry.request_id)
             if lp is not None:
                 update.new_logprobs.append(lp)
-            status = self._stop_status(req, token)
+            status = req.stop_status(token, model_len_limit(self.config, self.kv))
             if status is not None:
                 if status == RequestStatus.FINISHED_STOPPED:
                     update.stop_token_id = token
@@ -361,17 +343,6 @@ class Scheduler:
                 update.finish_reason = status.finish_reason
             updates.append(update)
         return updates
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if not params.ignore_eos and token == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if (req.num_output_tokens >= params.max_tokens
-                or req.num_tokens >= model_len_limit(self.config, self.kv)):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Free the request's blocks and slot now, whatever state it was in (a static batch
@@ -420,11 +391,3 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants tests assert after every step (core/invariants.py)."""
         check_scheduler_integrity(self)
-
-
-def _keep_prompt_logprobs(req: Request, start: int, scored: list[TokenLogprob]) -> None:
-    """Append the part of a chunk's prompt logprobs not yet kept: entry k scores prompt token
-    start + k + 1; a recomputed prefill (after preemption) repeats what is already kept."""
-    have = len(req.prompt_logprobs)
-    if start <= have < start + len(scored):
-        req.prompt_logprobs.extend(scored[have - start:])

@@ -46,9 +46,11 @@ _NO_LOCK: AbstractContextManager[Any] = contextlib.nullcontext()
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: EngineTokenizer, *,
                  cost_model: PreemptionCostModel | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 model_path: str | None = None) -> None:
         self.config = config
         self.executor = executor
+        self._model_path = model_path
         self.tokenizer = tokenizer
         self.clock = clock
         cache = config.cache
@@ -78,7 +80,8 @@ class LLMEngine:
         cost_model = executor.preemption_cost_model()
         logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
         logger.info("preemption costs: %s", cost_model)
-        engine = cls(config, executor, tokenizer, cost_model=cost_model)
+        engine = cls(config, executor, tokenizer, cost_model=cost_model,
+                     model_path=executor.model_path)
         sched = engine.scheduler
         logger.info("step cost prior (s per unit): %s; TPOT target when none is set: %.0f ms "
                     "(configured: %s ms, per tier %s)", sched.step_cost.coefficients.to_dict(),
@@ -228,9 +231,7 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise if the executor has died (a tensor-parallel worker gone)."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -259,7 +260,7 @@ class LLMEngine:
     @property
     def model_path(self) -> str | None:
         """Where the weights came from (None for executors without a model, e.g. toys)."""
-        return getattr(self.executor, "model_path", None)
+        return self._model_path
 
     def stats(self) -> SchedulerStats:
         """Queues, KV pool, counters and the step budget (fitted step cost, prefill budget)."""

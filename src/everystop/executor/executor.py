@@ -1,21 +1,24 @@
-"""The executor interface the engine drives, and the in-process implementation.
+"""The executor interface the engine drives, the base every model executor shares, and the
+in-process implementation.
 
 Tensor-parallel (multi-process) executors and the simulator implement the same protocol.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from everystop.config import CacheConfig, EngineConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.preemption import PreemptionCostModel
 
+if TYPE_CHECKING:
+    from everystop.executor.model_runner import ModelRunner
+
 
 class Executor(Protocol):
     """Runs scheduled steps: all the engine's loop needs (toy and simulated executors too).
-    Block counts are fixed once constructed. An executor may also offer `check_health()`,
-    which raises once it can no longer run steps (the engine calls it while idle)."""
+    Block counts are fixed once constructed."""
 
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -25,6 +28,10 @@ class Executor(Protocol):
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Do the step's swaps, run its tokens, and return one token per sampled sequence."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise once the executor can no longer run steps (the engine calls it while idle)."""
         ...
 
     def shutdown(self) -> None:
@@ -51,20 +58,19 @@ class ModelExecutor(Executor, Protocol):
         ...
 
 
-class LocalExecutor:
-    """A ModelRunner in this process, on one device."""
+class RunnerExecutor:
+    """What every model executor shares: rank 0's ModelRunner, the limits it derived, and the
+    capacity and cost questions answered from it. Subclasses build the runner, then `_adopt` it;
+    `_measure_prefill` is the hook a multi-rank executor overrides to time all ranks."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 max_model_len: int | None, max_num_batched_tokens: int = 2048) -> None:
-        from everystop.executor.model_runner import ModelRunner  # imports torch
-        from everystop.executor.models.loader import resolve_model_path
+    model_path: str
+    runner: ModelRunner | None = None
 
-        self.model_path = resolve_model_path(model_config.model)
-        self.runner: ModelRunner | None = ModelRunner(model_config, cache_config, max_model_len,
-                                                      max_num_batched_tokens)
-        self._num_gpu_blocks = self.runner.num_gpu_blocks
-        self._num_cpu_blocks = self.runner.num_cpu_blocks
-        self._max_model_len = self.runner.max_model_len
+    def _adopt(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._num_gpu_blocks = runner.num_gpu_blocks
+        self._num_cpu_blocks = runner.num_cpu_blocks
+        self._max_model_len = runner.max_model_len
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -78,24 +84,46 @@ class LocalExecutor:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def _live_runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("executor was shut down")
-        return self.runner.execute(sched)
+        return self.runner
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self._live_runner().execute(sched)
 
     def describe_capacity(self) -> str:
         return self.runner.describe_capacity() if self.runner else "executor shut down"
 
+    def _measure_prefill(self, runner: ModelRunner) -> float:
+        return runner.measure_prefill_tokens_per_s()
+
     def preemption_cost_model(self) -> PreemptionCostModel:
-        """Recompute vs swap costs measured on this model and device, now."""
-        assert self.runner is not None
-        return PreemptionCostModel(
-            prefill_tokens_per_s=self.runner.measure_prefill_tokens_per_s(),
-            swap_bytes_per_s=self.runner.measure_swap_bytes_per_s(),
-            bytes_per_block=self.runner.bytes_per_block)
+        """Recompute vs swap costs measured on this model and device, now (swap bandwidth and
+        block bytes are rank 0's: the ranks swap their slices in parallel)."""
+        runner = self._live_runner()
+        return PreemptionCostModel(prefill_tokens_per_s=self._measure_prefill(runner),
+                                   swap_bytes_per_s=runner.measure_swap_bytes_per_s(),
+                                   bytes_per_block=runner.bytes_per_block)
+
+    def check_health(self) -> None:
+        """One process: healthy while it runs."""
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+class LocalExecutor(RunnerExecutor):
+    """A ModelRunner in this process, on one device."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_model_len: int | None, max_num_batched_tokens: int = 2048) -> None:
+        from everystop.executor.model_runner import ModelRunner  # imports torch
+        from everystop.executor.models.loader import resolve_model_path
+
+        self.model_path = resolve_model_path(model_config.model)
+        self._adopt(ModelRunner(model_config, cache_config, max_model_len,
+                                max_num_batched_tokens))
 
 
 def create_executor(config: EngineConfig) -> ModelExecutor:

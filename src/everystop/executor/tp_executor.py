@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from everystop.config import ConfigError, EngineConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
-from everystop.core.preemption import PreemptionCostModel
+from everystop.executor.executor import RunnerExecutor
 from everystop.executor.model_runner import ModelRunner
 from everystop.executor.models.loader import ModelLoadError, resolve_model_path
 from everystop.executor.tp_group import abort, connect, create_store, encode_plan, send_message
@@ -43,7 +43,7 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died, hung or failed: the engine cannot continue."""
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(RunnerExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = world = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.collective_timeout_s
@@ -57,7 +57,6 @@ class TensorParallelExecutor:
         self._store = create_store(world, self.timeout_s)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
-        self.runner: ModelRunner | None = None
         try:
             self._spawn(config)
             self._await_hello()
@@ -69,15 +68,12 @@ class TensorParallelExecutor:
                                                      self.timeout_s))
             model = dataclasses.replace(config.model, model=self.model_path,
                                         device=str(rank0))
-            self.runner = self._guarded(lambda: ModelRunner(
+            self._adopt(self._guarded(lambda: ModelRunner(
                 model, config.cache, config.scheduler.max_model_len,
-                config.scheduler.max_num_batched_tokens, parallel=self.ctx))
+                config.scheduler.max_num_batched_tokens, parallel=self.ctx)))
         except BaseException:
             self.shutdown()
             raise
-        self._num_gpu_blocks = self.runner.num_gpu_blocks
-        self._num_cpu_blocks = self.runner.num_cpu_blocks
-        self._max_model_len = self.runner.max_model_len
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -169,19 +165,7 @@ class TensorParallelExecutor:
         if self.failure is not None:
             raise TensorParallelError(self.failure)
 
-    # --- the Executor protocol --------------------------------------------------------------
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self._num_gpu_blocks
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._num_cpu_blocks
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+    # --- the Executor protocol (the rest is RunnerExecutor's) -------------------------------
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         runner = self._live_runner()
@@ -208,24 +192,15 @@ class TensorParallelExecutor:
     def describe_capacity(self) -> str:
         return (f"tensor-parallel x{self.world_size}; " + self._live_runner().describe_capacity())
 
-    def preemption_cost_model(self) -> PreemptionCostModel:
-        """Prefill measured across all ranks; swap bandwidth and block bytes of rank 0's shard
-        (the largest: the ranks swap their slices in parallel)."""
-        runner = self._live_runner()
+    def _measure_prefill(self, runner: ModelRunner) -> float:
+        """Prefill timed across all ranks (each runs its shard of the same pass)."""
         num_tokens = 64
 
         def measure() -> float:
             send_message(self.ctx, ("measure_prefill", num_tokens))
             return runner.measure_prefill_tokens_per_s(num_tokens)
 
-        return PreemptionCostModel(prefill_tokens_per_s=self._guarded(measure),
-                                   swap_bytes_per_s=runner.measure_swap_bytes_per_s(),
-                                   bytes_per_block=runner.bytes_per_block)
-
-    def _live_runner(self) -> ModelRunner:
-        if self.runner is None:
-            raise RuntimeError("executor was shut down")
-        return self.runner
+        return self._guarded(measure)
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and reap them. Safe to call twice."""

@@ -1,8 +1,11 @@
-"""`everystop simulate`: the real scheduler on a modeled node, with a discrete-event clock."""
+"""`everystop simulate`: the real scheduler on a modeled node, with a discrete-event clock;
+`everystop simulate report` (the simulator report) and `everystop simulate calibrate` (fit the
+cost model to measured iterations)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -12,7 +15,7 @@ from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import hardware_keys, model_keys
-from everystop.sim.workload import resolve_workload
+from everystop.workload import resolve_workload
 
 WORKLOAD_HELP = ("workload JSON file, or a synthetic spec such as "
                  "'n=512,prompt=uniform:128:1024,output=uniform:20:800,rate=4,seed=0' "
@@ -27,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-3-70b", choices=model_keys())
     p.add_argument("--hardware", default="a100-80gb", choices=hardware_keys())
     p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--workload", required=True, help=WORKLOAD_HELP)
+    p.add_argument("--workload", help=WORKLOAD_HELP + " (required to simulate)")
     p.add_argument("--scheduling", default="chunked", choices=SCHEDULING_MODES)
     p.add_argument("--rate", type=float, default=None,
                    help="override arrivals with Poisson arrivals at R requests/s (0 = all at t=0)")
@@ -51,10 +54,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory for JSON and PNG plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="arrival seed for --rate")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, simulate_parser=p)
+    sub = p.add_subparsers(dest="simulate_command", metavar="{report,calibrate}")
+    for name, module_name, help_text in SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=help_text, description=module.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(func=module.run)
+
+
+# (subcommand, module with add_arguments(parser) and run(args), help)
+SUBCOMMANDS = [
+    ("report", "everystop.sim.design_report", "regenerate docs/simulator-report.md, its plots "
+     "and benchmarks/results/sim/report.json"),
+    ("calibrate", "everystop.sim.calibrate", "fit the cost model to measured iterations (or a "
+     "synthetic self-test) and predict another workload"),
+]
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.workload:
+        args.simulate_parser.error("--workload is required (or a subcommand: report, calibrate)")
     overrides = {k: v for k, v in (("eff_compute", args.eff_compute),
                                    ("eff_memory", args.eff_memory)) if v is not None}
     tpot: dict[str, object] = {}

@@ -26,7 +26,7 @@ from everystop.core.scheduler import QueueFull, RequestRejected, Scheduler
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import IterationShape
 from everystop.sim.sim_executor import IterationRecord, SimClock, SimExecutor
-from everystop.sim.workload import Workload, prompt_token_ids
+from everystop.workload import Workload, synthetic_prompt_ids
 
 
 class StepEngine(Protocol):
@@ -104,28 +104,29 @@ def simulate(workload: Workload, setup: SimSetup,
                         watermark=setup.watermark)
     sched = Scheduler(setup.scheduler, kv, cost_model=setup.preemption_cost, clock=clock)
     engine = engine_factory(sched, executor)
-    order = sorted(range(len(workload.requests)), key=lambda k: workload.requests[k].arrival_s)
+    arrivals = [r.arrival_s or 0.0 for r in workload.requests]  # None: at t=0
+    order = sorted(range(len(workload.requests)), key=arrivals.__getitem__)
     pending = [(workload.requests[k], k) for k in order]
     requests: list[Request] = []
     rejected: dict[str, str] = {}
     occupancy: list[Occupancy] = []
     i = 0
     while i < len(pending) or sched.has_unfinished:
-        while i < len(pending) and pending[i][0].arrival_s <= clock.now:
+        while i < len(pending) and arrivals[pending[i][1]] <= clock.now:
             spec, index = pending[i]
-            req = Request(spec.request_id, prompt_token_ids(spec, index),
+            req = Request(spec.id, synthetic_prompt_ids(spec, index),
                           SamplingParams(max_tokens=spec.max_tokens, temperature=0.0,
                                          ignore_eos=True),
-                          arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant)
+                          arrival_time=arrivals[index], priority=spec.priority, tenant=spec.tenant)
             try:
                 engine.add_request(req)
                 requests.append(req)
             except (RequestRejected, QueueFull) as exc:
-                rejected[spec.request_id] = str(exc)
+                rejected[spec.id] = str(exc)
             i += 1
         if not sched.has_unfinished:
             if i < len(pending):
-                clock.now = max(clock.now, pending[i][0].arrival_s)
+                clock.now = max(clock.now, arrivals[pending[i][1]])
             continue
         ran_before = len(executor.records)
         engine.step()
@@ -138,7 +139,7 @@ def simulate(workload: Workload, setup: SimSetup,
                                        len(sched.waiting) + len(sched.preempted),
                                        len(sched.swapped), kv.pool.usage()))
             continue
-        clock.now = _next_event(sched, pending[i][0].arrival_s if i < len(pending) else None,
+        clock.now = _next_event(sched, arrivals[pending[i][1]] if i < len(pending) else None,
                                 clock.now)
     return SimResult(requests=requests, rejected=rejected, iterations=executor.records,
                      occupancy=occupancy, num_preemptions=dict(sched.num_preemptions),

@@ -1,4 +1,5 @@
-"""Calibrate the simulator against the real engine on this machine, then predict a new workload.
+"""`everystop bench sim-calibrate`: calibrate the simulator against the real engine on this
+machine, then predict a new workload.
 
 1. Profile: run the real engine (default model, float32, CPU) over rounds of requests that all
    arrive at once - a grid of batch sizes x prompt lengths, short outputs - and log every pass's
@@ -15,8 +16,7 @@
    probe of fixed profile shapes measures how fast the machine is at that moment against the
    model (reported; `--scale-by-probe` also scales that run's prediction by it).
 
-    PYTHONPATH=src python benchmarks/sim_calibrate_real.py \
-        --out benchmarks/results/sim/calibration_real.json
+    everystop bench sim-calibrate --out benchmarks/results/sim/calibration_real.json
 
 Timings only mean something on a quiet machine: the 1-minute load average at start and end, the
 share of the cores other processes used during each phase, and the torch thread count go into
@@ -30,20 +30,20 @@ import json
 import os
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
 from everystop.config import EngineConfig
 from everystop.engine.llm_engine import LLMEngine
+from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import CostModel, IterationShape
 from everystop.sim.fit import fit_coefficients
 from everystop.sim.metrics import summarize
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.sim.specs import load_model
-from everystop.sim.workload import Workload, synthetic
 from everystop.stats import percentile
+from everystop.workload import Workload, synthetic
 
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 GOAL_KEYS = KEYS[:3]  # the goal: these within 10%
@@ -133,7 +133,7 @@ def profile(engine: LLMEngine, rounds: list[tuple[int, int, int]], rng: random.R
 def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
     """Real-time replay of `workload`; the same summary keys as the simulator's `summarize`."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
-    prompts = {r.request_id: random_prompt(r.prompt_len, rng) for r in reqs}
+    prompts = {r.id: random_prompt(r.prompt_len, rng) for r in reqs}
     done = {}
     t0 = time.monotonic()
     i = 0
@@ -141,8 +141,8 @@ def run_live(engine: LLMEngine, workload: Workload, rng: random.Random) -> dict:
         now = time.monotonic()
         while i < len(reqs) and t0 + reqs[i].arrival_s <= now:
             r = reqs[i]
-            engine.add_request(prompts[r.request_id], params(r.max_tokens),
-                               request_id=r.request_id, arrival_time=t0 + r.arrival_s)
+            engine.add_request(prompts[r.id], params(r.max_tokens),
+                               request_id=r.id, arrival_time=t0 + r.arrival_s)
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + reqs[i].arrival_s - time.monotonic()))
@@ -250,8 +250,7 @@ def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
             "total_time_rel_error": round((total - measured) / measured, 4)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     # 192 requests per run: a p99 over 48 rested on one request.
     p.add_argument("--workload", default="n=192,prompt=uniform:16:200,output=uniform:4:32,seed=7",
                    help="synthetic spec of the measured workload (no rate: see --load)")
@@ -278,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the fitted model as is; the probe is only reported)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers meaningless)")
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batches, args.prompts, args.profile_output = "1,4", "16,48", 3
         args.workload = "n=6,prompt=uniform:8:40,output=uniform:2:6,seed=7"
@@ -367,8 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_avg_1m_end"] = load_avg()
     report.update({
         "mode": "real engine" + (" (--quick smoke run: numbers meaningless)" if args.quick else ""),
-        "command": "PYTHONPATH=src python benchmarks/sim_calibrate_real.py " + " ".join(
-            a for a in (argv if argv is not None else sys.argv[1:])),
         "model": "SmolLM2-135M-Instruct (default GGUF), float32, CPU",
         "engine": {"max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -403,17 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_records": calib,
     })
     engine.shutdown()
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    summary = {k: report[k] for k in ("machine", "fit", "workload", "measured", "predicted",
-                                      "relative_error", "within_10pct",
+    report = write_result(report, args.out, quiet=True)
+    summary = {k: report[k] for k in ("command", "machine", "fit", "workload", "measured",
+                                      "predicted", "relative_error", "within_10pct",
                                       "live_runs_within_10pct", "holdout_passes",
                                       "total_wall_s")}
     print(json.dumps(summary, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
-"""Regenerate docs/simulator-report.md, its plots (docs/img/sim-*.png) and the raw numbers
-(benchmarks/results/sim/report.json):
+"""`everystop simulate report`: regenerate docs/simulator-report.md, its plots
+(docs/img/sim-*.png) and the raw numbers (benchmarks/results/sim/report.json):
 
-    PYTHONPATH=src python benchmarks/sim_report.py
-    PYTHONPATH=src python benchmarks/sim_report.py --markdown-only   # after a new calibration
+    everystop simulate report
+    everystop simulate report --markdown-only   # after a new calibration
 
 Llama-3-70B BF16 on 4x A100 80GB (TP=4) through the real Scheduler/KVCacheManager: the design's
 capacity arithmetic, the physical bounds of its targets, and its comparison table re-derived.
@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+from typing import Any
 
+from everystop.plots import pyplot, save
+from everystop.results import write_result
 from everystop.sim.bounds import target_bounds
 from everystop.sim.capacity import design_capacity_table
 from everystop.sim.cost_model import CostModel, decode_shape
 from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node
-from everystop.sim.report import _pyplot, plot_latency_cdf, plot_occupancy, write_json
+from everystop.sim.report import plot_latency_cdf, plot_occupancy
+from everystop.sim.report_md import render
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import load_hardware, load_model
-from everystop.sim.workload import synthetic
+from everystop.workload import synthetic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and benchmarks/ live there
 WORKLOAD = "n=800,prompt=uniform:128:1024,output=uniform:20:800,seed=1"
 MODES = [  # label, scheduling, extra scheduler options
     ("Static batching, bs=32", "static", {"max_batch_size": 32}),
@@ -36,9 +39,6 @@ MODES = [  # label, scheduling, extra scheduler options
     ("Continuous + chunked prefill, TPOT target 40 ms (budget 2048, chunk 512)", "chunked",
      {"tpot_target_ms": 40.0}),
 ]
-DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
-          "continuous": ("6,200", "$0.37", "~450 ms", "17 ms"),
-          "chunked": ("8,000+", "$0.28", "<200 ms", "15 ms")}
 ALTERNATIVES = [("a100-80gb", 4), ("a100-80gb", 8), ("h100-sxm", 4), ("h200", 4)]
 
 
@@ -55,7 +55,7 @@ def run_modes(rate: float | None) -> tuple[dict, dict]:
 
 
 def plot_decode_curve(path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     m = load_model("llama-3-70b")
     fig, ax = plt.subplots(figsize=(7, 3.8))
     batches = list(range(1, 257))
@@ -73,14 +73,10 @@ def plot_decode_curve(path: Path) -> Path:
     ax.set_title("Llama-3-70B BF16 decode step vs batch")
     ax.legend(fontsize=6.5, ncol=2)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="offered load for the latency table")
     p.add_argument("--calibration", type=Path, default=ROOT / "benchmarks/results/sim/"
                                                              "calibration.json")
@@ -89,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown-only", action="store_true",
                    help="re-render the markdown from report.json and the calibration files, "
                         "without rerunning the simulations or the plots")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     report = ROOT / "benchmarks/results/sim/report.json"
     if args.markdown_only:
         data = json.loads(report.read_text())
         data.update(_calibrations(args))
-        write_json(report, data)
+        _write_json(report, data)
         _write_markdown(data)
         return 0
     img = ROOT / "docs/img"
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                        title=f"{label} at {args.rate} req/s")
     data = {"workload": WORKLOAD, "rate": args.rate, "capacity": capacity, "bounds": bounds,
             "saturated": saturated, "loaded": loaded, **_calibrations(args)}
-    write_json(report, data)
+    _write_json(report, data)
     _write_markdown(data)
     return 0
 
@@ -140,13 +138,11 @@ def _calibrations(args: argparse.Namespace) -> dict:
             "calibration_real_repeats": repeats}
 
 
-def _write_markdown(data: dict) -> None:
-    from sim_report_md import render  # sibling module: the markdown text
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    write_result(data, path, quiet=True)
 
+
+def _write_markdown(data: dict) -> None:
     (ROOT / "docs/simulator-report.md").write_text(render(data))
     print("wrote docs/simulator-report.md and benchmarks/results/sim/report.json")
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
-    sys.exit(main())

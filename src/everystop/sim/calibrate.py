@@ -1,4 +1,5 @@
-"""Calibrate the simulator's cost model against a real engine, then predict another workload.
+"""`everystop simulate calibrate`: fit the simulator's cost model to an engine's measured
+iterations, then predict another workload.
 
 1. Measure iterations of the real engine (any workload; a few dozen passes of varied shape are
    enough - `everystop.sim.fit.profile_shapes()` lists useful ones). Write them as a JSON list of
@@ -7,15 +8,16 @@
    `IterationShape.from_scheduler_output(out).to_dict()` and the measured seconds per step).
 2. Run a *different* workload through the real engine and write its measured summary
    {"output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms"}.
-3. python benchmarks/sim_calibrate.py --records iters.json --workload W.json \
+3. everystop simulate calibrate --records iters.json --workload W.json \
        --measured summary.json --out benchmarks/results/sim/calibration.json
 
-The script fits latency = max(a*flops, b*bytes) + c0 + c1*num_seqs by least squares, runs the
+It fits latency = max(a*flops, b*bytes) + c0 + c1*num_seqs by least squares, runs the
 workload through the simulator (the real scheduler) with the fitted model, and reports the
 prediction error against the measured summary (goal: within 10%).
 
 `--self-test` does all of this against a hidden "true" CPU cost model with +/-10% per-pass noise
-standing in for the engine, so the pipeline can be checked without one.
+standing in for the engine, so the pipeline can be checked without one. (`everystop bench
+sim-calibrate` does steps 1-3 on this machine's engine.)
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 from everystop.config import SchedulerConfig
+from everystop.results import write_result
 from everystop.sim.cost_model import Coefficients, CostModel
 from everystop.sim.fit import fit_coefficients, load_records, profile_shapes
 from everystop.sim.metrics import summarize
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.sim.specs import ModelSpec, load_model
-from everystop.sim.workload import Workload, resolve_workload
+from everystop.workload import Workload, resolve_workload
 
 KEYS = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 # Stand-in for the real engine in --self-test: roughly a 2-core CPU running SmolLM2 in fp32.
@@ -73,8 +75,7 @@ def self_test(model: ModelSpec, workload: Workload, setup: SimSetup, seed: int) 
             "true_coefficients": TRUE_CPU.to_dict()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", type=Path, help="measured iterations JSON")
     p.add_argument("--measured", type=Path, help="measured summary JSON of --workload")
     p.add_argument("--workload", default="n=80,prompt=uniform:16:256,output=uniform:8:64,"
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--self-test", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     workload = resolve_workload(args.workload)
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         report["true_coefficients"] = synthetic["true_coefficients"]
     else:
         if not args.records:
-            p.error("--records is required unless --self-test")
+            raise SystemExit("everystop simulate calibrate: --records is required unless "
+                             "--self-test")
         records = load_records(args.records)
         measured = json.loads(args.measured.read_text()) if args.measured else None
         report["mode"] = "measured"
@@ -115,13 +119,5 @@ def main(argv: list[str] | None = None) -> int:
         report["relative_error"] = errors(pred, measured)
         report["within_10pct"] = all(abs(e) <= 0.10 for k, e in report["relative_error"].items()
                                      if k in KEYS[:3])
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    write_result(report, args.out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

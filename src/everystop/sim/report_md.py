@@ -1,12 +1,17 @@
-"""The markdown text of docs/simulator-report.md, filled from sim_report.py's numbers."""
+"""The markdown text of docs/simulator-report.md, filled from `everystop simulate report`'s
+numbers (everystop.sim.design_report)."""
 
 from __future__ import annotations
 
-COMMAND = "PYTHONPATH=src python benchmarks/sim_report.py"
-CAL_COMMAND = ("PYTHONPATH=src python benchmarks/sim_calibrate.py --self-test "
+# The design's published table (seed design, section on batching), beside the simulated rows.
+DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
+          "continuous": ("6,200", "$0.37", "~450 ms", "17 ms"),
+          "chunked": ("8,000+", "$0.28", "<200 ms", "15 ms")}
+
+COMMAND = "everystop simulate report"
+CAL_COMMAND = ("everystop simulate calibrate --self-test "
                "--out benchmarks/results/sim/calibration.json")
-REAL_COMMAND = ("PYTHONPATH=src python benchmarks/sim_calibrate_real.py "
-                "--out benchmarks/results/sim/calibration_real.json")
+REAL_COMMAND = "everystop bench sim-calibrate --out benchmarks/results/sim/calibration_real.json"
 
 
 def _f(x: float | None, nd: int = 0) -> str:
@@ -14,8 +19,6 @@ def _f(x: float | None, nd: int = 0) -> str:
 
 
 def _design_row(summary: dict) -> tuple[str, ...]:
-    from sim_report import DESIGN
-
     return DESIGN.get(summary["scheduling"], ("", "", "", ""))
 
 
@@ -436,7 +439,7 @@ def render(d: dict) -> str:
         "engine was in main). Its workload is below capacity on purpose: at 0.5 req/s (just over "
         "capacity) the same fit still predicts throughput within 1% but TTFT p50 is off by 14%, "
         "because queueing near saturation amplifies small per-pass errors. "
-        "`benchmarks/sim_calibrate.py` also takes measured records from any engine: "
+        "`everystop simulate calibrate` also takes measured records from any engine: "
         "`--records iters.json --workload W.json --measured measured.json` plus the engine's "
         "--max-num-seqs, --max-num-batched-tokens, --chunk-size and --num-gpu-blocks.",
         "",

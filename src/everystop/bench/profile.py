@@ -1,0 +1,209 @@
+"""Where one engine iteration's time goes, at 128 running sequences: writes JSON.
+
+Drives the engine's loop by hand on the mixed workload (schedule -> execute -> finish_step),
+timing each part of every step. Picks the first step that has 128 sequences *and* a prefill
+chunk, re-executes that same SchedulerOutput several times (re-running a step rewrites the same
+KV slots with the same values, so it is repeatable) for a min-of-N wall time, and once under
+torch.profiler to split it into: linear layers, lm_head, attention, KV write, other tensor ops
+(norms, rope, activations, residuals), input preparation, sampling and Python overhead.
+
+    everystop bench profile --dtype float32 --out benchmarks/results/profile_fp32.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+from everystop.results import write_result
+
+# Our kernels' ops live in one namespace per ISA build (everystop_avx2::..., ...): they are
+# matched as "everystop::<op>".
+LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+              "mkl::_mkl_linear", "mkldnn::_linear_pointwise", "everystop::linear_small"}
+ATTENTION_OPS = {"everystop::paged_attention"}
+# Decode-sized steps run every layer in this one op (linear, attention and the small ops
+# together); --no-decoder-stack splits it back into the layers' ops.
+STACK_OPS = {"everystop::decoder_stack"}
+KV_WRITE_OPS = {"aten::index_copy_", "everystop::write_kv"}
+
+
+def _op_name(name: str) -> str:
+    namespace, sep, op = name.partition("::")
+    return f"everystop::{op}" if sep and namespace.startswith("everystop_") else name
+# Ranges added by this profiler; anything under them is charged to them whole.
+RANGES = {"build_inputs": "input_prep", "sampler": "sampling", "lm_head": "lm_head",
+          "forward": "python_overhead", "step": "python_overhead"}
+
+
+def _instrument(runner: Any) -> None:
+    """Wrap the runner's parts in profiler ranges (this profile only; the engine stays bare)."""
+    import torch
+
+    from everystop.executor import model_runner as mr
+
+    def ranged(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*a, **k)
+        return wrapper
+
+    mr.build_inputs = ranged("build_inputs", mr.build_inputs)
+    runner.sampler = ranged("sampler", runner.sampler)
+    model = runner.model
+    model.compute_logits = ranged("lm_head", model.compute_logits)
+    model.forward = ranged("forward", model.forward)
+
+
+def _categorize(events: Any) -> dict[str, float]:
+    """Self time (ms) per category, walking the profiler's event tree from its roots."""
+    acc: dict[str, float] = defaultdict(float)
+
+    def walk(ev: Any, inherited: str) -> None:
+        name = _op_name(ev.name)
+        if inherited in ("input_prep", "sampling", "lm_head"):
+            cat = inherited
+        elif name in RANGES:
+            cat = RANGES[name]
+        elif name in LINEAR_OPS:
+            cat = "linear"
+        elif name in ATTENTION_OPS:
+            cat = "attention"
+        elif name in KV_WRITE_OPS:
+            cat = "kv_write"
+        elif name in STACK_OPS:
+            cat = "decoder_stack"
+        elif inherited in ("linear", "attention", "kv_write", "decoder_stack"):
+            cat = inherited
+        else:
+            cat = "other_ops"
+        acc[cat] += ev.self_cpu_time_total / 1000.0
+        for child in ev.cpu_children:
+            walk(child, cat)
+
+    for ev in events:
+        if ev.cpu_parent is None:
+            walk(ev, "python_overhead")
+    return dict(acc)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--tpot-target-ms", type=float, default=0.0,
+                    help="0 = the fixed token budget (as the committed profiles ran)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
+                    help="KV pool size: the whole workload (~47k tokens) must fit to run 128")
+    ap.add_argument("--max-steps", type=int, default=60, help="stop the run after this many")
+    ap.add_argument("--single", action="store_true",
+                    help="one request alone (a ~280-token prompt): profile its 32nd decode step")
+    ap.add_argument("--no-decoder-stack", dest="decoder_stack", action="store_false",
+                    help="decode steps layer by layer (the breakdown then splits linear, "
+                    "attention and the small ops)")
+    ap.add_argument("--out")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    # NOTE: everystop before torch, so its OpenMP wait policy applies (see everystop/__init__).
+    import torch
+
+    from everystop import LLM, SamplingParams
+    from everystop.workload import perf_workload
+
+    options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": 128,
+                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
+    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype,
+                   tpot_target_ms=args.tpot_target_ms, decoder_stack=args.decoder_stack)
+    llm = LLM(**options)
+    engine = llm.engine
+    runner = engine.executor.runner
+    workload = perf_workload().to_dict()
+    requests = workload["requests"]
+    if args.single:
+        requests = [max(requests, key=lambda r: r["prompt_len"] if r["prompt_len"] <= 300 else 0)]
+        requests[0] = dict(requests[0], max_tokens=64)
+    for i, r in enumerate(requests):
+        engine.add_request(r["prompt_token_ids"], SamplingParams(
+            max_tokens=r["max_tokens"], temperature=0.0, seed=i, ignore_eos=True))
+    # The step to profile: a mixed step at 128 sequences, or (--single) the 32nd decode step.
+    def wanted(sched: Any, step: int) -> bool:
+        if args.single:
+            return step == 32
+        return len(sched.scheduled) == 128 and sched.num_prefill_tokens > 0
+
+    steps: list[dict[str, Any]] = []
+    picked: dict[str, Any] | None = None
+    while engine.has_unfinished_requests() and len(steps) < args.max_steps:
+        t0 = time.perf_counter()
+        sched = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            continue
+        if picked is None and wanted(sched, len(steps)):
+            picked = _profile(engine, runner, sched, args.repeats)
+        t2 = time.perf_counter()
+        result = engine.executor.execute(sched)
+        t3 = time.perf_counter()
+        engine.finish_step(sched, result, t0)
+        t4 = time.perf_counter()
+        steps.append({"seqs": len(sched.scheduled), "prefill": sched.num_prefill_tokens,
+                      "decode": sched.num_decode_tokens, "schedule_ms": 1e3 * (t1 - t0),
+                      "execute_ms": 1e3 * (t3 - t2), "update_ms": 1e3 * (t4 - t3)})
+
+    full = [s for s in steps if s["seqs"] == 128]
+    decode_only = [s for s in full if s["prefill"] == 0]
+
+    def mean(rows: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] for r in rows) / max(len(rows), 1)
+
+    out = {"dtype": args.dtype, "threads": torch.get_num_threads(), "single": args.single,
+           "cpu_kernels": runner.backends.kernels.isa if runner.backends.kernels else "off",
+           "kv_cache": engine.executor.describe_capacity(),
+           "load_avg": os.getloadavg(), "num_steps": len(steps),
+           "mixed_step": picked,
+           "steps_at_128": {"count": len(full), "decode_only_count": len(decode_only),
+                            **{f"mean_{k}": mean(full, k) for k in
+                               ("schedule_ms", "execute_ms", "update_ms", "prefill")}},
+           "decode_steps_at_128": {f"mean_{k}": mean(decode_only, k) for k in
+                                   ("schedule_ms", "execute_ms", "update_ms")}}
+    write_result(out, args.out)
+    return 0
+
+
+def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, Any]:
+    import torch
+
+    execute = engine.executor.execute
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        execute(sched)
+        walls.append(time.perf_counter() - t0)
+    _instrument(runner)
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+          torch.profiler.record_function("step")):
+        t0 = time.perf_counter()
+        execute(sched)
+        profiled_wall = time.perf_counter() - t0
+    cats = _categorize(prof.events())
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
+          file=sys.stderr)
+    total = sum(cats.values())
+    return {"num_seqs": len(sched.scheduled), "prefill_tokens": sched.num_prefill_tokens,
+            "decode_tokens": sched.num_decode_tokens,
+            "execute_ms_min": 1e3 * min(walls), "execute_ms_all": [1e3 * w for w in walls],
+            "profiled_wall_ms": 1e3 * profiled_wall,
+            "breakdown_ms": {k: round(v, 3) for k, v in sorted(cats.items(),
+                                                                key=lambda kv: -kv[1])},
+            "breakdown_frac": {k: round(v / total, 4) for k, v in sorted(
+                cats.items(), key=lambda kv: -kv[1])}}

@@ -1,0 +1,137 @@
+"""Offline throughput of the engine on the 128-request mixed workload (all requests at t=0),
+plus the single-stream decode latency; writes JSON.
+
+    everystop bench throughput --dtype bfloat16 --out benchmarks/results/throughput_bf16.json
+    everystop bench throughput --mode single --dtype float32
+
+Modes: `workload` (the mixed workload; output tok/s, TTFT percentiles), `single` (one request,
+128-token prompt, 128 new tokens; ms per decoded token). Each timed run follows a short warm-up.
+With `--peaks` (a roofline JSON), the result's place under this machine's roofline is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any
+
+from everystop.results import write_result
+from everystop.stats import percentile
+
+
+def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
+    from everystop import LLM
+
+    start = time.perf_counter()
+    options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                               "max_num_batched_tokens": args.max_num_batched_tokens,
+                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
+    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(**options)
+    return llm, time.perf_counter() - start
+
+
+def run_workload(llm: Any, workload: dict[str, Any], temperature: float) -> dict[str, Any]:
+    from everystop import SamplingParams
+
+    reqs = workload["requests"]
+    prompts = [r["prompt_token_ids"] for r in reqs]
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=temperature, seed=i,
+                             ignore_eos=True) for i, r in enumerate(reqs)]
+    engine = llm.engine
+    steps0 = engine.num_steps
+    start = time.perf_counter()
+    mono0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.token_ids) for o in outs)
+    ttft = [o.metrics.first_token_time - mono0 for o in outs
+            if o.metrics is not None and o.metrics.first_token_time is not None]
+    return {"elapsed_s": elapsed, "num_requests": len(outs),
+            "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_out + sum(len(p) for p in prompts)) / elapsed,
+            "num_steps": engine.num_steps - steps0,
+            "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
+
+
+def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[str, Any]:
+    """One request alone: TTFT, then ms per decoded token (timed through the engine's steps)."""
+    from everystop import SamplingParams
+    from everystop.workload import english_corpus
+
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(english_corpus(collapse_whitespace=False)[:4000])[:prompt_len]
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                              ignore_eos=True))
+    step_times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+    decode = step_times[1:]  # step 0 is the prefill (and samples the first token)
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_s": step_times[0],
+            "decode_ms_per_token_mean": 1000 * sum(decode) / len(decode),
+            "decode_ms_per_token_median": 1000 * percentile(decode, 50, empty=math.nan),
+            "decode_ms_per_token_min": 1000 * min(decode)}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--mode", choices=("workload", "single"), default="workload")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
+                    help="KV pool size: the whole workload (~47k tokens) fits in 3 GiB at fp32")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs (min is reported)")
+    ap.add_argument("--peaks", help="a roofline JSON (everystop bench roofline): place the "
+                    "result under it")
+    ap.add_argument("--out", help="JSON file to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    llm, startup_s = build_llm(args)
+    import torch
+
+    result: dict[str, Any] = {
+        "bench": f"throughput-{args.mode}", "dtype": args.dtype, "startup_s": startup_s,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg()}
+    if args.mode == "single":
+        run_single(llm, 32, 8)  # warm-up
+        runs = [run_single(llm) for _ in range(args.repeats)]
+        result["runs"] = runs
+        result.update(min(runs, key=lambda r: r["decode_ms_per_token_mean"]))
+    else:
+        if args.workload:
+            with open(args.workload) as f:
+                workload = json.load(f)
+        else:
+            from everystop.workload import perf_workload
+            workload = perf_workload(args.num_requests).to_dict()
+        warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
+        run_workload(llm, {"requests": warm}, args.temperature)
+        runs = [run_workload(llm, workload, args.temperature) for _ in range(args.repeats)]
+        result["runs"] = runs
+        result["workload"] = {"name": workload.get("name"), "seed": workload.get("seed")}
+        result.update(max(runs, key=lambda r: r["output_tok_s"]))
+    result["load_avg_after"] = os.getloadavg()
+    roofline = None
+    if args.peaks:
+        from everystop.bench.roofline import annotate, load_peaks
+        roofline = annotate(result, load_peaks(args.peaks))
+    write_result(result, args.out, roofline=roofline)
+    return 0

@@ -1,0 +1,174 @@
+"""Head to head with llama.cpp's server on the 128-request mixed workload (all at t=0, the same
+token ids, ignore_eos, greedy), in one run: output tok/s and TTFT percentiles of each; JSON out.
+
+    everystop bench vs-llamacpp --llama-server /path/to/llama-server \\
+        --gguf /tmp/smollm2-f16.gguf --dtype bfloat16 --out benchmarks/results/vs_llamacpp.json
+
+llama.cpp is not built here: pass the binary (built outside this tree). Its server runs on
+127.0.0.1 in its default KV configuration (one cache per slot, each sized for the longest
+request; `--slots N`, default 32, the rest queue) and is driven by an asyncio streaming client;
+its exact command line is recorded. everystop runs the same requests through its offline API
+(LLM.generate) in its own best configuration (`--everystop-max-num-seqs`, default 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import time
+from typing import Any
+
+from everystop.results import write_result
+from everystop.stats import percentile
+
+
+def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
+    return [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port),
+            "-np", str(n_slots), "-c", str(ctx), "-t", str(args.threads),
+            "-tb", str(args.threads), "-b", str(args.batch), "-ub", str(args.ubatch),
+            "--no-webui", *args.extra.split()]
+
+
+def _version(binary: str) -> str:
+    proc = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    return (proc.stdout + proc.stderr).strip()
+
+
+async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[str, Any]:
+    body = {"prompt": req["prompt_token_ids"], "n_predict": req["max_tokens"],
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "cache_prompt": False}
+    first = None
+    n_events = 0
+    predicted = None
+    async with client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if first is None:
+                first = time.perf_counter() - t0
+            n_events += 1
+            if event.get("stop"):
+                predicted = event.get("timings", {}).get("predicted_n")
+    return {"ttft_s": first, "end_s": time.perf_counter() - t0,
+            "tokens": predicted if predicted is not None else n_events}
+
+
+async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/completion"
+    limits = httpx.Limits(max_connections=len(reqs) + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        await _one(client, url, dict(reqs[0], max_tokens=4), time.perf_counter())  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, r, t0) for r in reqs))
+        return time.perf_counter() - t0, results
+
+
+def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    # Per-slot caches split -c evenly: each slot must hold the longest request.
+    longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64
+    cmd = _server_cmd(args, args.slots, args.slots * longest)
+    # The log stays open for the server's whole life (this script ends soon after it).
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import httpx
+
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("llama-server did not become healthy in 300 s")
+            time.sleep(1)
+        elapsed, results = asyncio.run(_drive(args.port, reqs))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    n_out = sum(r["tokens"] for r in results)
+    ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {"engine": "llama.cpp server", "version": _version(args.llama_server),
+            "command": cmd, "gguf": args.gguf, "elapsed_s": elapsed, "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed, "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
+
+
+def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
+    from everystop import LLM
+    from everystop.bench.throughput import run_workload
+
+    start = time.perf_counter()
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
+              kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
+              tpot_target_ms=args.tpot_target_ms)
+    startup = time.perf_counter() - start
+    warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
+    run_workload(llm, {"requests": warm}, 0.0)
+    res = run_workload(llm, workload, 0.0)
+    import torch
+
+    return {"engine": "everystop", "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "cpu_kernels": args.cpu_kernels, "max_num_seqs": args.everystop_max_num_seqs,
+            "tpot_target_ms": args.tpot_target_ms,
+            "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup, **res}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--llama-server", required=True, help="path to a llama-server binary")
+    ap.add_argument("--gguf", required=True, help="GGUF for llama.cpp (e.g. an F16 conversion)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
+    ap.add_argument("--everystop-max-num-seqs", type=int, default=128)
+    ap.add_argument("--cpu-kernels", default="auto", help="everystop's kernel build")
+    ap.add_argument("--tpot-target-ms", type=lambda v: None if v == "auto" else float(v),
+                    default=0.0,
+                    help="everystop's step-time target: 0 = off (default; every request arrives "
+                         "at t=0, so throughput and TTFT are what is compared), auto, or ms")
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--extra", default="", help="extra llama-server flags")
+    ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--kv-cache-gib", type=float, default=3.0)
+    ap.add_argument("--order", default="llamacpp,everystop")
+    ap.add_argument("--server-log")
+    ap.add_argument("--out")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    if args.workload:
+        with open(args.workload) as f:
+            workload = json.load(f)
+    else:
+        from everystop.workload import perf_workload
+        workload = perf_workload(args.num_requests).to_dict()
+    reqs = workload["requests"]
+    out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
+                           "llamacpp_slots": args.slots,
+                           "prompt_tokens": sum(r["prompt_len"] for r in reqs),
+                           "expected_output_tokens": sum(r["max_tokens"] for r in reqs),
+                           "load_avg_before": os.getloadavg()}
+    for name in args.order.split(","):
+        out[name] = run_llamacpp(args, reqs) if name == "llamacpp" else run_everystop(args,
+                                                                                      workload)
+    if "llamacpp" in out and "everystop" in out:
+        out["throughput_ratio"] = out["everystop"]["output_tok_s"] / out["llamacpp"]["output_tok_s"]
+        out["ttft_p99_ratio"] = out["everystop"]["ttft_p99_s"] / out["llamacpp"]["ttft_p99_s"]
+    out["load_avg_after"] = os.getloadavg()
+    write_result(out, args.out)
+    return 0

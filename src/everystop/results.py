@@ -1,0 +1,93 @@
+"""The one way a benchmark or simulator command reports: its result JSON inside one envelope,
+printed and written to `--out`.
+
+The envelope says what a reader needs to trust or redo the numbers: the command line, the git
+commit (and whether the tree had changes), the machine (CPU model, cores, the vector-ISA flags
+that decide which kernels ran, the environment that narrows them, the load averages when the
+result was written: 1, 5 and 15 minutes, so the whole run's load shows), and the roofline the
+result sits under (None when the command measured none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# Environment that narrows what the libraries use (an AVX2-only CPU reproduced on a larger one).
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+           "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+             "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model name, cores, and which of ISA_FLAGS it has (from /proc/cpuinfo), the ISA
+    environment and the load averages."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"model": model, "arch": platform.machine(), "cpus": os.cpu_count(),
+            "isa_flags": [f for f in ISA_FLAGS if f in flags],
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+            "load_avg": list(os.getloadavg())}
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this package runs from, with "+changes" when the tree differs
+    (None outside a git checkout)."""
+    root = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty.strip() else "")
+
+
+def command_line() -> str:
+    """The command as typed (`python -m everystop` and the console script both read
+    `everystop`)."""
+    prog = sys.argv[0]
+    if prog.endswith("__main__.py") or Path(prog).name == "everystop":
+        prog = "everystop"
+    return shlex.join([prog, *sys.argv[1:]])
+
+
+def envelope(roofline: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"command": command_line(),
+            "git_commit": git_commit(), "machine": cpu_info(), "roofline": roofline}
+
+
+def write_result(result: dict[str, Any], out: str | Path | None,
+                 roofline: dict[str, Any] | None = None, quiet: bool = False) -> dict[str, Any]:
+    """The envelope's fields first, then the result's own (a result's own `machine` dict is
+    merged over the envelope's; its own non-null `roofline` wins). Printed unless quiet; written to
+    `out` when given. Returns what was written."""
+    env = envelope(roofline)
+    full = {**env, **result}
+    if isinstance(result.get("machine"), dict):
+        full["machine"] = {**env["machine"], **result["machine"]}
+    if result.get("roofline") is None:
+        full["roofline"] = roofline
+    text = json.dumps(full, indent=2, default=str)
+    if not quiet:
+        print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    return full

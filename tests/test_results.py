@@ -1,0 +1,54 @@
+"""The one result writer: every benchmark and simulator command's JSON carries the same
+envelope (command, git commit, machine with its ISA flags and load, roofline), and the committed
+results stay readable by the commands that replaced the scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from everystop.cli import main
+from everystop.results import write_result
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+ENVELOPE = {"command", "git_commit", "machine", "roofline"}
+
+
+def test_write_result_wraps_the_result_in_the_envelope(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "sub" / "r.json"
+    written = write_result({"tok_s": 1.5, "machine": {"torch_threads": 2}}, out,
+                           roofline={"bound": "compute"})
+    assert json.loads(out.read_text()) == written == json.loads(capsys.readouterr().out)
+    assert set(written) == ENVELOPE | {"tok_s"}
+    machine = written["machine"]
+    assert machine["torch_threads"] == 2 and len(machine["load_avg"]) == 3
+    assert isinstance(machine["isa_flags"], list) and machine["cpus"] >= 1
+    assert written["roofline"] == {"bound": "compute"}
+    assert written["git_commit"] is None or len(written["git_commit"].split("+")[0]) == 40
+
+
+def test_roofline_annotates_a_committed_throughput_result(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "roofline.json"
+    argv = ["bench", "roofline", "--peaks", str(RESULTS / "roofline.json"),
+            str(RESULTS / "throughput_bf16.json"), "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["/venv/bin/everystop", *argv])
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report) >= ENVELOPE and report["command"].startswith("everystop bench roofline")
+    (annotated,) = report["results"].values()
+    assert 0 < annotated["mfu"] < 1 and annotated["bound"] in ("compute", "weight bandwidth")
+
+
+def test_simulate_calibrate_self_test_reproduces_the_committed_calibration(
+        tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    assert main(["simulate", "calibrate", "--self-test", "--out", str(out)]) == 0
+    new = json.loads(out.read_text())
+    committed = json.loads((RESULTS / "sim" / "calibration.json").read_text())
+    assert {k: v for k, v in new.items() if k not in ENVELOPE}.keys() == committed.keys()
+    assert new["predicted"] == committed["predicted"]
+    for key, value in committed["fitted_coefficients"].items():
+        assert new["fitted_coefficients"][key] == pytest.approx(value, rel=1e-9)
