@@ -28,6 +28,7 @@ from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format
 from everystop.server.metrics import ServerMetrics
+from everystop.server.offload import make_request
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
 
@@ -111,9 +112,11 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
             params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
+            # Tokenized once per prompt (off the event loop when large); the n copies reuse it.
+            source = prompt if j == 0 else choices[-1].req.prompt_token_ids
             try:
-                req = ctx.engine.make_request(prompt, params, priority=body.priority,
-                                              tenant=tenant, max_tokens_to_context=to_context)
+                req = await make_request(ctx.engine, source, params, priority=body.priority,
+                                         tenant=tenant, max_tokens_to_context=to_context)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
