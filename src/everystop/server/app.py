@@ -20,7 +20,7 @@ from everystop.server.errors import APIError, RequestIdMiddleware, install_error
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.limits import LimitsMiddleware, RequestLimits, check_fan_out
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.offload import off_loop
+from everystop.server.offload import check_text_fits, off_loop
 from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -100,6 +100,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            code="no_chat_template")
         conversation = body.conversation()
+        check_text_fits(async_engine, sum(len(m["content"]) for m in conversation))
         prompt = await off_loop(template, conversation, add_generation_prompt=True,
                                 size=sum(len(m["content"]) for m in conversation))
         fmt = ChatFormat(served_model_name, tokenizer)

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 from everystop.sampling_params import SamplingParams
+from everystop.server.errors import bad_request
 
 T = TypeVar("T")
 
@@ -32,7 +33,23 @@ async def make_request(engine: AsyncEngine, prompt: str | list[int], params: Sam
                        **kwargs: Any) -> Request:
     """The engine's make_request (tokenizing) off the loop. ValueError for an empty prompt:
     nothing to condition on is the client's mistake, not a context-length problem."""
+    if isinstance(prompt, str):
+        check_text_fits(engine, len(prompt))
     req = await off_loop(engine.make_request, prompt, params, size=len(prompt), **kwargs)
     if not req.prompt_token_ids:
         raise ValueError("prompt is empty: it has no tokens")
     return req
+
+
+def check_text_fits(engine: AsyncEngine, num_chars: int) -> None:
+    """A 400 (context_length_exceeded), without tokenizing, for a text too long to fit the
+    context window whatever its tokens (a 10 MB prompt costs seconds of tokenizing only to be
+    refused)."""
+    max_chars = getattr(engine.tokenizer, "max_token_chars", None)
+    if not max_chars:
+        return
+    at_least = -(-num_chars // max_chars)
+    if at_least > engine.max_model_len:
+        raise bad_request(f"the prompt's {num_chars} characters are at least {at_least} tokens, "
+                          f"over max_model_len ({engine.max_model_len})", "prompt",
+                          code="context_length_exceeded")

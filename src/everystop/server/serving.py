@@ -31,6 +31,7 @@ from everystop.server.metrics import ServerMetrics
 from everystop.server.offload import make_request
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
+from everystop.server.tenants import clean_tenant
 
 
 @dataclass
@@ -91,7 +92,7 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
 
 
 def tenant_of(http: HTTPRequest, body: _GenerationRequest) -> str:
-    return http.headers.get("x-tenant-id") or body.user or "default"
+    return clean_tenant(http.headers.get("x-tenant-id") or body.user or "default")
 
 
 async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequest,
