@@ -55,6 +55,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
     g.add_argument("--admin-key", default=None,
                    help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
+    g.add_argument("--engine-stall-timeout", type=float, default=600.0,
+                   help="seconds one engine iteration may run before the engine is declared "
+                        "dead (/health 503, streams end with an error); 0 = never")
     g.add_argument("--open-metrics", action="store_true",
                    help="serve /metrics without --api-key (a scraper on a private network)")
     lim = parser.add_argument_group("request limits (answered 413/400 naming the limit)")
@@ -90,7 +93,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         # Built on the engine thread: all torch work on one thread (see AsyncEngine).
-        front = AsyncEngine(lambda: LLMEngine.from_config(config))
+        front = AsyncEngine(lambda: LLMEngine.from_config(config),
+                            stall_timeout_s=args.engine_stall_timeout or None)
     except Exception as exc:  # a bad model path or config: one line, not a traceback
         if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
             raise

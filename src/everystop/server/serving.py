@@ -233,7 +233,7 @@ def _usage(choices: list[_Choice]) -> dict[str, Any]:
 
 def _finish(ctx: ServingContext, choices: list[_Choice]) -> None:
     for c in choices:
-        done = c.out is not None and c.out.finished and c.out.finish_reason != "abort"
+        done = c.out is not None and c.out.finish_reason in ("stop", "length")
         ctx.admission.done(c.req, completed=done)
 
 
@@ -245,6 +245,9 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
         async for c, out in _merged(ctx.engine, choices):
             offset = len(c.text) + _echo_offset(c)
             _absorb(ctx, c, out)
+            if out.finish_reason == "error":  # an engine fault ended this choice
+                yield sse(_engine_error(out).body())
+                continue
             first = c.index not in started
             if not (out.new_text or out.finished or first or (want_lp and out.new_logprobs)):
                 continue  # text held back (partial UTF-8 or a possible stop string)
@@ -283,6 +286,9 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
             task.result()
         except EngineDead as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
+        for c in choices:
+            if c.out is not None and c.out.finish_reason == "error":
+                raise _engine_error(c.out)
     finally:
         watcher.cancel()
         task.cancel()
@@ -295,6 +301,10 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
         out_choices.append(fmt.final_choice(c.index, text, lp,
                                             c.out.finish_reason if c.out else "abort"))
     return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
+
+
+def _engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, out.error or "engine error", code="engine_error")
 
 
 async def _wait_for_disconnect(http: HTTPRequest) -> None:
