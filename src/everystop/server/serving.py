@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -155,14 +156,16 @@ def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
         for req in submitted:
             ctx.engine.abort(req.request_id)
             ctx.admission.done(req, completed=False)
-        raise _map_submit_error(ctx, exc, tier) from None
+        raise _map_submit_error(ctx, exc, tier, choices[0].req.tenant) from None
 
 
-def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> BaseException:
+def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int,
+                      tenant: str | None = None) -> BaseException:
     if isinstance(exc, QueueFull):
         reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
         ctx.metrics.count_rejected(reason, tier)
-        retry = str(max(1, round(exc.retry_after_s)))
+        wait = ctx.admission.retry_after_s(tier, tenant if reason == "tenant_queue" else None)
+        retry = str(math.ceil(wait))
         return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
                         headers={"Retry-After": retry})
     if isinstance(exc, RequestRejected):
