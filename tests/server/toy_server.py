@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
     executor = SlowToyExecutor(num_blocks, config.cache.block_size, args.step_delay)
     front = AsyncEngine(LLMEngine(config, executor, ChatCharTokenizer()),
                         watchdog_interval_s=0.2,
-                        stall_timeout_s=args.engine_stall_timeout or None)
+                        stall_timeout_s=args.engine_stall_timeout or None,
+                        slow_reader_timeout_s=args.slow_reader_timeout or None)
     app = build_app(front, MODEL_NAME, api_key=args.api_key, max_n=args.max_n,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s,
                                               min_samples=1),

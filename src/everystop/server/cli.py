@@ -58,6 +58,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-stall-timeout", type=float, default=600.0,
                    help="seconds one engine iteration may run before the engine is declared "
                         "dead (/health 503, streams end with an error); 0 = never")
+    g.add_argument("--slow-reader-timeout", type=float, default=60.0,
+                   help="seconds a client may leave its stream unread (tokens waiting) before "
+                        "its request is aborted and its blocks freed; 0 = never")
     g.add_argument("--open-metrics", action="store_true",
                    help="serve /metrics without --api-key (a scraper on a private network)")
     lim = parser.add_argument_group("request limits (answered 413/400 naming the limit)")
@@ -94,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # Built on the engine thread: all torch work on one thread (see AsyncEngine).
         front = AsyncEngine(lambda: LLMEngine.from_config(config),
-                            stall_timeout_s=args.engine_stall_timeout or None)
+                            stall_timeout_s=args.engine_stall_timeout or None,
+                            slow_reader_timeout_s=args.slow_reader_timeout or None)
     except Exception as exc:  # a bad model path or config: one line, not a traceback
         if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
             raise
