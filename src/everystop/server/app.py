@@ -21,6 +21,7 @@ from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.limits import LimitsMiddleware, RequestLimits, check_fan_out
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
 from everystop.server.offload import check_text_fits, off_loop
+from everystop.server.openapi import install_openapi
 from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
               max_n: int = 8, extensions: Iterable[Extension] = (),
               limits: RequestLimits | None = None, open_metrics: bool = False) -> FastAPI:
     """`open_metrics`: serve /metrics without the API key (a scraper on a private network)."""
-    app = FastAPI(title="everystop", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="everystop", docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     install_error_handlers(app)
     limits = limits or RequestLimits()
     app.add_middleware(LimitsMiddleware, limits=limits)
@@ -143,4 +145,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
 
     for extend in extensions:
         extend(app, async_engine)
+    install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
+                          ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                          ("POST", "/tokenize"): TokenizeRequest})
     return app
