@@ -3,6 +3,9 @@ bodies and near-misses), the server never answers 5xx."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
@@ -12,17 +15,20 @@ from everystop.server.app import build_app
 from tests.engine.toy_engine import make_toy_engine
 from tests.server.fakes import ChatCharTokenizer
 
-
-def _app() -> object:
-    engine = make_toy_engine(max_model_len=256, max_num_batched_tokens=256)
-    engine.tokenizer = ChatCharTokenizer()
-    # NOTE: one engine for the whole module (its thread is a daemon, idle between examples).
-    return build_app(AsyncEngine(engine), "toy")
-
-
-schema = schemathesis.openapi.from_asgi("/openapi.json", _app())
+_engine = make_toy_engine(max_model_len=256, max_num_batched_tokens=256)
+_engine.tokenizer = ChatCharTokenizer()
+# NOTE: built at import, as schemathesis needs the schema to generate the tests; its thread
+# idles between examples and is stopped when the module is done.
+_front = AsyncEngine(_engine)
+schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(_front, "toy"))
 # Valid bodies and schema violations both, NULs in text included.
 schema.config.generation.update(modes=list(schemathesis.GenerationMode), allow_x00=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_engine() -> Iterator[None]:
+    yield
+    _front.shutdown()
 
 
 @schema.parametrize()
