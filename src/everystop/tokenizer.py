@@ -71,6 +71,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (at least 1): a text of C characters is at
+        least C / max_token_chars tokens, so a server can refuse an absurdly long prompt
+        without tokenizing it. Byte-level tokens spell one byte per character, and no UTF-8
+        character is shorter than its one byte, so the bound holds for any text (it would
+        not for a normalizer that deletes characters; ours, byte-level BPE and SentencePiece,
+        do not)."""
+        return max((len(t) for t in self._tok.get_vocab()), default=1) or 1
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 

@@ -102,6 +102,9 @@ class ModelOutput:
     # Prefill rows of requests with prompt_logprobs: one entry per scheduled position p whose
     # next token p+1 is a prompt token (the entry scores that token), in position order.
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Sequences the pass could not produce a token for, with why (non-finite logits): the
+    # engine ends them with an error; the rest of the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -179,6 +182,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # With finish_reason "error": what went wrong (an engine fault, not the request's doing).
+    error: str | None = None
 
 
 @dataclass

@@ -12,6 +12,8 @@ schedule(), which runs after the pass, and update_from_output skips finished req
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -40,6 +42,11 @@ class EngineDead(RuntimeError):
     """The engine loop crashed; nothing more will be produced."""
 
 
+class EngineStalled(RuntimeError):
+    """One engine iteration has run longer than the stall timeout: the engine is treated as
+    dead (streams end with an error, /health answers 503) rather than left to hang."""
+
+
 @dataclass(frozen=True)
 class EngineHealth:
     status: Literal["ok", "draining", "dead"]
@@ -52,6 +59,7 @@ class _Stream:
     queue: asyncio.Queue
     last_read: float
     closed: bool = False
+    evicted: bool = False  # a slow reader's: aborted, backlog dropped
 
 
 class AsyncEngine:
@@ -60,7 +68,8 @@ class AsyncEngine:
     engine lock themselves where they need it."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *,
-                 watchdog_interval_s: float = 1.0) -> None:
+                 watchdog_interval_s: float = 1.0, stall_timeout_s: float | None = 600.0,
+                 slow_reader_timeout_s: float | None = 60.0) -> None:
         """`engine`: a built engine, or a function that builds one; the function runs on the
         engine thread (its exception is raised here).
 
@@ -69,7 +78,16 @@ class AsyncEngine:
         thread pool per thread that starts parallel regions; two pools on a 2-core machine are
         more OpenMP threads than CPUs, and libgomp then spins ~100 times instead of
         GOMP_SPINCOUNT before sleeping, so every parallel region pays a futex wake-up (measured
-        here: +45 us per decode GEMV call, 11.6 -> 15.9 ms per single-stream decode step)."""
+        here: +45 us per decode GEMV call, 11.6 -> 15.9 ms per single-stream decode step).
+
+        `stall_timeout_s`: an iteration running longer than this declares the engine dead
+        (None: never). The default leaves room for the slowest steps seen on a loaded CPU
+        (~35 s); a hung kernel or collective is what it is for.
+
+        `slow_reader_timeout_s`: a consumer that has outputs waiting and has taken none for
+        this long (a client that stopped reading its SSE stream) has its request aborted and
+        its backlog dropped, so its blocks come back and its memory stops growing (None:
+        never)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -78,6 +96,10 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.watchdog_interval_s = watchdog_interval_s
         self.num_watchdog_aborts = 0
+        self.num_slow_reader_aborts = 0
+        self.slow_reader_timeout_s = slow_reader_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._beat = time.monotonic()  # the engine thread's last sign of life
         build: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
             self.engine = engine
@@ -92,6 +114,9 @@ class AsyncEngine:
             self._built.wait()
             if self._build_error is not None:
                 raise self._build_error
+        if stall_timeout_s is not None:
+            threading.Thread(target=self._watch_stalls, name="everystop-engine-watchdog",
+                             daemon=True).start()
 
     # -- consumer side (event-loop thread) ------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, **kw: Any) -> Request:
@@ -163,11 +188,15 @@ class AsyncEngine:
                 self._built.set()
         last_watchdog = time.monotonic()
         try:
-            while not self._stop:
+            while not self._stop and self.error is None:  # error: declared stalled
+                self._beat = time.monotonic()
                 with self._lock:
                     # Pending outputs (an abort's final output) must be delivered even when
                     # nothing is left to run.
                     busy = self.engine.has_work()
+                if time.monotonic() - last_watchdog > self.watchdog_interval_s:
+                    self._watchdog()
+                    last_watchdog = time.monotonic()
                 if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
@@ -178,14 +207,31 @@ class AsyncEngine:
                 outputs = self.engine.step(self._lock)
                 self._deliver(outputs)
                 self.engine.idle_if_held(outputs)
-                if time.monotonic() - last_watchdog > self.watchdog_interval_s:
-                    self._watchdog()
-                    last_watchdog = time.monotonic()
         except BaseException as exc:  # surface the crash to every consumer, never hang them
             logger.exception("engine loop crashed")
-            self.error = exc
-            for stream in list(self._streams.values()):
+            self._declare_dead(exc)
+
+    def _declare_dead(self, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = exc
+        for stream in list(self._streams.values()):
+            with contextlib.suppress(RuntimeError):  # that consumer's event loop is gone
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _watch_stalls(self) -> None:
+        """Its own thread: the engine thread cannot notice that it is stuck itself."""
+        assert self.stall_timeout_s is not None
+        period = min(1.0, self.stall_timeout_s / 4)
+        while not self._stop and self.error is None:
+            time.sleep(period)
+            stuck_s = time.monotonic() - self._beat
+            if stuck_s > self.stall_timeout_s and not self._stop:
+                logger.error("engine iteration running for %.1fs (stall timeout %.1fs): "
+                             "declaring the engine dead", stuck_s, self.stall_timeout_s)
+                self._declare_dead(EngineStalled(
+                    f"engine stalled: one iteration has run {stuck_s:.0f}s "
+                    f"(stall timeout {self.stall_timeout_s:g}s)"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -207,6 +253,27 @@ class AsyncEngine:
             orphans = [rid for rid in self.engine.live_request_ids() if rid not in self._streams]
         for rid in gone + orphans:
             self.num_watchdog_aborts += 1
+            self.abort(rid)
+        self._evict_slow_readers()
+
+    def _evict_slow_readers(self) -> None:
+        timeout = self.slow_reader_timeout_s
+        if timeout is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            # NOTE: qsize() from this thread is a length read: at worst one tick stale.
+            slow = [(rid, s) for rid, s in self._streams.items() if not (s.closed or s.evicted)
+                    and s.queue.qsize() > 0 and now - s.last_read > timeout]
+        for rid, stream in slow:
+            logger.warning("request %s: its reader took nothing for %.0fs with %d outputs "
+                           "waiting: aborting it", rid, now - stream.last_read,
+                           stream.queue.qsize())
+            self.num_slow_reader_aborts += 1
+            stream.evicted = True
+            with contextlib.suppress(RuntimeError):  # its loop is gone: the watchdog frees it
+                # Queued before the abort's final output (one loop, first in first out).
+                stream.loop.call_soon_threadsafe(_drop_backlog, stream.queue)
             self.abort(rid)
 
     # -- named reads (no lock: plain attribute reads, safe from any thread) ----------------------
@@ -249,6 +316,8 @@ class AsyncEngine:
         """Touches no engine lock, so it answers while the engine is saturated."""
         if self.error is not None:
             return EngineHealth("dead", str(self.error))
+        if not self._thread.is_alive() and not self._stop:
+            return EngineHealth("dead", "the engine thread has exited")
         if self.draining:
             return EngineHealth("draining")
         return EngineHealth("ok")
@@ -301,3 +370,17 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
+
+
+def _drop_backlog(queue: asyncio.Queue) -> None:
+    """Event-loop side of a slow reader's eviction: the outputs it never took are dropped. A
+    request that had already finished keeps a final output (marked "abort": its reader missed
+    part of it), so the reader, if it ever comes back, still sees an end."""
+    last = None
+    while not queue.empty():
+        last = queue.get_nowait()
+    if isinstance(last, BaseException):
+        queue.put_nowait(last)
+    elif last is not None and last.finished:
+        queue.put_nowait(dataclasses.replace(last, new_text="", new_token_ids=[],
+                                             new_logprobs=[], finish_reason="abort"))

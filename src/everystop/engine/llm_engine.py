@@ -169,9 +169,47 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        result = self.executor.execute(sched)
+        try:
+            result = self.executor.execute(sched)
+        except Exception as exc:
+            self.check_health()  # a dead executor (TP worker gone) is fatal: raises here
+            logger.exception("forward pass failed; failing the %d sequences in it",
+                             len(sched.scheduled))
+            reason = f"engine error in the forward pass: {type(exc).__name__}: {exc}"
+            with lock:
+                victims = self._step_victims(sched)
+                outputs.extend(self.fail_requests(dict.fromkeys(victims, reason)))
+            return outputs
         with lock:
+            if result.failed:
+                outputs.extend(self.fail_requests(result.failed))
             outputs.extend(self.finish_step(sched, result, start))
+        return outputs
+
+    def _step_victims(self, sched: SchedulerOutput) -> list[str]:
+        """Who a failed pass takes down: its sequences, and those swapped out in it (their
+        host copy may be incomplete)."""
+        swapped = [rid for rid in sched.preempted_request_ids
+                   if (r := self.scheduler.requests.get(rid)) is not None
+                   and r.status == RequestStatus.SWAPPED]
+        return list(dict.fromkeys([e.request_id for e in sched.scheduled] + swapped))
+
+    def fail_requests(self, reasons: dict[str, str]) -> list[RequestOutput]:
+        """End requests with finish_reason "error" and the reason; their blocks are freed.
+        The other requests, and the engine, go on."""
+        outputs = []
+        for rid, reason in reasons.items():
+            if rid not in self.scheduler.requests:
+                continue  # aborted while the pass ran
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            out = self.outputs.abort(rid)
+            req = self._live.pop(rid, None)
+            if out is None:
+                continue
+            out = dataclasses.replace(out, finish_reason="error", error=reason)
+            outputs.append(out)
+            if req is not None:
+                self._notify_finished(req, out)
         return outputs
 
     def finish_step(self, sched: SchedulerOutput, result: ModelOutput,

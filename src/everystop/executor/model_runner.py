@@ -290,6 +290,8 @@ class ModelRunner:
                 output.prompt_logprobs = score(logits[len(sampled):], plan)
                 logits = logits[:len(sampled)]
             if sampled and logits is not None:  # None: a tensor-parallel rank other than 0
+                sampled, logits = _drop_non_finite(sampled, logits, output)
+            if sampled and logits is not None:
                 result = self.sampler(logits, [s.sampling_params for s in sampled],
                                       [s.output_index for s in sampled], sampled)
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
@@ -319,3 +321,19 @@ class ModelRunner:
     def kv_caches(self) -> list[KVCache]:
         return self.pool.kv_caches
 
+
+
+def _drop_non_finite(sampled: list[ScheduledSequence], logits: torch.Tensor,
+                     output: ModelOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
+    """Rows with a NaN or infinite logit cannot be sampled from: their sequences are reported
+    in `output.failed` (the engine ends them with an error) and the others sample as usual."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return sampled, logits
+    keep = []
+    for i, (seq, ok) in enumerate(zip(sampled, finite.tolist())):
+        if ok:
+            keep.append(i)
+        else:
+            output.failed[seq.request_id] = "the model produced non-finite logits (NaN or Inf)"
+    return [sampled[i] for i in keep], logits[keep]

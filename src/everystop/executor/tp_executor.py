@@ -14,12 +14,16 @@ ParallelConfig.collective_timeout_s. Either way the engine stops and never hangs
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
@@ -57,6 +61,11 @@ class TensorParallelExecutor(RunnerExecutor):
         self._store = create_store(world, self.timeout_s)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        # A script that never calls shutdown() ends with the interpreter: stop the workers
+        # politely first (atexit runs this before multiprocessing terminates its daemons, which
+        # would look like a crash and abort torch's threads mid-flight).
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         try:
             self._spawn(config)
             self._await_hello()
@@ -89,7 +98,8 @@ class TensorParallelExecutor(RunnerExecutor):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, send), daemon=True,
                                name=f"everystop-tp-rank{rank}")
-            proc.start()
+            with _workers_skip_main():
+                proc.start()
             send.close()
             self._procs.append(proc)
             self._conns.append(recv)
@@ -106,10 +116,19 @@ class TensorParallelExecutor(RunnerExecutor):
                 try:
                     kind, *rest = conn.recv()
                 except EOFError:
-                    kind, rest = "error", [f"rank {pending[conn]} exited during start-up"]
+                    kind, rest = "error", [self._silent_exit(pending[conn])]
                 if kind == "error":
                     raise TensorParallelError(f"tensor-parallel worker failed: {rest[0]}")
                 del pending[conn]
+
+    def _silent_exit(self, rank: int) -> str:
+        """What to say about a worker that died before it could report (its interpreter or
+        torch failed to start: the traceback is on its stderr, which is ours)."""
+        proc = self._procs[rank - 1]
+        proc.join(timeout=5.0)
+        return (f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during "
+                "start-up, before it could report; its own error is printed above (the "
+                "workers share this process's stderr)")
 
     # --- supervision ------------------------------------------------------------------------
 
@@ -207,6 +226,7 @@ class TensorParallelExecutor(RunnerExecutor):
         if self._stopping.is_set():
             return
         self._stopping.set()
+        atexit.unregister(self._at_exit)
         if self.failure is None and self.runner is not None:
             # they are being killed below anyway
             with contextlib.suppress(Exception):
@@ -222,3 +242,33 @@ class TensorParallelExecutor(RunnerExecutor):
         for conn in self._conns:
             conn.close()
         self.runner = None
+
+
+def _shutdown_at_exit(ref: weakref.ref[TensorParallelExecutor]) -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()
+
+
+@contextlib.contextmanager
+def _workers_skip_main() -> Iterator[None]:
+    """Spawn a worker that does not re-run the caller's main module.
+
+    multiprocessing's spawn re-imports `__main__` in every child so that pickled objects
+    defined there resolve. Ours need nothing from it (the target and its arguments are
+    everystop's), and re-running it breaks the common ways of calling us: a script read from
+    stdin or `python -c` cannot be re-read, and a script without an `if __name__ ==
+    "__main__":` guard would build a second engine in every worker. So, for the moment of the
+    spawn, the main module does not say where it came from."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)

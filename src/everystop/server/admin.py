@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse
 
 from everystop.config import CacheConfig, ConfigError, SchedulerConfig
 from everystop.engine.async_engine import AsyncEngine
+from everystop.server.errors import APIError
+from everystop.server.limits import loads
 from everystop.telemetry.alerts import GuardrailConfig
 from everystop.telemetry.rows import ConfigRow
 from everystop.telemetry.service import Telemetry, open_telemetry
@@ -41,6 +43,11 @@ SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size",
                    "max_queued_per_tenant", "max_queued_per_tier", "tpot_target_ms",
                    "tpot_target_ms_per_tier")
 ADJUSTABLE = SCHEDULER_KNOBS + ("watermark",)
+# Upper bounds on what a PATCH may set: far above any real deployment, low enough that a typo
+# (max_num_seqs=1e9) cannot size queues or budgets into absurdity.
+CEILINGS = {"max_num_seqs": 1 << 16, "max_num_batched_tokens": 1 << 24, "chunk_size": 1 << 24,
+            "max_queued_per_tenant": 1 << 20, "max_queued_per_tier": 1 << 20,
+            "tpot_target_ms": 1e6, "tpot_target_ms_per_tier": 1e6, "watermark": 1.0}
 
 
 class _Invalid(Exception):
@@ -83,6 +90,14 @@ def _check_type(name: str, value: Any) -> Any:
     return value
 
 
+def _check_bounds(name: str, value: Any) -> Any:
+    ceiling = CEILINGS[name]
+    for v in value if isinstance(value, tuple) else (value,):
+        if v is not None and v > ceiling:
+            raise _Invalid(f"{name} must be <= {ceiling:g}", name)
+    return value
+
+
 class SchedulerConfigAdmin:
     """Validates, applies and records scheduler-config versions for one AsyncEngine."""
 
@@ -115,7 +130,8 @@ class SchedulerConfigAdmin:
             if name not in ADJUSTABLE:
                 raise _Invalid(f"{name!r} cannot be changed at runtime (adjustable: "
                                f"{', '.join(ADJUSTABLE)})", name, code="unsupported_parameter")
-        values = {name: _check_type(name, value) for name, value in body.items()}
+        values = {name: _check_bounds(name, _check_type(name, value))
+                  for name, value in body.items()}
         front = self.async_engine
         sched_changes = {k: v for k, v in values.items() if k in SCHEDULER_KNOBS}
         try:
@@ -232,9 +248,9 @@ def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *, admin_key: 
         if (resp := denied(request)) is not None:
             return resp
         try:
-            body = await request.json()
-        except ValueError:
-            return _Invalid("the body is not valid JSON", None).response()
+            body = loads(await request.body(), max_depth=4)
+        except APIError as exc:
+            return exc.response()
         try:
             return await admin.patch(body)
         except _Invalid as exc:

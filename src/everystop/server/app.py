@@ -16,9 +16,12 @@ from fastapi.responses import JSONResponse, Response
 
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.admission import AdmissionConfig, AdmissionController
-from everystop.server.errors import APIError, install_error_handlers
+from everystop.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
+from everystop.server.limits import LimitsMiddleware, RequestLimits, check_fan_out
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
+from everystop.server.offload import check_text_fits, off_loop
+from everystop.server.openapi import install_openapi
 from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,9 +38,15 @@ Extension = Callable[[FastAPI, AsyncEngine], Any]
 def build_app(async_engine: AsyncEngine, served_model_name: str, *,
               aliases: Iterable[str] = (), api_key: str | None = None,
               admission: AdmissionConfig | None = None, metrics: ServerMetrics | None = None,
-              max_n: int = 8, extensions: Iterable[Extension] = ()) -> FastAPI:
-    app = FastAPI(title="everystop", docs_url=None, redoc_url=None, openapi_url=None)
+              max_n: int = 8, extensions: Iterable[Extension] = (),
+              limits: RequestLimits | None = None, open_metrics: bool = False) -> FastAPI:
+    """`open_metrics`: serve /metrics without the API key (a scraper on a private network)."""
+    app = FastAPI(title="everystop", docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     install_error_handlers(app)
+    limits = limits or RequestLimits()
+    app.add_middleware(LimitsMiddleware, limits=limits)
+    app.add_middleware(RequestIdMiddleware)  # outermost: limit refusals carry an id too
     metrics = metrics or ServerMetrics()
     metrics.attach(async_engine, model_name=served_model_name)
     controller = AdmissionController(
@@ -59,6 +68,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            code="invalid_api_key")
 
+    async def parse(http: Request, model: type[Any]) -> Any:
+        raw = await http.body()
+        return await off_loop(parse_body, raw, model, limits.max_json_depth, size=len(raw))
+
     # Other names the model answers to (e.g. the file's full stem); responses use the first.
     known = {served_model_name, *aliases}
 
@@ -71,21 +84,27 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         check_auth(http)
-        body: CompletionRequest = parse_body(await http.body(), CompletionRequest)
+        body: CompletionRequest = await parse(http, CompletionRequest)
         check_model(body.model)
+        prompts = body.prompts()
+        check_fan_out(limits, len(prompts), body.n)
         fmt = CompletionFormat(served_model_name, tokenizer)
-        return await generate(ctx, http, body, body.prompts(), fmt)
+        return await generate(ctx, http, body, prompts, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         check_auth(http)
-        body: ChatCompletionRequest = parse_body(await http.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse(http, ChatCompletionRequest)
         check_model(body.model)
+        check_fan_out(limits, 1, body.n)
         template = getattr(tokenizer, "apply_chat_template", None)
         if template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            code="no_chat_template")
-        prompt = template(body.conversation(), add_generation_prompt=True)
+        conversation = body.conversation()
+        check_text_fits(async_engine, sum(len(m["content"]) for m in conversation))
+        prompt = await off_loop(template, conversation, add_generation_prompt=True,
+                                size=sum(len(m["content"]) for m in conversation))
         fmt = ChatFormat(served_model_name, tokenizer)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
@@ -104,9 +123,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     async def tokenize(http: Request) -> JSONResponse:
         """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
         check_auth(http)
-        body = parse_body(await http.body(), TokenizeRequest)
+        body = await parse(http, TokenizeRequest)
         check_model(body.model)
-        ids = tokenizer.encode(body.prompt)
+        ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     @app.get("/health")
@@ -119,9 +138,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(http: Request) -> Response:
+        if not open_metrics:
+            check_auth(http)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     for extend in extensions:
         extend(app, async_engine)
+    install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
+                          ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                          ("POST", "/tokenize"): TokenizeRequest})
     return app

@@ -19,8 +19,9 @@ from typing import Any
 
 import uvicorn
 
-from everystop.engine.args import add_engine_args, config_or_exit
+from everystop.engine.args import add_engine_args, config_or_exit, parse_bytes
 from everystop.server.admission import AdmissionConfig
+from everystop.server.limits import RequestLimits
 
 logger = logging.getLogger("everystop.server")
 
@@ -54,6 +55,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
     g.add_argument("--admin-key", default=None,
                    help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
+    g.add_argument("--engine-stall-timeout", type=float, default=600.0,
+                   help="seconds one engine iteration may run before the engine is declared "
+                        "dead (/health 503, streams end with an error); 0 = never")
+    g.add_argument("--slow-reader-timeout", type=float, default=60.0,
+                   help="seconds a client may leave its stream unread (tokens waiting) before "
+                        "its request is aborted and its blocks freed; 0 = never")
+    g.add_argument("--open-metrics", action="store_true",
+                   help="serve /metrics without --api-key (a scraper on a private network)")
+    lim = parser.add_argument_group("request limits (answered 413/400 naming the limit)")
+    d = RequestLimits()
+    lim.add_argument("--max-body-bytes", type=parse_bytes, default=d.max_body_bytes,
+                     help="largest request body (default 8MiB)")
+    lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                     help="deepest JSON nesting in a body")
+    lim.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                     help="most prompts in one /v1/completions request")
+    lim.add_argument("--max-request-sequences", type=int, default=d.max_sequences,
+                     help="most sequences (prompts x n) one request may start")
 
 
 def register(subparsers: Any) -> None:
@@ -78,7 +97,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         # Built on the engine thread: all torch work on one thread (see AsyncEngine).
-        front = AsyncEngine(lambda: LLMEngine.from_config(config))
+        front = AsyncEngine(lambda: LLMEngine.from_config(config),
+                            stall_timeout_s=args.engine_stall_timeout or None,
+                            slow_reader_timeout_s=args.slow_reader_timeout or None)
     except Exception as exc:  # a bad model path or config: one line, not a traceback
         if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
             raise
@@ -99,11 +120,17 @@ def serve(args: argparse.Namespace) -> int:
         install_dashboard(app, front, metrics, admin_key=args.admin_key)
 
     app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,
-                    metrics=metrics,
+                    metrics=metrics, limits=request_limits(args),
+                    open_metrics=args.open_metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                     extensions=[observability])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                         max_prompts=args.max_prompts, max_sequences=args.max_request_sequences)
 
 
 # A GGUF file's quantization suffix: "SmolLM2-135M-Instruct.Q4_1", "Llama-3-8B-Q4_K_M".

@@ -1,13 +1,21 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}} with a status."""
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}} with a status,
+and a request id on every response (`X-Request-Id`) that the log's tracebacks carry too."""
 
 from __future__ import annotations
 
+import logging
+import re
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("everystop.server")
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a caller's own id, echoed only if tame
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -62,5 +70,39 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    async def _internal(http: Request, exc: Exception) -> JSONResponse:
+        # The client gets the id, never the traceback: it may hold prompts or paths.
+        rid = request_id(http)
+        logger.error("internal error in %s %s [request %s]", http.method, http.url.path, rid,
+                     exc_info=exc)
+        return APIError(500, f"internal server error (request id {rid})",
+                        headers={"X-Request-Id": rid}).response()
+
+
+def request_id(http: Request) -> str:
+    return str(http.scope.get("state", {}).get("request_id", "-"))
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the caller's `X-Request-Id` when it is a short plain token)
+    and returns it as `X-Request-Id`. Pure ASGI, so streaming responses pass through as is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", ())).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -29,6 +29,7 @@ from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutp
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.live_window import LiveWindow
+from everystop.server.tenants import clean_tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -46,6 +47,7 @@ class TenantLabels:
         self._lock = threading.Lock()
 
     def __call__(self, tenant: str) -> str:
+        tenant = clean_tenant(tenant)
         with self._lock:
             if tenant in self._known:
                 return tenant

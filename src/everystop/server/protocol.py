@@ -7,7 +7,6 @@ Parsing is strict on purpose: a string where a number belongs is a client bug, a
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -16,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted
+from everystop.server.limits import loads
 
 NonNegInt = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +33,7 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = None
@@ -48,10 +49,10 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM's extras, honoured by the sampler.
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None  # OpenAI's range: a finite nudge
 
     @property
     def include_usage(self) -> bool:
@@ -123,12 +124,9 @@ class TokenizeRequest(BaseModel):
     prompt: str
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> Any:
     """Bytes -> a validated request, or an APIError(400) naming the offending field."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    data = loads(raw, max_json_depth)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     try:

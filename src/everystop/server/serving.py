@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,8 +29,10 @@ from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format
 from everystop.server.metrics import ServerMetrics
+from everystop.server.offload import make_request
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
+from everystop.server.tenants import clean_tenant
 
 
 @dataclass
@@ -90,7 +93,7 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
 
 
 def tenant_of(http: HTTPRequest, body: _GenerationRequest) -> str:
-    return http.headers.get("x-tenant-id") or body.user or "default"
+    return clean_tenant(http.headers.get("x-tenant-id") or body.user or "default")
 
 
 async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequest,
@@ -111,9 +114,11 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
             params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
+            # Tokenized once per prompt (off the event loop when large); the n copies reuse it.
+            source = prompt if j == 0 else choices[-1].req.prompt_token_ids
             try:
-                req = ctx.engine.make_request(prompt, params, priority=body.priority,
-                                              tenant=tenant, max_tokens_to_context=to_context)
+                req = await make_request(ctx.engine, source, params, priority=body.priority,
+                                         tenant=tenant, max_tokens_to_context=to_context)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
@@ -151,14 +156,16 @@ def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
         for req in submitted:
             ctx.engine.abort(req.request_id)
             ctx.admission.done(req, completed=False)
-        raise _map_submit_error(ctx, exc, tier) from None
+        raise _map_submit_error(ctx, exc, tier, choices[0].req.tenant) from None
 
 
-def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> BaseException:
+def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int,
+                      tenant: str | None = None) -> BaseException:
     if isinstance(exc, QueueFull):
         reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
         ctx.metrics.count_rejected(reason, tier)
-        retry = str(max(1, round(exc.retry_after_s)))
+        wait = ctx.admission.retry_after_s(tier, tenant if reason == "tenant_queue" else None)
+        retry = str(math.ceil(wait))
         return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
                         headers={"Retry-After": retry})
     if isinstance(exc, RequestRejected):
@@ -229,7 +236,7 @@ def _usage(choices: list[_Choice]) -> dict[str, Any]:
 
 def _finish(ctx: ServingContext, choices: list[_Choice]) -> None:
     for c in choices:
-        done = c.out is not None and c.out.finished and c.out.finish_reason != "abort"
+        done = c.out is not None and c.out.finish_reason in ("stop", "length")
         ctx.admission.done(c.req, completed=done)
 
 
@@ -241,6 +248,9 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
         async for c, out in _merged(ctx.engine, choices):
             offset = len(c.text) + _echo_offset(c)
             _absorb(ctx, c, out)
+            if out.finish_reason == "error":  # an engine fault ended this choice
+                yield sse(_engine_error(out).body())
+                continue
             first = c.index not in started
             if not (out.new_text or out.finished or first or (want_lp and out.new_logprobs)):
                 continue  # text held back (partial UTF-8 or a possible stop string)
@@ -279,6 +289,9 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
             task.result()
         except EngineDead as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
+        for c in choices:
+            if c.out is not None and c.out.finish_reason == "error":
+                raise _engine_error(c.out)
     finally:
         watcher.cancel()
         task.cancel()
@@ -291,6 +304,10 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
         out_choices.append(fmt.final_choice(c.index, text, lp,
                                             c.out.finish_reason if c.out else "abort"))
     return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
+
+
+def _engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, out.error or "engine error", code="engine_error")
 
 
 async def _wait_for_disconnect(http: HTTPRequest) -> None:

@@ -3,8 +3,10 @@
   prefill_ceiling  an iteration ran more prefill tokens than the ceiling (decode stutter)
   starvation       a tier's p99 queue wait (recent admissions + requests still waiting)
                    exceeds its SLA
-  kv_leak          device blocks held by a sequence that made no progress for N seconds, or by
-                   an id the scheduler no longer knows
+  kv_leak          device blocks held by a live sequence that made no progress over N engine
+                   iterations (and at least S seconds), or by an id the scheduler no longer
+                   knows for S seconds. Iterations, not seconds alone: a slow step (30 s on a
+                   loaded CPU) is not a leak, and every step advances every running sequence.
   tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance)
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
@@ -43,6 +45,7 @@ class GuardrailConfig:
     tier_queue_sla_s: tuple[float, float, float] = (1.0, 5.0, 30.0)
     sla_window_s: float = 60.0
     leak_after_s: float = 30.0
+    leak_after_steps: int = 64
     check_interval_s: float = 1.0
     # A prefill-ceiling breach is counted every iteration but reported at most this often.
     report_every_s: float = 10.0
@@ -80,7 +83,8 @@ class Guardrails:
             t: deque() for t in range(NUM_TIERS)}  # (admitted at, queue wait)
         self._sampled: set[str] = set()
         self._starving: set[int] = set()
-        self._progress: dict[str, tuple[Any, float]] = {}  # rid -> (progress key, since)
+        # rid -> (progress key, since (clock), since (scheduler step))
+        self._progress: dict[str, tuple[Any, float, int]] = {}
         self._leak_alerted: set[str] = set()
         self._overruns: list[IterationRecord] = []  # the current run of overrunning steps
         self._clamps: deque[tuple[int, str]] = deque(maxlen=16)  # (proposed cap, why)
@@ -190,11 +194,14 @@ class Guardrails:
             key = None if req is None else (req.num_computed_tokens, req.num_output_tokens,
                                             int(req.status))
             prev = self._progress.get(rid)
+            step = scheduler.num_steps
             if prev is None or prev[0] != key:
-                self._progress[rid] = (key, now)
+                self._progress[rid] = (key, now, step)
                 continue
             stalled = now - prev[1]
-            if stalled < self.config.leak_after_s:
+            idle_steps = step - prev[2]
+            if stalled < self.config.leak_after_s or (
+                    req is not None and idle_steps < self.config.leak_after_steps):
                 continue
             suspected += len(blocks)
             if rid not in self._leak_alerted:
@@ -204,7 +211,8 @@ class Guardrails:
                 self._raise(Alert(now, "kv_leak", None if req is None else req.priority, rid,
                                   stalled, self.config.leak_after_s,
                                   f"{len(blocks)} KV blocks held by {rid} ({state}) with no "
-                                  f"progress for {stalled:.1f}s: suspected leak"))
+                                  f"progress for {idle_steps} iterations ({stalled:.1f}s): "
+                                  "suspected leak"))
         self.suspected_leaked_blocks = suspected
 
     def _raise(self, alert: Alert) -> None:

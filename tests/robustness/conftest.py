@@ -1,0 +1,1 @@
+from tests.server.conftest import toy_server  # noqa: F401 - the shared module-scoped server

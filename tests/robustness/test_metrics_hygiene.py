@@ -1,0 +1,36 @@
+"""Tenant ids are client-controlled: they must not grow /metrics or the label set."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from everystop.server.tenants import MAX_TENANT_CHARS, clean_tenant
+from tests.server.conftest import ServerProcess
+
+pytestmark = pytest.mark.server
+
+
+def test_clean_tenant_is_short_printable_distinct_and_idempotent() -> None:
+    assert clean_tenant("acme-prod") == "acme-prod"
+    long_a, long_b = "a" * 60_000, "a" * 59_999 + "b"
+    for raw in (long_a, long_b, 'x"}\n# HELP evil', "\u00e9t\u00e9", "", "\ud800"):
+        cleaned = clean_tenant(raw)
+        assert 0 < len(cleaned) <= MAX_TENANT_CHARS
+        assert cleaned.isascii() and cleaned.isprintable() and '"' not in cleaned
+        assert clean_tenant(cleaned) == cleaned
+    assert clean_tenant(long_a) != clean_tenant(long_b)
+
+
+def test_huge_and_many_tenants_keep_metrics_small(toy_server: ServerProcess) -> None:
+    before = len(httpx.get(toy_server.url + "/metrics", timeout=10).content)
+    body = {"model": "toy", "prompt": "hi", "max_tokens": 2}
+    for i in range(30):  # more tenants than the label set keeps (20)
+        tenant = f"{i:02d}" + "z" * 60_000  # as `user`: uvicorn caps header sizes itself
+        r = httpx.post(toy_server.url + "/v1/completions", json={**body, "user": tenant},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    text = httpx.get(toy_server.url + "/metrics", timeout=10).text
+    assert max(len(line) for line in text.splitlines()) < 400
+    assert 'tenant="other"' in text
+    assert len(text.encode()) < before + 400_000  # was ~9 MB per such tenant
