@@ -25,11 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"core", "routing"},
     "telemetry": {"core"},
     "server": {"core", "engine", "telemetry"},
+    "cluster": {"core", "engine", "routing", "server", "tokenizer"},
     "bench": {"core", "engine", "tokenizer"},
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.
-NO_TORCH = {"core", "routing", "sim", "telemetry", "server", "config", "sampling_params", "stats"}
+NO_TORCH = {"core", "routing", "cluster", "sim", "telemetry", "server", "config",
+            "sampling_params", "stats"}
 
 
 def _floor(module: str) -> str:
