@@ -34,6 +34,7 @@ import psutil
 from bench_json import emit
 
 from everystop.bench.client import ServeOptions, run_serve
+from everystop.bench.metrics import distribution_ms
 from everystop.bench.workload import Workload, WorkloadRequest, english_corpus
 from everystop.tokenizer import load_tokenizer
 
@@ -153,9 +154,15 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
     s = report["summary"]
     hits = sum(_delta(after, before, "everystop_replica_prefix_cache_hits_total").values())
     queries = sum(_delta(after, before, "everystop_replica_prefix_cache_queries_total").values())
+    rows = [r for r in report["requests"] if r["success"]]
+    # The short requests' TTFT is what routing can change: a long prompt's own TTFT is mostly
+    # its own prefill, wherever it goes.
+    short = distribution_ms([r["ttft_s"] for r in rows if r["prompt_len"] < 1000])
+    longs = distribution_ms([r["ttft_s"] for r in rows if r["prompt_len"] >= 1000])
     return {"rate_req_s": rate, "completed": s["completed"], "failed": s["failed"],
             "duration_s": s["duration_s"], "output_tok_s": s["output_throughput"],
             "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
+            "ttft_ms_short_prompts": short, "ttft_ms_long_prompts": longs,
             "prefix_cache": {"hit_tokens": hits, "query_tokens": queries,
                              "hit_rate": hits / queries if queries else 0.0},
             "routed": {k.split('replica="')[1].split('"')[0]: v for k, v in

@@ -122,10 +122,10 @@ def _waiting_is(server: ServerProcess, n: int) -> Any:
     return lambda: _sum(_metrics(server), "everystop_replica_num_requests_waiting") == n
 
 
-def _hog(server: ServerProcess, stop: threading.Event, started: list[str]) -> None:
-    """A long stream from tenant "hog", held open until `stop`, then dropped (a disconnect)."""
+def _hog(server: ServerProcess, i: int, stop: threading.Event, started: list[str]) -> None:
+    """A long stream, held open until `stop`, then dropped (a disconnect)."""
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 400,
-            "ignore_eos": True, "stream": True, "user": "hog"}
+            "ignore_eos": True, "stream": True, "user": f"hog-{i}"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
                       timeout=60) as r:
         for line in r.iter_lines():
@@ -139,25 +139,26 @@ def test_queue_full_tries_the_next_replica_and_all_full_answers_429(
         cluster: ServerProcess) -> None:
     before = _metrics(cluster)
     stop, started = threading.Event(), []  # type: ignore[var-annotated]
-    hogs = [threading.Thread(target=_hog, args=(cluster, stop, started)) for _ in range(4)]
+    hogs = [threading.Thread(target=_hog, args=(cluster, i, stop, started)) for i in range(4)]
     for t in hogs:
         t.start()
         time.sleep(0.3)
     try:
-        # Both replicas run two hogs each (max-num-seqs 2): the next hog requests queue, one
-        # per replica (max-queued-per-tenant 1), and the one after finds every replica full.
+        # Both replicas run two hogs each (max-num-seqs 2): the next requests of tenant "late"
+        # queue, one per replica (max-queued-per-tenant 1), and the one after finds every
+        # replica full.
         _wait_for(lambda: _sum(_metrics(cluster), "everystop_replica_num_requests_running") == 4,
                   30, "four hogs running")
         queued = []
         for _ in range(2):
             queued.append(threading.Thread(target=httpx.post, args=(
                 cluster.url + "/v1/completions",), kwargs={
-                "json": {"prompt": "Hi", "max_tokens": 2, "user": "hog"}, "headers": AUTH,
+                "json": {"prompt": "Hi", "max_tokens": 2, "user": "late"}, "headers": AUTH,
                 "timeout": 120}))
             queued[-1].start()
             _wait_for(_waiting_is(cluster, len(queued)), 10, f"{len(queued)} queued")
         r = httpx.post(cluster.url + "/v1/completions", headers=AUTH, timeout=30,
-                       json={"prompt": "Hi", "max_tokens": 2, "user": "hog"})
+                       json={"prompt": "Hi", "max_tokens": 2, "user": "late"})
         assert r.status_code == 429, r.text
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
@@ -183,7 +184,7 @@ def test_queue_full_tries_the_next_replica_and_all_full_answers_429(
 
 
 def _stream_outcome(server: ServerProcess, i: int, results: dict[int, str]) -> None:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Story number {i}:", "max_tokens": 40,
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Story number {i}:", "max_tokens": 24,
             "ignore_eos": True, "stream": True, "user": f"load-{i}"}
     try:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
@@ -209,7 +210,7 @@ def test_a_replica_killed_under_load_loses_nothing_silently(cluster: ServerProce
     before = _metrics(cluster)
     pids = {rid: info["pid"] for rid, info in _replicas(cluster).items()}
     results: dict[int, str] = {}
-    n = 12
+    n = 10
     threads = [threading.Thread(target=_stream_outcome, args=(cluster, i, results))
                for i in range(n)]
     for t in threads:

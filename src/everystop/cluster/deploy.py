@@ -90,7 +90,9 @@ def deploy(config: EngineConfig, opts: ClusterOptions) -> Any:
         # Admission is the engines' (QueueFull); Ray's own per-replica cap stays out of the way.
         max_ongoing_requests=4096, ray_actor_options=resources,
         health_check_period_s=1.0, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0, request_router_config=router)
+        graceful_shutdown_timeout_s=5.0, request_router_config=router,
+        # Ray logs every call at INFO; the engine's own logs say what matters.
+        logging_config={"log_level": "WARNING"})
     return serve.run(deployment.bind(config), name=APP_NAME, route_prefix=None)
 
 
