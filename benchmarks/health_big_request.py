@@ -27,8 +27,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_json import emit
+from everystop.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +128,7 @@ def main() -> int:
     runs = [measure(str(ROOT / "src"), args.mb, args.interval, flags)]
     if args.compare_src:
         runs.append(measure(args.compare_src, args.mb, args.interval, []))
-    emit({"benchmark": "health_big_request", "prompt_mb": args.mb,
+    write_result({"benchmark": "health_big_request", "prompt_mb": args.mb,
           "probe_interval_s": args.interval, "runs": runs}, args.out)
     return 0
 

@@ -37,10 +37,8 @@ from typing import Any
 
 import httpx
 
+from everystop.results import write_result
 from everystop.stats import percentile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_json import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "soak-admin"
@@ -312,7 +310,7 @@ def main() -> int:
                 break
             time.sleep(0.2)
         rss_end = _rss_kib(server.pid)
-        emit(report(soak, rate, capacity, (rss_start, rss_end), metrics, args), args.out)
+        write_result(report(soak, rate, capacity, (rss_start, rss_end), metrics, args), args.out)
         return 0
     finally:
         server.send_signal(signal.SIGINT)

@@ -25,16 +25,18 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"core", "executor.layers", "executor.models"},
     "tokenizer": {"executor.models"},  # the GGUF reader, to build a tokenizer from its metadata
     "engine": {"core", "executor", "tokenizer"},
-    "sim": {"core"},
+    "routing": {"core"},
+    "sim": {"core", "routing"},
     "telemetry": {"core"},
     "server": {"core", "engine", "telemetry"},
+    "cluster": {"core", "engine", "routing", "server", "tokenizer"},
     # the measurements time the executor's own parts (profile) and calibrate the simulator
     "bench": {"core", "engine", "tokenizer", "executor", "sim"},
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.
-NO_TORCH = {"core", "sim", "telemetry", "server", "config", "sampling_params", "stats", "plots",
-            "workload", "results"}
+NO_TORCH = {"core", "routing", "cluster", "sim", "telemetry", "server", "config",
+            "sampling_params", "stats", "plots", "workload", "results"}
 
 
 def _floor(module: str) -> str:

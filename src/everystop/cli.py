@@ -40,4 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "serve":
+        from everystop.server.cli import scaled_out
+        if scaled_out(args):  # on Ray: the cluster floor sits above the server's app
+            from everystop.cluster.deploy import serve_cluster_command
+            return serve_cluster_command(args)
     return int(args.func(args) or 0)

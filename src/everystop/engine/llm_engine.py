@@ -100,28 +100,10 @@ class LLMEngine:
         the stop ids); the caller's object is never changed. With `max_tokens_to_context`,
         max_tokens is whatever the context window leaves after the prompt (OpenAI's chat
         default when no limit is given)."""
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-            vocab = self.tokenizer.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        stop_token_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            extra = [t for t in self.tokenizer.eos_token_ids if t != self.tokenizer.eos_token_id]
-            stop_token_ids = list(dict.fromkeys(stop_token_ids + extra))
-        max_tokens = params.max_tokens
-        if max_tokens_to_context:
-            max_tokens = max(1, self.max_model_len - len(token_ids))
-        params = dataclasses.replace(params, stop=list(params.stop),
-                                     stop_token_ids=stop_token_ids, max_tokens=max_tokens)
-        return Request(request_id or uuid.uuid4().hex, token_ids, params,
-                       eos_token_id=self.tokenizer.eos_token_id,
-                       arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       priority=priority, tenant=tenant)
+        return new_request(self.tokenizer, self.max_model_len, prompt, params,
+                           request_id=request_id, priority=priority, tenant=tenant,
+                           arrival_time=self.clock() if arrival_time is None else arrival_time,
+                           max_tokens_to_context=max_tokens_to_context)
 
     def add_request(self, prompt: str | list[int] | Request,
                     params: SamplingParams | None = None, **kwargs: Any) -> Request:
@@ -354,3 +336,32 @@ def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Any]:
         from everystop.tokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(tokenizer)
     return new
+
+
+def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | list[int],
+                params: SamplingParams | None = None, *, request_id: str | None = None,
+                priority: int = 1, tenant: str = "default", arrival_time: float = 0.0,
+                max_tokens_to_context: bool = False) -> Request:
+    """`LLMEngine.make_request` without an engine: what a cluster's ingress builds with only
+    the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
+    params = params or SamplingParams()
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = [int(t) for t in prompt]
+        vocab = tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    stop_token_ids = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        extra = [t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id]
+        stop_token_ids = list(dict.fromkeys(stop_token_ids + extra))
+    max_tokens = params.max_tokens
+    if max_tokens_to_context:
+        max_tokens = max(1, max_model_len - len(token_ids))
+    params = dataclasses.replace(params, stop=list(params.stop),
+                                 stop_token_ids=stop_token_ids, max_tokens=max_tokens)
+    return Request(request_id or uuid.uuid4().hex, token_ids, params,
+                   eos_token_id=tokenizer.eos_token_id, arrival_time=arrival_time,
+                   priority=priority, tenant=tenant)

@@ -35,6 +35,18 @@ def _wait_caps(text: str) -> tuple[float, float, float]:
     return (parts[0], parts[1], parts[2])
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def scaled_out(args: argparse.Namespace) -> bool:
+    """`serve` on Ray (everystop.cluster) rather than one engine in this process."""
+    return getattr(args, "replicas", 1) > 1 or bool(getattr(args, "ray_address", None))
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -73,6 +85,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="most prompts in one /v1/completions request")
     lim.add_argument("--max-request-sequences", type=int, default=d.max_sequences,
                      help="most sequences (prompts x n) one request may start")
+    c = parser.add_argument_group("scale out (Ray Serve; pip install everystop[cluster])")
+    c.add_argument("--replicas", type=_positive_int, default=1,
+                   help="engine replicas behind one ingress (>1, or --ray-address, uses Ray)")
+    c.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto' after `ray start`); default: start one")
+    c.add_argument("--routing-policy", default="least-loaded",
+                   choices=["least-loaded", "prefix-affinity", "power-of-two", "round-robin"])
+    c.add_argument("--affinity-margin", type=float, default=2.0,
+                   help="prefix-affinity: how much more loaded (score units, ~waiting "
+                        "requests) the prefix's replica may be and still be chosen")
+    c.add_argument("--replica-num-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (default: its threads)")
+    c.add_argument("--replica-num-gpus", type=float, default=None,
+                   help="GPUs Ray reserves per replica (default: its tensor-parallel ranks on "
+                        "CUDA, else 0)")
 
 
 def register(subparsers: Any) -> None:

@@ -126,7 +126,7 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
                 echo = prompt if isinstance(prompt, str) else \
                     ctx.engine.tokenizer.decode(list(prompt))
             choices.append(_Choice(len(choices), req, prompt_index, echo=echo))
-    _admit(ctx, choices, body.priority)
+    await _admit(ctx, choices, body.priority)
     if body.stream:
         return SSEResponse(_stream_events(ctx, body, fmt, choices))
     return await _respond_when_done(ctx, http, fmt, choices)
@@ -138,7 +138,7 @@ def _num_logprobs(body: _GenerationRequest) -> int | None:
     return body.logprobs  # type: ignore[attr-defined]
 
 
-def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
+async def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
     """Admission check, then submit all; on any refusal nothing stays queued."""
     try:
         ctx.admission.check(tier)
@@ -149,7 +149,13 @@ def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None:
     submitted: list[Request] = []
     try:
         for c in choices:
-            ctx.engine.submit(c.req)
+            # A cluster front (everystop.cluster) learns QueueFull only after a round trip to
+            # its replicas, so it submits asynchronously.
+            submit_routed = getattr(ctx.engine, "submit_routed", None)
+            if submit_routed is not None:
+                await submit_routed(c.req)
+            else:
+                ctx.engine.submit(c.req)
             submitted.append(c.req)
             ctx.admission.track(c.req)
     except BaseException as exc:

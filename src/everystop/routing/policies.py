@@ -1,0 +1,201 @@
+"""The routing policies: rank replicas best first from their load reports, corrected between
+reports by the router's own count of requests sent and finished.
+
+    least-loaded     lowest (KV tier, score); the design's policy and the default
+    prefix-affinity  least-loaded, but the replica that last took the same leading prompt blocks
+                     goes first unless its score exceeds the best one's by `affinity_margin`
+    power-of-two     two replicas drawn at random, the shorter queue first (Ray's built-in idea)
+    round-robin      each replica in turn, blind to load
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from everystop.routing.load import (
+    Corrected,
+    ReplicaLoad,
+    RouteRequest,
+    ScoreWeights,
+    depth,
+    score,
+    tier,
+)
+
+POLICIES = ("least-loaded", "prefix-affinity", "power-of-two", "round-robin")
+
+
+@dataclass
+class _Books:
+    """This router's own account of one replica, to correct its (stale) load report."""
+
+    # Requests sent and not yet finished, in send order, with the report seq seen at sending.
+    outstanding: dict[int, tuple[RouteRequest, int]] = field(default_factory=dict)
+    seq: int = -1  # the last report seen
+    # Requests finished since that report though sent before it: the report still counts them.
+    finished: int = 0
+    finished_blocks: int = 0
+
+
+class Router:
+    """Least-loaded ranking; the other policies override `_order`.
+
+    The caller tries `rank()`'s replicas in order (the next on QueueFull), then reports the one
+    that took the request with `on_sent` and its end with `on_finished`, passing the same
+    `RouteRequest` object both times.
+
+    Between reports the router corrects each replica's numbers with its own books: requests it
+    sent beyond what the report shows are counted as waiting (their prompts as prefill work,
+    their blocks as taken), and requests that finished since the report are taken off.
+    NOTE: a report may be taken after a send yet not show it (the request is still on its way),
+    so a report never wipes the books; only finishes do.
+    """
+
+    policy = "least-loaded"
+
+    def __init__(self, weights: ScoreWeights | None = None) -> None:
+        self.weights = weights or ScoreWeights()
+        self._books: dict[str, _Books] = {}
+        # The score of each replica at the last rank(), for metrics and logs.
+        self.last_scores: dict[str, float] = {}
+
+    def rank(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[str]:
+        """Replica ids, best first. Every replica in `loads` appears exactly once."""
+        corrected = [self._correct(load) for load in loads]
+        self.last_scores = {c.load.replica_id: score(c, request, self.weights) for c in corrected}
+        return self._order(request, corrected)
+
+    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
+        books = self._books.setdefault(replica_id, _Books())
+        books.outstanding[id(request)] = (request, books.seq)
+
+    def on_finished(self, replica_id: str, request: RouteRequest) -> None:
+        books = self._books.setdefault(replica_id, _Books())
+        entry = books.outstanding.pop(id(request), None)
+        if entry is not None and entry[1] < books.seq:
+            # Sent before the last report, so that report most likely still counts it.
+            books.finished += 1
+            books.finished_blocks += request.kv_blocks_needed
+
+    def in_flight(self, replica_id: str) -> int:
+        """Requests this router sent to the replica that have not finished."""
+        books = self._books.get(replica_id)
+        return len(books.outstanding) if books else 0
+
+    # -- internals -------------------------------------------------------------------------------
+    def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
+        return [c.load.replica_id for c in self._least_loaded(request, corrected)]
+
+    def _least_loaded(self, request: RouteRequest, corrected: list[Corrected]) -> list[Corrected]:
+        w = self.weights
+        return sorted(corrected, key=lambda c: (tier(c, request, w), score(c, request, w),
+                                                c.load.replica_id))
+
+    def _correct(self, load: ReplicaLoad) -> Corrected:
+        books = self._books.setdefault(load.replica_id, _Books())
+        if load.seq != books.seq:
+            books.seq, books.finished, books.finished_blocks = load.seq, 0, 0
+        running = max(0, load.num_running - books.finished)
+        seen = running + load.num_waiting + load.num_swapped
+        # The newest sends beyond what the report shows have not reached it yet.
+        num_unseen = max(0, len(books.outstanding) - seen)
+        unseen = [r for r, _ in list(books.outstanding.values())[seen:]] if num_unseen else []
+        free = (load.free_kv_blocks - sum(r.kv_blocks_needed for r in unseen)
+                + books.finished_blocks)
+        return Corrected(
+            load=load,
+            waiting=load.num_waiting + len(unseen),
+            running=running,
+            free_blocks=min(load.total_kv_blocks, max(0, free)),
+            prefill_tokens=load.prefill_tokens_queued + sum(r.num_prompt_tokens for r in unseen))
+
+
+class PrefixAffinityRouter(Router):
+    policy = "prefix-affinity"
+
+    def __init__(self, weights: ScoreWeights | None = None, *, affinity_margin: float = 2.0,
+                 max_prefixes: int = 1 << 16) -> None:
+        super().__init__(weights)
+        if affinity_margin < 0:
+            raise ValueError(f"affinity_margin must be >= 0, got {affinity_margin}")
+        self.affinity_margin = affinity_margin
+        self.max_prefixes = max_prefixes
+        self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> replica, LRU order
+
+    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
+        super().on_sent(replica_id, request)
+        for h in request.prefix_hashes:
+            self._owner[h] = replica_id
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.max_prefixes:
+            self._owner.popitem(last=False)
+
+    def affinity(self, request: RouteRequest, replica_ids: set[str]) -> str | None:
+        """The replica that last took the longest run of this prompt's leading blocks."""
+        for h in reversed(request.prefix_hashes):
+            owner = self._owner.get(h)
+            if owner in replica_ids:
+                return owner
+        return None
+
+    def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
+        ranked = self._least_loaded(request, corrected)
+        owner = self.affinity(request, {c.load.replica_id for c in ranked})
+        if owner is None:
+            return [c.load.replica_id for c in ranked]
+        best = ranked[0]
+        mine = next(c for c in ranked if c.load.replica_id == owner)
+        w = self.weights
+        if (tier(mine, request, w) <= tier(best, request, w)
+                and score(mine, request, w) <= score(best, request, w) + self.affinity_margin):
+            ranked.remove(mine)
+            ranked.insert(0, mine)
+        return [c.load.replica_id for c in ranked]
+
+
+class PowerOfTwoRouter(Router):
+    policy = "power-of-two"
+
+    def __init__(self, weights: ScoreWeights | None = None, *, seed: int = 0) -> None:
+        super().__init__(weights)
+        self._rng = random.Random(seed)
+
+    def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
+        shuffled = list(corrected)
+        self._rng.shuffle(shuffled)
+        # Ray's built-in: of two random replicas, the one with fewer requests; then the others.
+        first_two = sorted(shuffled[:2], key=depth)
+        return [c.load.replica_id for c in first_two + shuffled[2:]]
+
+
+class RoundRobinRouter(Router):
+    policy = "round-robin"
+
+    def __init__(self, weights: ScoreWeights | None = None) -> None:
+        super().__init__(weights)
+        self._turn = 0
+
+    def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
+        ids = sorted(c.load.replica_id for c in corrected)
+        if not ids:
+            return []
+        start = self._turn % len(ids)
+        self._turn += 1
+        return ids[start:] + ids[:start]
+
+
+def make_router(policy: str, *, affinity_margin: float = 2.0, seed: int = 0,
+                weights: ScoreWeights | None = None) -> Router:
+    """One router per policy name in `POLICIES`."""
+    if policy == "least-loaded":
+        return Router(weights)
+    if policy == "prefix-affinity":
+        return PrefixAffinityRouter(weights, affinity_margin=affinity_margin)
+    if policy == "power-of-two":
+        return PowerOfTwoRouter(weights, seed=seed)
+    if policy == "round-robin":
+        return RoundRobinRouter(weights)
+    raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,97 @@
+"""The cluster's pieces without a Ray instance: report parsing, stats summing, the router's
+ordering and its in-flight books (Ray's RequestRouter base is not constructed)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+from everystop.cluster.front import sum_stats
+from everystop.cluster.router import EveryStopRouter, load_from_report
+from everystop.core.outputs import SchedulerStats
+from everystop.core.request import Request
+from everystop.sampling_params import SamplingParams
+
+
+def _stats(**kw: Any) -> dict[str, Any]:
+    base = SchedulerStats(num_running=0, num_waiting=0, num_swapped=0, num_free_blocks=100,
+                          num_used_blocks=0, num_total_blocks=100, kv_usage=0.0,
+                          prefix_queries=0, prefix_hits=0, num_preemptions_recompute=0,
+                          num_preemptions_swap=0, swap_out_blocks=0, swap_in_blocks=0)
+    return {f.name: getattr(dataclasses.replace(base, **kw), f.name)
+            for f in dataclasses.fields(base)}
+
+
+def _report(seq: int, **kw: Any) -> dict[str, Any]:
+    return {"seq": seq, "health": "ok", "pid": 1, "prefill_tokens_queued": 0,
+            "stats": _stats(**kw)}
+
+
+def test_a_report_becomes_a_replica_load() -> None:
+    load = load_from_report("a", _report(3, num_waiting=2, num_running=5, num_free_blocks=40,
+                                         num_used_blocks=60))
+    assert (load.num_waiting, load.num_running, load.free_kv_blocks, load.seq) == (2, 5, 40, 3)
+    assert load_from_report("b", None).seq == -1  # not reported yet: idle, ranked on queues
+
+
+def test_cluster_stats_sum_the_replicas() -> None:
+    total = sum_stats([_stats(num_running=2, num_used_blocks=30, num_free_blocks=70),
+                       _stats(num_running=1, num_used_blocks=10, num_free_blocks=90,
+                              step_measured_s=0.5)])
+    assert total.num_running == 3 and total.num_total_blocks == 200
+    assert total.kv_usage == 0.2 and total.step_measured_s == 0.5
+
+
+def _router(policy: str = "least-loaded") -> EveryStopRouter:
+    router = EveryStopRouter.__new__(EveryStopRouter)  # Ray's base needs a live deployment
+    router.initialize_state(policy=policy, block_size=16)
+    return router
+
+
+def _replica(rid: str, report: dict[str, Any]) -> Any:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=report)
+
+
+def _pending(req: Request, exclude: tuple[str, ...] = ()) -> Any:
+    return SimpleNamespace(args=[req], kwargs={"exclude": exclude},
+                           metadata=SimpleNamespace(internal_request_id=f"ray-{req.request_id}"))
+
+
+def _req(i: int) -> Request:
+    return Request(f"r{i}", list(range(40)), SamplingParams(max_tokens=4))
+
+
+def _choose(router: EveryStopRouter, replicas: list[Any], pending: Any) -> list[str]:
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_a_burst_between_reports_alternates_replicas() -> None:
+    router = _router()
+    replicas = [_replica("a", _report(1)), _replica("b", _report(1))]
+    firsts = [_choose(router, replicas, _pending(_req(i)))[0] for i in range(4)]
+    assert sorted(firsts) == ["a", "a", "b", "b"]
+    assert router.placed["r0"] == firsts[0] and sum(router.decisions.values()) == 4
+
+
+def test_replicas_that_refused_go_last() -> None:
+    router = _router()
+    replicas = [_replica("a", _report(1)), _replica("b", _report(1, num_waiting=3))]
+    assert _choose(router, replicas, _pending(_req(0))) == ["a", "b"]
+    assert _choose(router, replicas, _pending(_req(1), exclude=("a",))) == ["b", "a"]
+
+
+def test_a_choice_made_again_and_a_completion_leave_the_books_even() -> None:
+    router = _router()
+    replicas = [_replica("a", _report(1)), _replica("b", _report(1))]
+    pending = _pending(_req(0))
+    first = _choose(router, replicas, pending)[0]
+    _choose(router, replicas, pending)  # Ray backed off and asked again: not counted twice
+    assert router.policy.in_flight(first) == 1 and sum(router.decisions.values()) == 1
+    other = "b" if first == "a" else "a"
+    router.on_request_routed(pending, SimpleNamespace(unique_id=other), None)  # Ray chose else
+    assert router.policy.in_flight(first) == 0 and router.policy.in_flight(other) == 1
+    router.on_request_completed(SimpleNamespace(unique_id=other), "ray-r0")
+    assert router.policy.in_flight(other) == 0
