@@ -77,6 +77,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def info(self) -> dict[str, Any]:
+        """What remote-tokenizer clients read (vLLM's /tokenizer_info; lm-eval uses it)."""
+        t = self._tok
+        return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token,
+                "bos_token": t.bos_token, "pad_token": t.pad_token, "unk_token": t.unk_token,
+                "chat_template": getattr(t, "chat_template", None), "vocab_size": len(t)}
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._tok.convert_ids_to_tokens(list(ids)))
 

@@ -22,6 +22,7 @@ from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
 from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     TokenizeRequest,
     model_info,
     model_list,
@@ -106,8 +107,29 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         check_auth(http)
         body = parse_body(await http.body(), TokenizeRequest)
         check_model(body.model)
-        ids = tokenizer.encode(body.prompt)
+        encode: Any = tokenizer.encode  # the model's tokenizer takes add_special_tokens
+        ids = (encode(body.prompt, add_special_tokens=True) if body.add_special_tokens
+               else encode(body.prompt))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> JSONResponse:
+        """vLLM-style helper: {"tokens": [...]} -> {"prompt": str} (special tokens kept)."""
+        check_auth(http)
+        body = parse_body(await http.body(), DetokenizeRequest)
+        check_model(body.model)
+        if any(t >= tokenizer.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be < {tokenizer.vocab_size}", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(http: Request) -> JSONResponse:
+        """vLLM-style helper: lm-eval's local-completions finds it and tokenizes remotely."""
+        check_auth(http)
+        info = getattr(tokenizer, "info", None)
+        if info is None:
+            raise APIError(404, "this tokenizer does not describe itself", code="not_found")
+        return JSONResponse({**info(), "model_max_length": max_model_len})
 
     @app.get("/health")
     async def health() -> Response:

@@ -121,6 +121,13 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[NonNegInt]
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
