@@ -64,6 +64,11 @@ class Tokenizer:
         return self._eos_ids
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (the grammar engine reads its vocabulary)."""
+        return self._tok
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._tok.bos_token_id
 

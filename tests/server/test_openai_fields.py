@@ -23,7 +23,8 @@ MODEL = "SmolLM2-135M-Instruct"  # the default model, under its served name
 PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 # Honoured rows whose effect needs the model's own logits.
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos"}
+            "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
+            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,34 @@ def _logit_bias(s: ServerProcess, ep: str, v: Any) -> None:
     assert text_of(out, ep) != plain
 
 
+def _json_with_int_n(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == {"n"} and isinstance(value["n"], int)
+
+
+def _constrained(field: str, holds: Callable[[str], bool]) -> Effect:
+    """The unconstrained greedy text breaks the rule; with the field, the text keeps it and
+    ends on its own (EOS once the grammar is complete)."""
+    def check(s: ServerProcess, ep: str, v: Any) -> None:
+        question = "How many legs does a cat have?"
+        assert not holds(text_of(_gen(s, ep, question, 24), ep))
+        out = _gen(s, ep, question, 24, **{field: v})
+        assert holds(text_of(out, ep)), text_of(out, ep)
+        assert out["choices"][0]["finish_reason"] == "stop"
+    return check
+
+
 SAMPLING_EFFECTS: dict[str, Effect] = {
+    "response_format": _constrained("response_format", _json_with_int_n),
+    "guided_json": _constrained("guided_json", _json_with_int_n),
+    "guided_regex": _constrained("guided_regex",
+                                 lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{2}", t) is not None),
+    "guided_choice": _constrained("guided_choice", lambda t: t in ("yes", "no")),
+    "guided_grammar": _constrained("guided_grammar",
+                                   lambda t: re.fullmatch(r"A[0-9][0-9]", t) is not None),
     "temperature": _temperature, "seed": _seed, "top_p": _greedy_equivalent("top_p"),
     "top_k": _greedy_equivalent("top_k"), "min_p": _greedy_equivalent("min_p"),
     "presence_penalty": _penalty("presence_penalty"),

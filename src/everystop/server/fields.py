@@ -29,8 +29,8 @@ DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 
 # Why a field is refused (anything not listed: "unknown or unsupported field").
 REASONS = {
-    "response_format": "structured output (json_object, json_schema) is not supported yet; "
-                       "only {\"type\": \"text\"}",
+    "response_format": "a chat field: on /v1/completions use guided_json, guided_regex, "
+                       "guided_choice or guided_grammar",
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet; only \"none\"",
     "parallel_tool_calls": "tool calling is not supported yet",
@@ -41,10 +41,6 @@ REASONS = {
     "best_of": "best_of other than n is not supported (no server-side ranking)",
     "suffix": "fill-in-the-middle (suffix) is not supported",
     "prompt_logprobs": "use echo with logprobs on /v1/completions",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported",

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted
 
@@ -52,10 +53,38 @@ class _GenerationRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None
+    # vLLM's structured-output extras (one at most; chat also has response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """(the field that asked, the constraint), or None; two constraints are a 400."""
+        found = self._constraints()
+        if len(found) > 1:
+            raise bad_request(f"{found[0][0]} and {found[1][0]} cannot be combined",
+                              found[1][0])
+        return found[0] if found else None
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        found = []
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else \
+                json.dumps(self.guided_json)
+            found.append(("guided_json", StructuredOutput("json_schema", spec)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice",
+                          StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        return found
 
 
 class CompletionRequest(_GenerationRequest):
@@ -106,11 +135,41 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the grammar is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        found = super()._constraints()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return found
+        if fmt.type == "json_object":
+            return [("response_format", StructuredOutput("json_object")), *found]
+        if fmt.json_schema is None:
+            raise bad_request("response_format.json_schema is required with type "
+                              "json_schema", "response_format")
+        # An empty schema means any JSON value; an object is what clients expect.
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        return [("response_format", StructuredOutput("json_schema", json.dumps(schema))),
+                *found]
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

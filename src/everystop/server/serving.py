@@ -23,7 +23,11 @@ from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected
 from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDraining
-from everystop.sampling_params import SamplingParams, SamplingParamsError
+from everystop.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputError,
+)
 from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format
@@ -66,6 +70,7 @@ def _with_echo(fmt: Format, c: _Choice, text: str, lp: dict[str, Any] | None,
 
 
 def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> SamplingParams:
+    constraint = body.structured_output()
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -81,7 +86,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
         logit_bias=dict(body.logit_bias or {}),
         # Echo with logprobs scores the prompt too (lm-eval's loglikelihood).
-        prompt_logprobs=num_logprobs if getattr(body, "echo", False) else None)
+        prompt_logprobs=num_logprobs if getattr(body, "echo", False) else None,
+        structured_output=constraint[1] if constraint else None)
     try:
         return SamplingParams(**opts)
     except SamplingParamsError as exc:  # its message starts with the parameter's name
@@ -114,6 +120,9 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
             try:
                 req = ctx.engine.make_request(prompt, params, priority=body.priority,
                                               tenant=tenant, max_tokens_to_context=to_context)
+            except StructuredOutputError as exc:
+                field = body.structured_output()
+                raise bad_request(str(exc), field[0] if field else None) from None
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
