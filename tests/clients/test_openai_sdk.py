@@ -1,10 +1,16 @@
 """The `openai` SDK as users call it: n choices, logprobs (chat and completions), streamed and
-not, and a refused field surfacing as the SDK's BadRequestError."""
+not, structured output through `.parse()`, tool calls (required, named, streamed, and a tool
+result sent back), and a refused field surfacing as the SDK's
+BadRequestError."""
 
 from __future__ import annotations
 
+import json
+from enum import StrEnum
+
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -75,3 +81,87 @@ def test_refused_field_is_a_bad_request_naming_it(client: openai.OpenAI,
         client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
                                   extra_body={"no_such_field": 1})
     assert "no_such_field" in str(err.value)
+
+
+class Colour(StrEnum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+
+
+class Person(BaseModel):
+    """Bounded strings and lists: greedy decoding of a small model can repeat a list item
+    forever, and the schema is what keeps it finite."""
+
+    name: str = Field(max_length=24)
+    age: int
+    favourite_colour: Colour
+    hobbies: list[str] = Field(max_length=3)
+    address: Address
+
+
+def test_parse_returns_the_pydantic_object(client: openai.OpenAI, model_name: str) -> None:
+    messages = [{"role": "user", "content": "Describe a fictional person."}]
+    r = client.chat.completions.parse(model=model_name, messages=messages,
+                                      response_format=Person, max_tokens=200, temperature=0)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and r.choices[0].finish_reason == "stop"
+    assert isinstance(person.favourite_colour, Colour) and len(person.hobbies) <= 3
+    # Without the schema the same request answers in prose.
+    plain = client.chat.completions.create(model=model_name, messages=messages, max_tokens=20,
+                                           temperature=0).choices[0].message.content
+    with pytest.raises(ValueError):
+        Person.model_validate_json(plain or "")
+
+
+def test_invalid_schema_is_a_bad_request_naming_the_field(client: openai.OpenAI,
+                                                          model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
+                                  extra_body={"guided_json": {"type": "no-such-type"}})
+    assert err.value.body["param"] == "guided_json"  # type: ignore[index]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_required_named_and_streamed(client: openai.OpenAI, model_name: str) -> None:
+    kw = dict(model=model_name, messages=ASK, tools=[WEATHER, ADD], max_tokens=60,
+              temperature=0)
+    r = client.chat.completions.create(**kw, tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["unit"] in ("celsius", "fahrenheit")
+    named = client.chat.completions.create(
+        **kw, tool_choice={"type": "function", "function": {"name": "add"}})
+    (add,) = named.choices[0].message.tool_calls
+    assert add.function.name == "add"
+    assert all(isinstance(v, int) for v in json.loads(add.function.arguments).values())
+    streamed = [c for c in client.chat.completions.create(**kw, tool_choice="required",
+                                                          stream=True) if c.choices]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    (delta,) = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
+    assert (delta.function.name, delta.function.arguments) == (call.function.name,
+                                                               call.function.arguments)
+    # The call and its result go back through the template: the model reads the result.
+    back = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}]
+    answer = client.chat.completions.create(model=model_name, messages=back, max_tokens=30,
+                                            temperature=0)
+    assert answer.choices[0].message.content

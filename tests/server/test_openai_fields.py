@@ -24,7 +24,8 @@ PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 # Honoured rows whose effect needs the model's own logits.
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
-            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "tools", "tool_choice"}
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ def test_null_means_not_set_and_default_values_are_accepted() -> None:
             "parallel_tool_calls": False, "max_tokens": None}
     assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).max_tokens is None
     with pytest.raises(APIError) as err:
-        parse_body(json.dumps({**body, "tool_choice": "required"}).encode(),
+        parse_body(json.dumps({**body, "parallel_tool_calls": True}).encode(),
                    ChatCompletionRequest)
-    assert err.value.param == "tool_choice" and err.value.code == "unsupported_parameter"
+    assert err.value.param == "parallel_tool_calls"
+    assert err.value.code == "unsupported_parameter"
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -339,7 +341,30 @@ def _constrained(field: str, holds: Callable[[str], bool]) -> Effect:
     return check
 
 
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"]}}}]
+
+
+def _tools(s: ServerProcess, ep: str, v: Any) -> None:
+    """The tools reach the prompt (the template renders them)."""
+    plain = _gen(s, ep, "What is 2 + 3?", 4)
+    with_tools = _gen(s, ep, "What is 2 + 3?", 4, tools=v)
+    assert with_tools["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+
+
+def _tool_choice(s: ServerProcess, ep: str, v: Any) -> None:
+    out = _gen(s, ep, "What is 2 + 3?", 40, tools=ADD, tool_choice=v)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "add" and set(args) == {"a", "b"}
+    assert all(isinstance(x, int) for x in args.values())
+
+
 SAMPLING_EFFECTS: dict[str, Effect] = {
+    "tools": _tools, "tool_choice": _tool_choice,
     "response_format": _constrained("response_format", _json_with_int_n),
     "guided_json": _constrained("guided_json", _json_with_int_n),
     "guided_regex": _constrained("guided_regex",

@@ -86,8 +86,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         if template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            code="no_chat_template")
-        prompt = template(body.conversation(), add_generation_prompt=True)
-        fmt = ChatFormat(served_model_name, tokenizer)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} \
+            if body.tools else {}  # the model's template renders them
+        prompt = template(body.conversation(), add_generation_prompt=True, **tools)
+        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names())
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
     @app.get("/v1/models")

@@ -17,8 +17,6 @@ IGNORED = frozenset({"metadata", "store", "service_tier"})
 # OpenAI fields accepted only at the value that means "the default behaviour".
 DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "response_format": lambda v, _: v is None or v == {"type": "text"},
-    "tools": lambda v, _: not v,
-    "tool_choice": lambda v, _: v in (None, "none"),
     "parallel_tool_calls": lambda v, _: v in (None, False),
     "functions": lambda v, _: not v,
     "function_call": lambda v, _: v in (None, "none"),
@@ -31,9 +29,7 @@ DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 REASONS = {
     "response_format": "a chat field: on /v1/completions use guided_json, guided_regex, "
                        "guided_choice or guided_grammar",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet; only \"none\"",
-    "parallel_tool_calls": "tool calling is not supported yet",
+    "parallel_tool_calls": "one tool call per turn (parallel_tool_calls=false)",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "modalities": "text output only",

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted
+from everystop.server.tools import tool_constraint
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -110,11 +111,51 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar is always enforced under required/named
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this is the result of
 
     @field_validator("content", mode="before")
     @classmethod
@@ -155,9 +196,39 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def functions(self) -> list[dict[str, Any]]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_names(self) -> set[str] | None:
+        """The functions whose calls are parsed out of the output (None: no tool calling)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return {t.function.name for t in self.tools}
+
+    def _tool_choice(self) -> str | None:
+        """"required", a function's name, or None (free choice, or no tools)."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in (self.tool_names() or set()):
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is "
+                                  "not in tools", "tool_choice")
+            return choice.function.name
+        return str(choice)
 
     def _constraints(self) -> list[tuple[str, StructuredOutput]]:
         found = super()._constraints()
+        choice = self._tool_choice()
+        if choice is not None:
+            tool = tool_constraint(self.functions(), choice)
+            assert tool is not None
+            found.append(("tool_choice", tool))
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return found
@@ -171,9 +242,27 @@ class ChatCompletionRequest(_GenerationRequest):
         return [("response_format", StructuredOutput("json_schema", json.dumps(schema))),
                 *found]
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them (tool call arguments as objects)."""
+        out = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class TokenizeRequest(BaseModel):
