@@ -87,12 +87,20 @@ class LocalExecutor:
         return self.runner.describe_capacity() if self.runner else "executor shut down"
 
     def preemption_cost_model(self) -> PreemptionCostModel:
-        """Recompute vs swap costs measured on this model and device, now."""
-        assert self.runner is not None
-        return PreemptionCostModel(
-            prefill_tokens_per_s=self.runner.measure_prefill_tokens_per_s(),
-            swap_bytes_per_s=self.runner.measure_swap_bytes_per_s(),
-            bytes_per_block=self.runner.bytes_per_block)
+        """Recompute vs swap costs measured on this model and device (once per machine:
+        later start-ups read them from the cache)."""
+        from everystop.executor.measured_costs import cached_costs
+
+        runner = self.runner
+        assert runner is not None
+        cfg = runner.model_config
+        settings = {"dtype": cfg.dtype, "kv_dtype": str(runner.kv_dtype), "device": cfg.device,
+                    "threads": runner.num_threads, "block_size": runner.block_size}
+        prefill, swap = cached_costs(
+            self.model_path, settings,
+            lambda: (runner.measure_prefill_tokens_per_s(), runner.measure_swap_bytes_per_s()))
+        return PreemptionCostModel(prefill_tokens_per_s=prefill, swap_bytes_per_s=swap,
+                                   bytes_per_block=runner.bytes_per_block)
 
     def shutdown(self) -> None:
         self.runner = None
