@@ -241,7 +241,19 @@ def _echo(s: ServerProcess, ep: str, v: Any) -> None:
     assert streamed == lp["token_logprobs"]
 
 
+def _prompt_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
+    out = ok(s, ep, {**base(ep, "toy"), "prompt_logprobs": v})
+    scored = out["choices"][0]["prompt_logprobs"]
+    # The toy scores every prompt token after the first -0.5 ("fields": 6 tokens).
+    assert scored[0] is None and len(scored) == 6
+    for char, entry in zip("ields", scored[1:]):
+        assert entry[str(ord(char))]["logprob"] == -0.5
+        assert entry[str(ord(char))]["decoded_token"] == char
+    assert "prompt_logprobs" not in ok(s, ep, base(ep, "toy"))["choices"][0]
+
+
 TOY_EFFECTS: dict[str, Effect] = {
+    "prompt_logprobs": _prompt_logprobs,
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
     "stream_options": lambda s, ep, v: _stream(s, ep, True, v), "stop": _stop,

@@ -36,7 +36,7 @@ REASONS = {
     "audio": "text output only",
     "best_of": "best_of other than n is not supported (no server-side ranking)",
     "suffix": "fill-in-the-middle (suffix) is not supported",
-    "prompt_logprobs": "use echo with logprobs on /v1/completions",
+    "prompt_logprobs": "on /v1/completions only (or echo with logprobs there)",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported",

@@ -68,6 +68,19 @@ class CompletionFormat:
                 None if e is None else {self.token_text(t): v for t, v in e.top})
         return prompt + text, {k: head[k] + logprobs[k] for k in head}
 
+    def prompt_logprobs(self, prompt_ids: list[int], scored: list[TokenLogprob] | None
+                        ) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first has none), its own entry and
+        the top alternatives, keyed by token id; `rank` is given for the top ones."""
+        out: list[dict[str, Any] | None] = [None]
+        for tid, e in zip(prompt_ids[1:], scored or []):
+            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
+                     for r, (t, v) in enumerate(e.top, 1)}
+            entry.setdefault(str(tid), {"logprob": e.logprob,
+                                        "decoded_token": self.token_text(tid)})
+            out.append(entry)
+        return out
+
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs,

@@ -92,6 +92,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # vLLM's: each prompt token's logprob given its prefix, with this many alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field normalised to a list of prompts (text or token ids)."""
