@@ -22,6 +22,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _release_engines() -> Iterator[None]:
+    """Overrides the suite's per-test gc.collect(): no engine lives in these test processes
+    (the server is a subprocess), and collecting the clients' large object graphs after
+    every test costs seconds each."""
+    yield
+
+
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # float32 KV cache: lm-eval's loglikelihoods are compared with transformers' float32 ones.

@@ -6,8 +6,8 @@ on the same GGUF weights, tokenized the way lm-eval splits context and continuat
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,19 +18,16 @@ pytestmark = [pytest.mark.model, pytest.mark.server,
 DATA = Path(__file__).parent / "data"
 
 
-def _transformers_loglikelihoods(pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+def _transformers_loglikelihoods(hf: Any, pairs: list[tuple[str, str]]
+                                 ) -> list[tuple[float, bool]]:
     """(sum of the continuation's logprobs, whether greedy decoding would produce it) per pair,
     from one right-padded transformers forward pass (causal: padding after a row's end never
     reaches its logits)."""
-    import transformers
+    from everystop.tokenizer import load_tokenizer
 
-    from everystop.executor.models.loader import default_model_path
-
-    path = default_model_path()
-    kw = dict(gguf_file=os.path.basename(path))
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), dtype=torch.float32, **kw).eval()
+    # transformers' tokenizer from the GGUF, through the on-disk converted copy (parsing the
+    # vocabulary out of the GGUF again would cost seconds).
+    tok = load_tokenizer().hf_tokenizer
     # lm-eval's split: encode the whole; the continuation is what follows the context's tokens.
     wholes = [tok.encode(c + x, add_special_tokens=False) for c, x in pairs]
     ctxlens = [len(tok.encode(c, add_special_tokens=False)) for c, _ in pairs]
@@ -48,7 +45,8 @@ def _transformers_loglikelihoods(pairs: list[tuple[str, str]]) -> list[tuple[flo
 
 
 def test_multiple_choice_loglikelihoods_match_transformers(
-        base_url: str, model_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        base_url: str, model_name: str, hf_float32_model: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -56,7 +54,7 @@ def test_multiple_choice_loglikelihoods_match_transformers(
     result = simple_evaluate(
         model="local-completions",
         model_args={"base_url": base_url + "/completions", "model": model_name,
-                    "num_concurrent": 4, "max_retries": 1},
+                    "batch_size": 6, "num_concurrent": 3, "max_retries": 1},
         tasks=["everystop_tiny_mc"],
         task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
         log_samples=True)
@@ -64,7 +62,7 @@ def test_multiple_choice_loglikelihoods_match_transformers(
     assert len(samples) == 6
     pairs = [tuple(arg) for s in samples for arg in s["arguments"]]
     ours = [tuple(resp[0]) for s in samples for resp in s["resps"]]
-    reference = _transformers_loglikelihoods(pairs)
+    reference = _transformers_loglikelihoods(hf_float32_model, pairs)
     for (pair, (ll, greedy), (ref_ll, ref_greedy)) in zip(pairs, ours, reference):
         assert ll == pytest.approx(ref_ll, abs=5e-3), pair
         assert greedy == ref_greedy, pair
