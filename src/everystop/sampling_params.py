@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class SamplingParamsError(ValueError):
     """An out-of-range or inconsistent sampling parameter (the server answers 400)."""
+
+
+class StructuredOutputError(SamplingParamsError):
+    """A structured-output spec the grammar engine cannot compile (the server answers 400)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the generated text to a language: `json_object` (any JSON object; `spec`
+    unused), `json_schema` (spec: the schema as JSON text), `regex`, `choice` (spec: a JSON
+    list of the allowed strings) or `grammar` (spec: EBNF in xgrammar's GBNF dialect)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    spec: str = ""
 
 
 @dataclass
@@ -40,6 +55,8 @@ class SamplingParams:
     # Logprob of every prompt token given its prefix, with this many top alternatives (None:
     # not computed; a request asking for it is not served from the prefix cache).
     prompt_logprobs: int | None = None
+    # Only tokens that keep the text inside this language can be sampled (a token mask).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

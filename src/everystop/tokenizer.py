@@ -7,6 +7,7 @@ NOTE: no torch here, and transformers is imported lazily: importing this module 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Iterable, Sequence, Set
 from typing import Any, Protocol
@@ -64,6 +65,11 @@ class Tokenizer:
         return self._eos_ids
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (the grammar engine reads its vocabulary)."""
+        return self._tok
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._tok.bos_token_id
 
@@ -87,24 +93,61 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def info(self) -> dict[str, Any]:
+        """What remote-tokenizer clients read (vLLM's /tokenizer_info; lm-eval uses it)."""
+        t = self._tok
+        return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token,
+                "bos_token": t.bos_token, "pad_token": t.pad_token, "unk_token": t.unk_token,
+                "chat_template": getattr(t, "chat_template", None), "vocab_size": len(t)}
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._tok.convert_ids_to_tokens(list(ids)))
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages`, as text."""
-        if not getattr(self._tok, "chat_template", None):
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, OpenAI-shaped), as text."""
+        template = getattr(self._tok, "chat_template", None)
+        if tools and not (isinstance(template, str) and "tools" in template):
+            # The template has no place for tools: they go into the system turn, and earlier
+            # calls into the assistant turns' text, in the shape the server parses back.
+            messages = _tools_in_text(messages, tools)
+            tools = None
+        if not template:
             # No template shipped: a plain transcript the model can at least continue.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant:" if add_generation_prompt else "")
-        return str(self._tok.apply_chat_template(messages, tokenize=False,
+        return str(self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt))
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat. NOTE: templates write their own BOS, so no special
         tokens are added on top."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+_TOOLS_PROMPT = ("You can call these functions:\n{functions}\nTo call one, answer with only "
+                 'a JSON object: {{"name": <function name>, "arguments": <its arguments>}}.')
+
+
+def _tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    functions = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    prompt = _TOOLS_PROMPT.format(functions=functions)
+    out = [dict(m) for m in messages]
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            m["content"] = "\n".join(json.dumps({"name": c["function"]["name"],
+                                                 "arguments": c["function"]["arguments"]})
+                                     for c in calls)
+        m.pop("tool_call_id", None)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
 
 
 def load_tokenizer(model_path: str | None = None) -> Tokenizer:

@@ -184,3 +184,37 @@ def test_logit_bias_is_added_and_clamped() -> None:
 def test_control_parameters_are_validated(bad: dict[str, Any]) -> None:
     with pytest.raises(SamplingParamsError):
         SamplingParams(**bad)
+
+
+def _packed(allowed: list[set[int]], vocab: int) -> list[torch.Tensor]:
+    """Each row's allowed ids as xgrammar packs them: bit t of int32 word t // 32."""
+    out = []
+    for ids in allowed:
+        words = [0] * ((vocab + 31) // 32)
+        for t in ids:
+            words[t // 32] |= 1 << (t % 32)
+        out.append(torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                                dtype=torch.int32))
+    return out
+
+
+def test_token_bitmask_leaves_only_allowed_tokens_and_spares_other_rows() -> None:
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = _logits(3, seed=5)[:, :vocab].contiguous()
+    allowed = [{3, 31, 63, 69}, {0}]  # bit 31 is the int32 sign bit
+    masks = _packed(allowed, vocab)
+    seqs = [_seq(), _seq(), _seq()]
+    seqs[0].token_bitmask, seqs[2].token_bitmask = masks
+    sampler = Sampler("cpu", seed=1)
+    for temperature in (0.0, 1.5):
+        params = [SamplingParams(temperature=temperature, logprobs=1) for _ in seqs]
+        for _ in range(20):
+            out = sampler(logits, params, [0, 0, 0], seqs)
+            assert out.token_ids[0] in allowed[0] and out.token_ids[2] == 0
+    greedy = sampler(logits, [SamplingParams(temperature=0.0, logprobs=1)] * 3, [0] * 3, seqs)
+    best = max(allowed[0], key=lambda t: logits[0, t].item())
+    assert greedy.token_ids[0] == best
+    assert greedy.token_ids[1] == logits[1].argmax().item()  # no mask: untouched
+    # Logprobs still describe the model's own distribution, before the mask.
+    ref = torch.log_softmax(logits[0], -1)[best].item()
+    assert greedy.logprobs[0] is not None and greedy.logprobs[0].logprob == pytest.approx(ref)

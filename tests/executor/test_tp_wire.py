@@ -24,7 +24,8 @@ def test_plan_round_trip_keeps_every_field() -> None:
     seq = ScheduledSequence("r1", [5, 6, 7], 12, [3, 9], True,
                             SamplingParams(max_tokens=9, temperature=0.5, seed=4, stop=["x"]),
                             output_index=2, is_prefill=True, padding=True,
-                            prompt_token_ids=[1, 2], output_token_ids=[3], eos_token_id=2)
+                            prompt_token_ids=[1, 2], output_token_ids=[3], eos_token_id=2,
+                            token_bitmask=[7])
     sched = SchedulerOutput(scheduled=[seq, dataclasses.replace(seq, request_id="r2")],
                             blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4)],
                             finished_request_ids=["f"], preempted_request_ids=["p"],

@@ -4,9 +4,9 @@ log-softmax on the same weights (float32 weights and KV cache, as the model test
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -28,9 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-def test_lm_eval_loglikelihood_matches_transformers(server: ServerProcess) -> None:
-    transformers = pytest.importorskip("transformers")
-    from everystop.executor.models.loader import default_model_path
+def test_lm_eval_loglikelihood_matches_transformers(server: ServerProcess,
+                                                    hf_float32_model: Any) -> None:
 
     tok = httpx.post(server.url + "/tokenize", timeout=30,
                      json={"prompt": "Question: What is the capital of France, the large country "
@@ -49,11 +48,8 @@ def test_lm_eval_loglikelihood_matches_transformers(server: ServerProcess) -> No
     assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
     ours = torch.tensor(lp["token_logprobs"][1:len(prompt)])
 
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0].float()
+        logits = hf_float32_model(torch.tensor([prompt])).logits[0].float()
     ref = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert (ours - ref).abs().max().item() < 2e-3
     loglik = sum(lp["token_logprobs"][len(context):-1])

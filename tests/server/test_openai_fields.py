@@ -23,7 +23,9 @@ MODEL = "SmolLM2-135M-Instruct"  # the default model, under its served name
 PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 # Honoured rows whose effect needs the model's own logits.
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos"}
+            "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
+            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "tools", "tool_choice"}
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,10 @@ def test_null_means_not_set_and_default_values_are_accepted() -> None:
             "parallel_tool_calls": False, "max_tokens": None}
     assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).max_tokens is None
     with pytest.raises(APIError) as err:
-        parse_body(json.dumps({**body, "tool_choice": "required"}).encode(),
+        parse_body(json.dumps({**body, "parallel_tool_calls": True}).encode(),
                    ChatCompletionRequest)
-    assert err.value.param == "tool_choice" and err.value.code == "unsupported_parameter"
+    assert err.value.param == "parallel_tool_calls"
+    assert err.value.code == "unsupported_parameter"
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -238,7 +241,19 @@ def _echo(s: ServerProcess, ep: str, v: Any) -> None:
     assert streamed == lp["token_logprobs"]
 
 
+def _prompt_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
+    out = ok(s, ep, {**base(ep, "toy"), "prompt_logprobs": v})
+    scored = out["choices"][0]["prompt_logprobs"]
+    # The toy scores every prompt token after the first -0.5 ("fields": 6 tokens).
+    assert scored[0] is None and len(scored) == 6
+    for char, entry in zip("ields", scored[1:]):
+        assert entry[str(ord(char))]["logprob"] == -0.5
+        assert entry[str(ord(char))]["decoded_token"] == char
+    assert "prompt_logprobs" not in ok(s, ep, base(ep, "toy"))["choices"][0]
+
+
 TOY_EFFECTS: dict[str, Effect] = {
+    "prompt_logprobs": _prompt_logprobs,
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
     "stream_options": lambda s, ep, v: _stream(s, ep, True, v), "stop": _stop,
@@ -318,7 +333,57 @@ def _logit_bias(s: ServerProcess, ep: str, v: Any) -> None:
     assert text_of(out, ep) != plain
 
 
+def _json_with_int_n(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == {"n"} and isinstance(value["n"], int)
+
+
+def _constrained(field: str, holds: Callable[[str], bool]) -> Effect:
+    """The unconstrained greedy text breaks the rule; with the field, the text keeps it and
+    ends on its own (EOS once the grammar is complete)."""
+    def check(s: ServerProcess, ep: str, v: Any) -> None:
+        question = "How many legs does a cat have?"
+        assert not holds(text_of(_gen(s, ep, question, 24), ep))
+        out = _gen(s, ep, question, 24, **{field: v})
+        assert holds(text_of(out, ep)), text_of(out, ep)
+        assert out["choices"][0]["finish_reason"] == "stop"
+    return check
+
+
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"]}}}]
+
+
+def _tools(s: ServerProcess, ep: str, v: Any) -> None:
+    """The tools reach the prompt (the template renders them)."""
+    plain = _gen(s, ep, "What is 2 + 3?", 4)
+    with_tools = _gen(s, ep, "What is 2 + 3?", 4, tools=v)
+    assert with_tools["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+
+
+def _tool_choice(s: ServerProcess, ep: str, v: Any) -> None:
+    out = _gen(s, ep, "What is 2 + 3?", 40, tools=ADD, tool_choice=v)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "add" and set(args) == {"a", "b"}
+    assert all(isinstance(x, int) for x in args.values())
+
+
 SAMPLING_EFFECTS: dict[str, Effect] = {
+    "tools": _tools, "tool_choice": _tool_choice,
+    "response_format": _constrained("response_format", _json_with_int_n),
+    "guided_json": _constrained("guided_json", _json_with_int_n),
+    "guided_regex": _constrained("guided_regex",
+                                 lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{2}", t) is not None),
+    "guided_choice": _constrained("guided_choice", lambda t: t in ("yes", "no")),
+    "guided_grammar": _constrained("guided_grammar",
+                                   lambda t: re.fullmatch(r"A[0-9][0-9]", t) is not None),
     "temperature": _temperature, "seed": _seed, "top_p": _greedy_equivalent("top_p"),
     "top_k": _greedy_equivalent("top_k"), "min_p": _greedy_equivalent("min_p"),
     "presence_penalty": _penalty("presence_penalty"),

@@ -8,6 +8,7 @@ returns a `ModelOutput`; `Scheduler.update_from_output()` applies that and retur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from everystop.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class ScheduledSequence:
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
     eos_token_id: int | None = None
+    # Structured output: the tokens this row may sample, a packed bitmask (bit t of 32-bit
+    # word t // 32 set = token t allowed) filled by the engine before the pass; None: any.
+    token_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
 from everystop.engine.output_processor import OutputProcessor
+from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the executor package imports torch when used; the engine does not
@@ -65,6 +66,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._live: dict[str, Request] = {}
         self.num_steps = 0
+        self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
+                                                  sorted(tokenizer.eos_token_ids))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -100,6 +103,8 @@ class LLMEngine:
         the stop ids); the caller's object is never changed. With `max_tokens_to_context`,
         max_tokens is whatever the context window leaves after the prompt (OpenAI's chat
         default when no limit is given)."""
+        if params is not None and params.structured_output is not None:
+            self.structured.compile(params.structured_output)  # a bad spec raises here
         return new_request(self.tokenizer, self.max_model_len, prompt, params,
                            request_id=request_id, priority=priority, tenant=tenant,
                            arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -149,6 +154,7 @@ class LLMEngine:
             outputs, self._pending_outputs = self._pending_outputs, []
             start = self.clock()
             sched = self.scheduler.schedule()
+            self.structured.fill_bitmasks(sched, self._live)
         if sched.is_empty:
             return outputs
         try:
@@ -229,6 +235,7 @@ class LLMEngine:
                 logger.exception("iteration listener failed")
 
     def _notify_finished(self, req: Request, out: RequestOutput) -> None:
+        self.structured.free(req.request_id)
         for listener in self.finish_listeners:
             try:
                 listener(req, out)

@@ -60,8 +60,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(options: dict) -> object:
-    from everystop.engine.llm import LLM
-    return LLM(**options)
+    # On a terminal, say what the wait is for; the line is erased once the model is ready.
+    tty = sys.stderr.isatty()
+    if tty:
+        print("everystop: loading the model...", end="", file=sys.stderr, flush=True)
+    try:
+        from everystop.engine.llm import LLM
+        return LLM(**options)
+    finally:
+        if tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:

@@ -99,11 +99,20 @@ class RunnerExecutor:
         return runner.measure_prefill_tokens_per_s()
 
     def preemption_cost_model(self) -> PreemptionCostModel:
-        """Recompute vs swap costs measured on this model and device, now (swap bandwidth and
-        block bytes are rank 0's: the ranks swap their slices in parallel)."""
+        """Recompute vs swap costs measured on this model and device, once per machine: later
+        start-ups read them from the cache (swap bandwidth and block bytes are rank 0's: the
+        ranks swap their slices in parallel)."""
+        from everystop.executor.measured_costs import cached_costs
+
         runner = self._live_runner()
-        return PreemptionCostModel(prefill_tokens_per_s=self._measure_prefill(runner),
-                                   swap_bytes_per_s=runner.measure_swap_bytes_per_s(),
+        cfg = runner.model_config
+        settings = {"dtype": cfg.dtype, "kv_dtype": str(runner.kv_dtype), "device": cfg.device,
+                    "threads": runner.num_threads, "block_size": runner.block_size,
+                    "executor": type(self).__name__}
+        prefill, swap = cached_costs(
+            self.model_path, settings,
+            lambda: (self._measure_prefill(runner), runner.measure_swap_bytes_per_s()))
+        return PreemptionCostModel(prefill_tokens_per_s=prefill, swap_bytes_per_s=swap,
                                    bytes_per_block=runner.bytes_per_block)
 
     def check_health(self) -> None:

@@ -117,6 +117,7 @@ class ModelRunner:
             # Tensor-parallel CPU ranks share the cores: each takes its share.
             threads = model_config.num_threads or usable_cpus()
             torch.set_num_threads(max(1, threads // parallel.world_size))
+        self.num_threads = torch.get_num_threads()
         self.backends = select_backends(model_config)
         if parallel.rank == 0:
             kernels = self.backends.kernels

@@ -1,5 +1,6 @@
 """Batched next-token sampling with per-row parameters (greedy, temperature, top-k, top-p,
-min-p, seeds; penalties, biases and min_tokens through `logits_controls`) and optional
+min-p, seeds; penalties, biases, min_tokens and structured output's token masks through
+`logits_controls`) and optional
 logprobs, vectorized over rows.
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
@@ -17,7 +18,11 @@ import torch
 
 from everystop.core.outputs import ScheduledSequence, TokenLogprob
 from everystop.executor.layers.cpu_kernels import CpuKernels
-from everystop.executor.logits_controls import apply_controls, apply_min_p
+from everystop.executor.logits_controls import (
+    apply_controls,
+    apply_min_p,
+    apply_token_bitmasks,
+)
 from everystop.sampling_params import SamplingParams
 
 
@@ -50,6 +55,8 @@ class Sampler:
         vocab = logits.shape[1]
         greedy_rows = [p.greedy for p in params]
         controlled = apply_controls(logits, params, output_indices, seqs)
+        if seqs is not None and any(s.token_bitmask is not None for s in seqs):
+            controlled = apply_token_bitmasks(controlled, seqs)
         tokens = _argmax(controlled, self.kernels)
         if not all(greedy_rows):
             greedy = torch.tensor(greedy_rows, device=logits.device)

@@ -25,6 +25,7 @@ from everystop.server.openapi import install_openapi
 from everystop.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     TokenizeRequest,
     model_info,
     model_list,
@@ -102,10 +103,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            code="no_chat_template")
         conversation = body.conversation()
-        check_text_fits(async_engine, sum(len(m["content"]) for m in conversation))
-        prompt = await off_loop(template, conversation, add_generation_prompt=True,
-                                size=sum(len(m["content"]) for m in conversation))
-        fmt = ChatFormat(served_model_name, tokenizer)
+        size = sum(len(m.get("content") or "") for m in conversation)
+        check_text_fits(async_engine, size)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} \
+            if body.tools else {}  # the model's template renders them
+        prompt = await off_loop(template, conversation, add_generation_prompt=True, size=size,
+                                **tools)
+        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names())
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
     @app.get("/v1/models")
@@ -125,8 +129,29 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         check_auth(http)
         body = await parse(http, TokenizeRequest)
         check_model(body.model)
-        ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt))
+        encode: Any = tokenizer.encode  # the model's tokenizer takes add_special_tokens
+        extra = {"add_special_tokens": True} if body.add_special_tokens else {}
+        ids = await off_loop(encode, body.prompt, size=len(body.prompt), **extra)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> JSONResponse:
+        """vLLM-style helper: {"tokens": [...]} -> {"prompt": str} (special tokens kept)."""
+        check_auth(http)
+        body = parse_body(await http.body(), DetokenizeRequest)
+        check_model(body.model)
+        if any(t >= tokenizer.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be < {tokenizer.vocab_size}", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(http: Request) -> JSONResponse:
+        """vLLM-style helper: lm-eval's local-completions finds it and tokenizes remotely."""
+        check_auth(http)
+        info = getattr(tokenizer, "info", None)
+        if info is None:
+            raise APIError(404, "this tokenizer does not describe itself", code="not_found")
+        return JSONResponse({**info(), "model_max_length": max_model_len})
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,8 +17,6 @@ IGNORED = frozenset({"metadata", "store", "service_tier"})
 # OpenAI fields accepted only at the value that means "the default behaviour".
 DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "response_format": lambda v, _: v is None or v == {"type": "text"},
-    "tools": lambda v, _: not v,
-    "tool_choice": lambda v, _: v in (None, "none"),
     "parallel_tool_calls": lambda v, _: v in (None, False),
     "functions": lambda v, _: not v,
     "function_call": lambda v, _: v in (None, "none"),
@@ -29,22 +27,16 @@ DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 
 # Why a field is refused (anything not listed: "unknown or unsupported field").
 REASONS = {
-    "response_format": "structured output (json_object, json_schema) is not supported yet; "
-                       "only {\"type\": \"text\"}",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet; only \"none\"",
-    "parallel_tool_calls": "tool calling is not supported yet",
+    "response_format": "a chat field: on /v1/completions use guided_json, guided_regex, "
+                       "guided_choice or guided_grammar",
+    "parallel_tool_calls": "one tool call per turn (parallel_tool_calls=false)",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "modalities": "text output only",
     "audio": "text output only",
     "best_of": "best_of other than n is not supported (no server-side ranking)",
     "suffix": "fill-in-the-middle (suffix) is not supported",
-    "prompt_logprobs": "use echo with logprobs on /v1/completions",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
+    "prompt_logprobs": "on /v1/completions only (or echo with logprobs there)",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported",

@@ -6,6 +6,7 @@ from typing import Any
 
 from everystop.core.outputs import TokenLogprob
 from everystop.server import protocol
+from everystop.server.tools import parse_tool_calls
 
 
 class _Tokens:
@@ -67,6 +68,19 @@ class CompletionFormat:
                 None if e is None else {self.token_text(t): v for t, v in e.top})
         return prompt + text, {k: head[k] + logprobs[k] for k in head}
 
+    def prompt_logprobs(self, prompt_ids: list[int], scored: list[TokenLogprob] | None
+                        ) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first has none), its own entry and
+        the top alternatives, keyed by token id; `rank` is given for the top ones."""
+        out: list[dict[str, Any] | None] = [None]
+        for tid, e in zip(prompt_ids[1:], scored or []):
+            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
+                     for r, (t, v) in enumerate(e.top, 1)}
+            entry.setdefault(str(tid), {"logprob": e.logprob,
+                                        "decoded_token": self.token_text(tid)})
+            out.append(entry)
+        return out
+
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs,
@@ -87,10 +101,14 @@ class ChatFormat:
 
     kind = "chat"
 
-    def __init__(self, model: str, tokenizer: Any) -> None:
+    def __init__(self, model: str, tokenizer: Any, tool_names: set[str] | None = None) -> None:
         self.model = model
         self.id = protocol.new_id("chatcmpl")
         self.token_text = _Tokens(tokenizer)
+        # With tools, a choice's text is held back until it ends: only then is it known to
+        # be a tool call or content.
+        self.tool_names = tool_names
+        self._held: dict[int, str] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.token_text(token_id)
@@ -103,6 +121,18 @@ class ChatFormat:
 
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
+        if self.tool_names is not None:
+            self._held[index] = self._held.get(index, "") + text
+            text = ""
+            if finish_reason is not None:
+                message, finish_reason = self._message(self._held.pop(index), finish_reason)
+                if "tool_calls" in message:
+                    calls = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+                    return {"index": index, "delta": {"role": "assistant", "content": None,
+                                                      "tool_calls": calls},
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason}
+                text = message["content"]
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
@@ -111,8 +141,17 @@ class ChatFormat:
 
     def final_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message, finish_reason = self._message(text, finish_reason)
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def _message(self, text: str, finish_reason: str | None
+                 ) -> tuple[dict[str, Any], str | None]:
+        calls = parse_tool_calls(text, self.tool_names) if self.tool_names else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, reason
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, *,
              chunk: bool) -> dict[str, Any]:

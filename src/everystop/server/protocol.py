@@ -7,15 +7,18 @@ Parsing is strict on purpose: a string where a number belongs is a client bug, a
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted
 from everystop.server.limits import loads
+from everystop.server.tools import tool_constraint
 
 NonNegInt = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
@@ -53,16 +56,46 @@ class _GenerationRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, Bias] | None = None  # OpenAI's range: a finite nudge
+    # vLLM's structured-output extras (one at most; chat also has response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """(the field that asked, the constraint), or None; two constraints are a 400."""
+        found = self._constraints()
+        if len(found) > 1:
+            raise bad_request(f"{found[0][0]} and {found[1][0]} cannot be combined",
+                              found[1][0])
+        return found[0] if found else None
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        found = []
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else \
+                json.dumps(self.guided_json)
+            found.append(("guided_json", StructuredOutput("json_schema", spec)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice",
+                          StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        return found
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # vLLM's: each prompt token's logprob given its prefix, with this many alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field normalised to a list of prompts (text or token ids)."""
@@ -82,11 +115,51 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar is always enforced under required/named
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this is the result of
 
     @field_validator("content", mode="before")
     @classmethod
@@ -107,21 +180,106 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the grammar is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def functions(self) -> list[dict[str, Any]]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_names(self) -> set[str] | None:
+        """The functions whose calls are parsed out of the output (None: no tool calling)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return {t.function.name for t in self.tools}
+
+    def _tool_choice(self) -> str | None:
+        """"required", a function's name, or None (free choice, or no tools)."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in (self.tool_names() or set()):
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is "
+                                  "not in tools", "tool_choice")
+            return choice.function.name
+        return str(choice)
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        found = super()._constraints()
+        choice = self._tool_choice()
+        if choice is not None:
+            tool = tool_constraint(self.functions(), choice)
+            assert tool is not None
+            found.append(("tool_choice", tool))
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return found
+        if fmt.type == "json_object":
+            return [("response_format", StructuredOutput("json_object")), *found]
+        if fmt.json_schema is None:
+            raise bad_request("response_format.json_schema is required with type "
+                              "json_schema", "response_format")
+        # An empty schema means any JSON value; an object is what clients expect.
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        return [("response_format", StructuredOutput("json_schema", json.dumps(schema))),
+                *found]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them (tool call arguments as objects)."""
+        out = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[NonNegInt]
 
 
 def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> Any:

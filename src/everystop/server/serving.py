@@ -24,7 +24,11 @@ from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected
 from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDraining
-from everystop.sampling_params import SamplingParams, SamplingParamsError
+from everystop.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputError,
+)
 from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format
@@ -54,6 +58,7 @@ class _Choice:
     out: RequestOutput | None = None
     last_token_at: float | None = None
     echo: str | None = None  # the prompt's text, when /v1/completions echoes it
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for
 
 
 def _echo_offset(c: _Choice) -> int:
@@ -69,6 +74,7 @@ def _with_echo(fmt: Format, c: _Choice, text: str, lp: dict[str, Any] | None,
 
 
 def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> SamplingParams:
+    constraint = body.structured_output()
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -84,7 +90,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
         logit_bias=dict(body.logit_bias or {}),
         # Echo with logprobs scores the prompt too (lm-eval's loglikelihood).
-        prompt_logprobs=num_logprobs if getattr(body, "echo", False) else None)
+        prompt_logprobs=_num_prompt_logprobs(body, num_logprobs),
+        structured_output=constraint[1] if constraint else None)
     try:
         return SamplingParams(**opts)
     except SamplingParamsError as exc:  # its message starts with the parameter's name
@@ -119,17 +126,32 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
             try:
                 req = await make_request(ctx.engine, source, params, priority=body.priority,
                                          tenant=tenant, max_tokens_to_context=to_context)
+            except StructuredOutputError as exc:
+                field = body.structured_output()
+                raise bad_request(str(exc), field[0] if field else None) from None
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
             if getattr(body, "echo", False):
                 echo = prompt if isinstance(prompt, str) else \
                     ctx.engine.tokenizer.decode(list(prompt))
-            choices.append(_Choice(len(choices), req, prompt_index, echo=echo))
+            choices.append(_Choice(len(choices), req, prompt_index, echo=echo,
+                                   prompt_logprobs=getattr(body, "prompt_logprobs", None)
+                                   is not None))
     await _admit(ctx, choices, body.priority)
     if body.stream:
         return SSEResponse(_stream_events(ctx, body, fmt, choices))
     return await _respond_when_done(ctx, http, fmt, choices)
+
+
+def _num_prompt_logprobs(body: _GenerationRequest, num_logprobs: int | None) -> int | None:
+    """Echo with logprobs scores the prompt too (lm-eval's loglikelihood); so does vLLM's
+    prompt_logprobs. Both asked: the larger number of alternatives serves both."""
+    echoed = num_logprobs if getattr(body, "echo", False) else None
+    asked: int | None = getattr(body, "prompt_logprobs", None)
+    if echoed is None or asked is None:
+        return echoed if asked is None else asked
+    return max(echoed, asked)
 
 
 def _num_logprobs(body: _GenerationRequest) -> int | None:
@@ -266,6 +288,8 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
             if first:
                 text, lp = _with_echo(fmt, c, text, lp, out)
             choice = fmt.chunk_choice(c.index, text, lp, out.finish_reason, first)
+            if first:
+                _add_prompt_logprobs(fmt, c, choice)
             yield sse(fmt.body([choice], None, chunk=True))
         if body.include_usage:
             yield sse(fmt.body([], _usage(choices), chunk=True))
@@ -307,13 +331,20 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
     for c in choices:
         lp = fmt.logprobs(c.logprobs, _echo_offset(c)) if want_lp else None
         text, lp = _with_echo(fmt, c, c.text, lp, c.out)
-        out_choices.append(fmt.final_choice(c.index, text, lp,
-                                            c.out.finish_reason if c.out else "abort"))
+        choice = fmt.final_choice(c.index, text, lp, c.out.finish_reason if c.out else "abort")
+        _add_prompt_logprobs(fmt, c, choice)
+        out_choices.append(choice)
     return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
 
 
 def _engine_error(out: RequestOutput) -> APIError:
     return APIError(500, out.error or "engine error", code="engine_error")
+
+
+def _add_prompt_logprobs(fmt: Format, c: _Choice, choice: dict[str, Any]) -> None:
+    if c.prompt_logprobs and isinstance(fmt, CompletionFormat):
+        scored = c.out.prompt_logprobs if c.out is not None else None
+        choice["prompt_logprobs"] = fmt.prompt_logprobs(c.req.prompt_token_ids, scored)
 
 
 async def _wait_for_disconnect(http: HTTPRequest) -> None:

@@ -144,12 +144,11 @@ def _gguf_hf_name(name: str) -> str | None:
 
 
 def _open_gguf(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], torch.Tensor | None]:
-    from gguf import GGUFReader  # the gguf package is only needed for GGUF files
+    from everystop.executor.models.gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(path)
-        meta = {k: f.contents() for k, f in reader.fields.items()
-                if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+        reader = GGUFFile(path)  # the tokenizer's vocabulary is skipped, not parsed
+        meta = reader.fields
     except Exception as e:  # numpy/struct errors on a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
     arch = meta.get("general.architecture")
