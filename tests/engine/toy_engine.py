@@ -24,8 +24,8 @@ class CharTokenizer:
     eos_token_ids = frozenset({2})
     vocab_size = 1000
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]  # no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)

@@ -12,8 +12,10 @@ from tests.engine.toy_engine import CharTokenizer
 
 class ChatCharTokenizer(CharTokenizer):
     def apply_chat_template(self, conversation: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        text = "".join(f"<tool>{t.get('function', {}).get('name', '')}\n" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

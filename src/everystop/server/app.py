@@ -129,9 +129,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         check_auth(http)
         body = await parse(http, TokenizeRequest)
         check_model(body.model)
-        encode: Any = tokenizer.encode  # the model's tokenizer takes add_special_tokens
-        extra = {"add_special_tokens": True} if body.add_special_tokens else {}
-        ids = await off_loop(encode, body.prompt, size=len(body.prompt), **extra)
+        ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt),
+                             add_special_tokens=bool(body.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     @app.post("/detokenize")
