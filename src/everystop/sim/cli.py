@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from everystop.config import parse_tpot_target
@@ -55,6 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ValueError as exc:  # impossible hardware or configuration: say which, exit 2
+        print(f"everystop simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("eff_compute", args.eff_compute),
                                    ("eff_memory", args.eff_memory)) if v is not None}
     tpot: dict[str, object] = {}
