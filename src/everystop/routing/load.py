@@ -1,0 +1,90 @@
+"""What a replica reports, what the router knows of a new request, and how the two make a
+score: the design's queue depth and KV pressure, corrected by the router's own in-flight count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's load report. `seq` grows with every new report from that replica: the
+    router's in-flight correction counts what it sent and saw finish since the last `seq`."""
+
+    replica_id: str
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    prefill_tokens_queued: int
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_kv_blocks <= 0:
+            raise ValueError(f"replica {self.replica_id}: total_kv_blocks must be positive")
+        if not 0 <= self.free_kv_blocks <= self.total_kv_blocks:
+            raise ValueError(f"replica {self.replica_id}: free_kv_blocks "
+                             f"{self.free_kv_blocks} outside 0..{self.total_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a new request before any replica has seen it."""
+
+    kv_blocks_needed: int
+    prefix_hashes: tuple[int, ...] = ()  # `prefix_block_hashes` of the prompt
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    """How much each kind of load costs, in units of "one request waiting ahead of you".
+
+    A waiting or swapped request delays a newcomer's first token by a whole prefill; a running
+    one only shares the decode batch; queued prefill tokens are the work still ahead.
+    """
+
+    waiting: float = 1.0
+    swapped: float = 1.0
+    running: float = 0.25
+    prefill_tokens_per_unit: float = 512.0
+    kv_pressure: float = 2.0  # times the KV utilisation once this request is admitted
+    # Above this utilisation (after admitting the request) a replica counts as "full": it is
+    # ranked after every replica with room, whatever the queues, since admitting there means
+    # preempting soon. Replicas where the request does not fit at all come last.
+    kv_high_water: float = 0.9
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """A report plus the router's own sends and finishes since it was taken."""
+
+    load: ReplicaLoad
+    waiting: int
+    running: int
+    free_blocks: int
+    prefill_tokens: int
+
+
+def tier(c: Corrected, request: RouteRequest, w: ScoreWeights) -> int:
+    """0: room below the high-water mark; 1: fits but above it; 2: does not fit now."""
+    free_after = c.free_blocks - request.kv_blocks_needed
+    if free_after < 0:
+        return 2
+    used_after = c.load.total_kv_blocks - free_after
+    return 0 if used_after <= w.kv_high_water * c.load.total_kv_blocks else 1
+
+
+def score(c: Corrected, request: RouteRequest, w: ScoreWeights) -> float:
+    """Lower is better: queue depth plus KV pressure once the request is admitted."""
+    total = c.load.total_kv_blocks
+    used_after = min(total, total - c.free_blocks + request.kv_blocks_needed)
+    return (w.waiting * c.waiting + w.swapped * c.load.num_swapped + w.running * c.running
+            + c.prefill_tokens / w.prefill_tokens_per_unit + w.kv_pressure * used_after / total)
+
+
+def depth(c: Corrected) -> int:
+    """Requests on the replica (what Ray's power-of-two compares)."""
+    return c.waiting + c.running + c.load.num_swapped
