@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from everystop.config import parse_tpot_target
+from everystop.sim.fleet_cli import add_fleet_args, register_plan, run_fleet
 from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
 from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-3-70b", choices=model_keys())
     p.add_argument("--hardware", default="a100-80gb", choices=hardware_keys())
     p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--workload", required=True, help=WORKLOAD_HELP)
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--scheduling", default="chunked", choices=SCHEDULING_MODES)
     p.add_argument("--rate", type=float, default=None,
                    help="override arrivals with Poisson arrivals at R requests/s (0 = all at t=0)")
@@ -52,7 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory for JSON and PNG plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="arrival seed for --rate")
+    add_fleet_args(p)
     p.set_defaults(func=run)
+    register_plan(p.add_subparsers(dest="sim_command", metavar="plan"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +81,10 @@ def _run(args: argparse.Namespace) -> int:
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       chunk_size=args.chunk_size, max_batch_size=args.max_batch_size, **tpot)
+    if args.replicas is not None:
+        return run_fleet(args, node)
+    if args.workload is None:
+        raise ValueError("--workload is required")
     workload = resolve_workload(args.workload)
     if args.rate is not None:
         workload = workload.with_rate(args.rate or None, seed=args.seed)

@@ -13,8 +13,9 @@ Spec string (comma-separated key=value; `everystop simulate --fleet-workload`)::
     arrival=diurnal:PERIOD_S:DEPTH        (rate * (1 + DEPTH * sin(2 pi t / PERIOD_S)))
     tenants=4, tiers=0.2:0.6:0.2          (tenant k has weight 1/(k+1); tier fractions 0:1:2)
     prefix=0.5:256                        (that fraction starts with its tenant's system prompt)
-    sessions=0.6:4:30                     (that fraction of arrivals opens a chat of up to 4
-                                           turns, one every ~30 s, each resending its history)
+    sessions=0.6:4:30                     (that fraction of new chats runs 4 turns, one every
+                                           ~30 s, each resending its history; `rate` counts
+                                           every turn)
     seed=0
 """
 
@@ -112,7 +113,6 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
         raise ValueError(f"unknown fleet traffic keys: {sorted(set(opts) - known)}")
     rng = random.Random(int(opts.get("seed", 0)))
     n = int(opts.get("n", 1000))
-    arrivals = _Arrivals(opts.get("arrival", "poisson"), float(opts.get("rate", 10)), rng)
     prompt_dist = opts.get("prompt", "uniform:128:1024")
     output_dist = opts.get("output", "uniform:20:800")
     num_tenants = int(opts.get("tenants", 1))
@@ -120,6 +120,10 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
     tiers = [float(x) for x in opts.get("tiers", "0:1:0").split(":")]
     prefix_frac, prefix_len = (float(x) for x in opts.get("prefix", "0:0").split(":"))
     session_frac, max_turns, think_s = (float(x) for x in opts.get("sessions", "0:1:1").split(":"))
+    # `rate` counts every request, follow-up turns included: new chats arrive more slowly.
+    turns_per_chat = 1 + session_frac * (max_turns - 1)
+    arrivals = _Arrivals(opts.get("arrival", "poisson"),
+                         float(opts.get("rate", 10)) / turns_per_chat, rng)
     system = [list(range(2_000_000 + k * 100_000, 2_000_000 + k * 100_000 + int(prefix_len)))
               for k in range(num_tenants)]
     pending: list[tuple[float, int, _Session]] = []  # next turns of open chats
