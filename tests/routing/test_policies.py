@@ -67,22 +67,29 @@ def test_in_flight_correction_spreads_a_burst_between_reports() -> None:
     assert router.in_flight("a") == 3
 
 
-def test_a_new_report_replaces_the_correction() -> None:
+def test_a_report_that_shows_the_sends_is_not_double_counted() -> None:
     router = make_router("least-loaded")
     stale = [load("a", seq=1), load("b", waiting=1, seq=1)]
     assert router.rank(RouteRequest(1), stale)[0] == "a"
     router.on_sent("a", RouteRequest(kv_blocks_needed=2))
     router.on_sent("a", RouteRequest(kv_blocks_needed=2))
-    assert router.rank(RouteRequest(1), stale)[0] == "b"  # a: 2 in flight unseen, b: 1 waiting
-    # The next report from "a" already contains both requests: the correction starts afresh.
-    router.rank(RouteRequest(1), [load("a", waiting=0, running=2, seq=2),
-                                  load("b", waiting=1, seq=1)])
-    assert router.in_flight("a") == 0
+    assert router.rank(RouteRequest(1), stale)[0] == "b"  # a: 2 unseen waiting, b: 1 waiting
+    # A newer report that does not show them yet (still on their way) changes nothing...
+    newer = [load("a", seq=2), load("b", waiting=1, seq=2)]
+    assert router.rank(RouteRequest(1), newer)[0] == "b"
+    # ...and one that shows them running counts them once: 2 running beat 1 waiting.
+    shown = [load("a", running=2, free=96, seq=3), load("b", waiting=1, seq=3)]
+    assert router.rank(RouteRequest(1), shown)[0] == "a"
+    assert router.last_scores["a"] < router.last_scores["b"]
+    assert router.in_flight("a") == 2
 
 
 def test_finishes_since_the_report_lower_the_load() -> None:
     router = make_router("least-loaded")
     sent_before = [RouteRequest(kv_blocks_needed=10) for _ in range(3)]
+    router.rank(RouteRequest(1), [load("a", seq=4), load("b", seq=4)])
+    for req in sent_before:
+        router.on_sent("a", req)
     loads = [load("a", running=3, free=70, seq=5), load("b", running=2, free=80, seq=5)]
     assert router.rank(RouteRequest(1), loads)[0] == "b"
     for req in sent_before:

@@ -29,11 +29,13 @@ POLICIES = ("least-loaded", "prefix-affinity", "power-of-two", "round-robin")
 
 
 @dataclass
-class _SinceReport:
-    """What this router did to one replica after its last report (`seq`) was taken."""
+class _Books:
+    """This router's own account of one replica, to correct its (stale) load report."""
 
-    seq: int = -1
-    sent: dict[int, RouteRequest] = field(default_factory=dict)  # id(request) -> request
+    # Requests sent and not yet finished, in send order, with the report seq seen at sending.
+    outstanding: dict[int, tuple[RouteRequest, int]] = field(default_factory=dict)
+    seq: int = -1  # the last report seen
+    # Requests finished since that report though sent before it: the report still counts them.
     finished: int = 0
     finished_blocks: int = 0
 
@@ -44,13 +46,19 @@ class Router:
     The caller tries `rank()`'s replicas in order (the next on QueueFull), then reports the one
     that took the request with `on_sent` and its end with `on_finished`, passing the same
     `RouteRequest` object both times.
+
+    Between reports the router corrects each replica's numbers with its own books: requests it
+    sent beyond what the report shows are counted as waiting (their prompts as prefill work,
+    their blocks as taken), and requests that finished since the report are taken off.
+    NOTE: a report may be taken after a send yet not show it (the request is still on its way),
+    so a report never wipes the books; only finishes do.
     """
 
     policy = "least-loaded"
 
     def __init__(self, weights: ScoreWeights | None = None) -> None:
         self.weights = weights or ScoreWeights()
-        self._since: dict[str, _SinceReport] = {}
+        self._books: dict[str, _Books] = {}
         # The score of each replica at the last rank(), for metrics and logs.
         self.last_scores: dict[str, float] = {}
 
@@ -61,22 +69,21 @@ class Router:
         return self._order(request, corrected)
 
     def on_sent(self, replica_id: str, request: RouteRequest) -> None:
-        """`replica_id` took `request`: count it until that replica's next report.
-
-        NOTE: "next" is relative to the last report `rank()` saw, so rank before sending."""
-        self._since.setdefault(replica_id, _SinceReport()).sent[id(request)] = request
+        books = self._books.setdefault(replica_id, _Books())
+        books.outstanding[id(request)] = (request, books.seq)
 
     def on_finished(self, replica_id: str, request: RouteRequest) -> None:
-        since = self._since.setdefault(replica_id, _SinceReport())
-        if since.sent.pop(id(request), None) is None:
-            # Sent before the last report, so that report still counts it as running.
-            since.finished += 1
-            since.finished_blocks += request.kv_blocks_needed
+        books = self._books.setdefault(replica_id, _Books())
+        entry = books.outstanding.pop(id(request), None)
+        if entry is not None and entry[1] < books.seq:
+            # Sent before the last report, so that report most likely still counts it.
+            books.finished += 1
+            books.finished_blocks += request.kv_blocks_needed
 
     def in_flight(self, replica_id: str) -> int:
-        """Requests sent since the replica's last report and not yet finished."""
-        since = self._since.get(replica_id)
-        return len(since.sent) if since else 0
+        """Requests this router sent to the replica that have not finished."""
+        books = self._books.get(replica_id)
+        return len(books.outstanding) if books else 0
 
     # -- internals -------------------------------------------------------------------------------
     def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
@@ -88,22 +95,22 @@ class Router:
                                                 c.load.replica_id))
 
     def _correct(self, load: ReplicaLoad) -> Corrected:
-        since = self._since.setdefault(load.replica_id, _SinceReport())
-        if load.seq != since.seq:
-            # A new report: what was sent before it is now in its numbers. NOTE: a request sent
-            # just before the report was taken may count twice until the next one: an
-            # over-estimate that errs towards spreading load, never towards piling it up.
-            since.seq, since.finished, since.finished_blocks = load.seq, 0, 0
-            since.sent.clear()
-        sent = since.sent.values()
-        free = (load.free_kv_blocks - sum(r.kv_blocks_needed for r in sent)
-                + since.finished_blocks)
+        books = self._books.setdefault(load.replica_id, _Books())
+        if load.seq != books.seq:
+            books.seq, books.finished, books.finished_blocks = load.seq, 0, 0
+        running = max(0, load.num_running - books.finished)
+        seen = running + load.num_waiting + load.num_swapped
+        # The newest sends beyond what the report shows have not reached it yet.
+        num_unseen = max(0, len(books.outstanding) - seen)
+        unseen = [r for r, _ in list(books.outstanding.values())[seen:]] if num_unseen else []
+        free = (load.free_kv_blocks - sum(r.kv_blocks_needed for r in unseen)
+                + books.finished_blocks)
         return Corrected(
             load=load,
-            waiting=load.num_waiting + len(since.sent),
-            running=max(0, load.num_running - since.finished),
+            waiting=load.num_waiting + len(unseen),
+            running=running,
             free_blocks=min(load.total_kv_blocks, max(0, free)),
-            prefill_tokens=load.prefill_tokens_queued + sum(r.num_prompt_tokens for r in sent))
+            prefill_tokens=load.prefill_tokens_queued + sum(r.num_prompt_tokens for r in unseen))
 
 
 class PrefixAffinityRouter(Router):
