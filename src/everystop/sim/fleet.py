@@ -83,7 +83,8 @@ class Replica:
                                  watermark=setup.watermark)
         self.sched = Scheduler(setup.scheduler, self.kv, cost_model=setup.preemption_cost,
                                clock=self.clock)
-        self.routed: dict[str, RouteRequest] = {}  # request id -> what the router was told
+        # request id -> the request and what the router was told of it, until it finishes
+        self.routed: dict[str, tuple[Request, RouteRequest]] = {}
         self.inbox: list[Request] = []  # arrived during the pass in flight
         self.in_pass: SchedulerOutput | None = None
         self.latency = 0.0
@@ -122,11 +123,9 @@ class Replica:
         assert out is not None
         self.clock.advance(self.latency)
         sampled = {e.request_id: SimExecutor.SAMPLED_TOKEN for e in out.scheduled if e.sample}
-        running = {e.request_id: self.sched.requests.get(e.request_id) for e in out.scheduled}
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
-        return [req for u in updates if u.finished
-                if (req := running[u.request_id]) is not None]
+        return [self.routed[u.request_id][0] for u in updates if u.finished]
 
 
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
@@ -198,7 +197,7 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
             r.clock.now = max(r.clock.now, now)
         else:
             for req in r.end_pass():
-                router.on_finished(r.replica_id, r.routed.pop(req.request_id))
+                router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
                 finished.append(_finished(req, r.index))
             for req in r.inbox:
                 _add(r, req, router, rejected)
@@ -256,7 +255,7 @@ def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
                 # replica's clock has to move, as the single-node loop's does).
                 r.clock.now = max(r.clock.now + (1e-9 if r.stalled else 0.0), spec.arrival_s)
                 wake(r, r.clock.now)
-        r.routed[spec.request_id] = route
+        r.routed[spec.request_id] = (req, route)
         r.num_routed += 1
         router.on_sent(r.replica_id, route)
         return
@@ -268,7 +267,7 @@ def _add(r: Replica, req: Request, router: Router, rejected: dict[str, str]) -> 
         r.sched.add_request(req)
     except (RequestRejected, QueueFull) as exc:
         rejected[req.request_id] = str(exc)
-        router.on_finished(r.replica_id, r.routed.pop(req.request_id))
+        router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
 
 
 def _static_timeout(sched: Scheduler, now: float) -> float | None:

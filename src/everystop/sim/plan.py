@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from everystop.routing import make_router
 from everystop.sim.fleet import simulate_fleet
@@ -66,7 +66,9 @@ class Planner:
     min_requests: int = 400
     stats_interval_s: float = 1.0
     seed: int = 0
+    resolution: float = 0.02  # relative precision of the replica count
     progress: Callable[[dict], None] | None = None
+    _single: tuple[float, list[dict]] | None = field(default=None, init=False, repr=False)
 
     def evaluate(self, replicas: int, rate: float) -> dict:
         n = max(self.min_requests, math.ceil(rate * self.duration_s))
@@ -84,7 +86,7 @@ class Planner:
             self.progress(point)
         return point
 
-    def single_replica_rate(self, hi: float = 64.0, steps: int = 7) -> tuple[float, list[dict]]:
+    def single_replica_rate(self, hi: float = 4.0, steps: int = 5) -> tuple[float, list[dict]]:
         """The highest rate (bisected) one replica serves within the SLOs."""
         curve, lo = [], 0.0
         while True:  # make sure `hi` fails
@@ -101,7 +103,9 @@ class Planner:
         return lo, curve
 
     def plan(self, rate: float, max_replicas: int = 4096) -> dict:
-        per_replica, single_curve = self.single_replica_rate()
+        if self._single is None:
+            self._single = self.single_replica_rate()
+        per_replica, single_curve = self._single
         if per_replica <= 0:
             raise ValueError("one replica cannot meet these SLOs at any rate searched")
         guess = min(max_replicas, max(1, math.ceil(rate / per_replica)))
@@ -141,7 +145,9 @@ class Planner:
                     hi = cand
                     break
                 lo, step = cand, step * 2
-        while hi - lo > 1:
+        # Past ~50 replicas, one more or less is within the noise of a simulated minute: stop
+        # at 2% (the answer is then at most 2% above the fewest).
+        while hi - lo > max(1, round(hi * self.resolution)):
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if ok(mid) else (mid, hi)
         return hi, curve

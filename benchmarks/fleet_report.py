@@ -1,0 +1,146 @@
+"""Every number in docs/fleet-simulation.md, regenerated: fleet runs of 4xH100 / Llama-3-70B
+replicas (the fleet simulator: the real scheduler per replica, the production router), written to
+JSON, plotted, and the markdown rendered from them.
+
+    PYTHONPATH=src python benchmarks/fleet_report.py [--jobs N] [--quick]
+
+  1. p99 TTFT vs offered load, each router policy, 16 replicas, the design's traffic shape
+  2. multi-turn chats (each turn resends its history): prefix-cache hit rate per policy
+  3. capacity plans for 50, 200 and 1,000 req/s (1 s p99 TTFT, 50 ms p50 TPOT)
+
+Independent runs go to a process pool (`--jobs`, default: the CPU count). `--quick` shrinks
+every run for a smoke test; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from bench_json import emit
+from fleet_report_md import render
+
+from everystop.bench.machine import cpu_info
+from everystop.routing import POLICIES, make_router
+from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.node import build_node
+from everystop.sim.plan import DESIGN_TRAFFIC, SLO, Planner, replica_price
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_JSON = ROOT / "benchmarks/results/sim/fleet_report.json"
+DOC = ROOT / "docs/fleet-simulation.md"
+IMG = ROOT / "docs/img"
+MODEL, HARDWARE, TP, REPLICAS = "llama-3-70b", "h100-sxm", 4, 16
+PER_REPLICA_RPS = [6.0, 7.5, 8.5, 9.5, 10.5, 12.0]  # offered load, req/s per replica
+CHAT = "prompt=uniform:64:512,output=uniform:20:400,sessions=0.8:4:15,prefix=0.5:512,tenants=8"
+CHAT_RPS_PER_REPLICA = 6.0
+PLAN_RATES = [50.0, 200.0, 1000.0]
+SLO_TTFT_P99_S, SLO_TPOT_P50_S = 1.0, 0.05
+STATS_INTERVAL_S = 1.0
+
+
+def fleet_point(policy: str, traffic: str, rate: float, duration_s: float) -> dict:
+    node = build_node(MODEL, HARDWARE, TP)
+    spec = f"{traffic},n={max(200, round(rate * duration_s))},rate={rate},seed=0"
+    t0 = time.process_time()
+    result = simulate_fleet(fleet_traffic(spec, node.cost.model.max_model_len), node.setup,
+                            node.cost.latency, REPLICAS, make_router(policy, seed=0),
+                            stats_interval_s=STATS_INTERVAL_S)
+    price, _ = replica_price(HARDWARE, TP, None)
+    return {"policy": policy, "rate_rps": rate, "traffic": spec,
+            "sim_cpu_s": round(time.process_time() - t0, 1), **summarize_fleet(result, price)}
+
+
+def capacity_plan(rate: float, duration_s: float) -> dict:
+    node = build_node(MODEL, HARDWARE, TP)
+    price, source = replica_price(HARDWARE, TP, None)
+    planner = Planner(node, SLO(SLO_TTFT_P99_S, SLO_TPOT_P50_S), price,
+                      duration_s=duration_s, stats_interval_s=STATS_INTERVAL_S)
+    return {"price_assumption": source, **planner.plan(rate)}
+
+
+def crossing(points: list[dict], limit_ms: float) -> float | None:
+    """Offered load (req/s) where p99 TTFT first crosses `limit_ms`, interpolated linearly."""
+    pts = sorted(points, key=lambda p: p["rate_rps"])
+    for a, b in zip(pts, pts[1:]):
+        if a["ttft_p99_ms"] <= limit_ms < b["ttft_p99_ms"]:
+            f = (limit_ms - a["ttft_p99_ms"]) / (b["ttft_p99_ms"] - a["ttft_p99_ms"])
+            return round(a["rate_rps"] + f * (b["rate_rps"] - a["rate_rps"]), 1)
+    return None
+
+
+def plot(load: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for policy, pts in load.items():
+        pts = sorted(pts, key=lambda p: p["rate_rps"])
+        ax.plot([p["rate_rps"] for p in pts], [p["ttft_p99_ms"] / 1e3 for p in pts], "o-",
+                label=policy)
+    ax.axhline(SLO_TTFT_P99_S, color="grey", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"offered load, req/s ({REPLICAS} replicas of {TP}x{HARDWARE}, {MODEL})")
+    ax.set_ylabel("p99 TTFT, s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--load-duration-s", type=float, default=40.0)
+    ap.add_argument("--chat-duration-s", type=float, default=90.0)
+    ap.add_argument("--plan-duration-s", type=float, default=30.0)
+    args = ap.parse_args()
+    if args.quick:
+        args.load_duration_s, args.chat_duration_s, args.plan_duration_s = 3.0, 6.0, 3.0
+    t0, load_before = time.perf_counter(), os.getloadavg()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        plans = [pool.submit(capacity_plan, r, args.plan_duration_s) for r in PLAN_RATES]
+        load_jobs = [(p, pool.submit(fleet_point, p, DESIGN_TRAFFIC, REPLICAS * r,
+                                     args.load_duration_s))
+                     for p in POLICIES for r in PER_REPLICA_RPS]
+        chat_jobs = [(p, pool.submit(fleet_point, p, CHAT, REPLICAS * CHAT_RPS_PER_REPLICA,
+                                     args.chat_duration_s)) for p in POLICIES]
+        load: dict[str, list[dict]] = {p: [] for p in POLICIES}
+        for p, fut in load_jobs:
+            load[p].append(fut.result())
+        chat = {p: fut.result() for p, fut in chat_jobs}
+        plan = [fut.result() for fut in plans]
+    result = {
+        "benchmark": "fleet_report", "quick": args.quick,
+        "command": "PYTHONPATH=src python benchmarks/fleet_report.py"
+                   + (" --quick" if args.quick else ""),
+        "model": MODEL, "hardware": HARDWARE, "tp": TP, "replicas": REPLICAS,
+        "stats_interval_s": STATS_INTERVAL_S,
+        "slo": {"ttft_p99_s": SLO_TTFT_P99_S, "tpot_p50_s": SLO_TPOT_P50_S},
+        "durations_s": {"load": args.load_duration_s, "chat": args.chat_duration_s,
+                        "plan": args.plan_duration_s},
+        "load": load, "crossing_1s_rps": {p: crossing(pts, 1000.0) for p, pts in load.items()},
+        "chat": chat, "plans": plan,
+        "wall_s": round(time.perf_counter() - t0, 1), "jobs": args.jobs,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpu": cpu_info(),
+    }
+    out_json = OUT_JSON.with_name("fleet_report_quick.json") if args.quick else OUT_JSON
+    emit(result, str(out_json))
+    if not args.quick:
+        IMG.mkdir(parents=True, exist_ok=True)
+        plot(load, IMG / "fleet_ttft_vs_load.png")
+        DOC.write_text(render(result))
+        print(f"wrote {out_json}, {DOC}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
