@@ -15,6 +15,7 @@ every run for a smoke test; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -37,8 +38,9 @@ OUT_JSON = ROOT / "benchmarks/results/sim/fleet_report.json"
 DOC = ROOT / "docs/fleet-simulation.md"
 IMG = ROOT / "docs/img"
 MODEL, HARDWARE, TP, REPLICAS = "llama-3-70b", "h100-sxm", 4, 16
-PER_REPLICA_RPS = [6.0, 7.5, 8.5, 9.5, 10.5, 12.0]  # offered load, req/s per replica
-CHAT = "prompt=uniform:64:512,output=uniform:20:400,sessions=0.8:4:15,prefix=0.5:512,tenants=8"
+PER_REPLICA_RPS = [7.5, 9.0, 10.5, 12.0]  # offered load, req/s per replica
+CHAT = "prompt=uniform:64:512,output=uniform:20:400,sessions=0.8:4:10,prefix=0.5:512,tenants=8"
+CHAT_POLICIES = ("prefix-affinity", "least-loaded", "round-robin")
 CHAT_RPS_PER_REPLICA = 6.0
 PLAN_RATES = [50.0, 200.0, 1000.0]
 SLO_TTFT_P99_S, SLO_TPOT_P50_S = 1.0, 0.05
@@ -57,12 +59,14 @@ def fleet_point(policy: str, traffic: str, rate: float, duration_s: float) -> di
             "sim_cpu_s": round(time.process_time() - t0, 1), **summarize_fleet(result, price)}
 
 
-def capacity_plan(rate: float, duration_s: float) -> dict:
+def capacity_plans(rates: list[float], duration_s: float, resolution: float) -> list[dict]:
+    """One planner for every rate, so the one-replica search runs once."""
     node = build_node(MODEL, HARDWARE, TP)
     price, source = replica_price(HARDWARE, TP, None)
     planner = Planner(node, SLO(SLO_TTFT_P99_S, SLO_TPOT_P50_S), price,
-                      duration_s=duration_s, stats_interval_s=STATS_INTERVAL_S)
-    return {"price_assumption": source, **planner.plan(rate)}
+                      duration_s=duration_s, stats_interval_s=STATS_INTERVAL_S,
+                      resolution=resolution)
+    return [{"price_assumption": source, **planner.plan(rate)} for rate in rates]
 
 
 def crossing(points: list[dict], limit_ms: float) -> float | None:
@@ -100,25 +104,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--load-duration-s", type=float, default=40.0)
-    ap.add_argument("--chat-duration-s", type=float, default=90.0)
-    ap.add_argument("--plan-duration-s", type=float, default=30.0)
+    ap.add_argument("--load-duration-s", type=float, default=15.0)
+    ap.add_argument("--chat-duration-s", type=float, default=45.0)
+    ap.add_argument("--plan-duration-s", type=float, default=8.0)
+    ap.add_argument("--plan-resolution", type=float, default=0.05)
+    ap.add_argument("--render-only", action="store_true",
+                    help="re-render the markdown from the saved JSON (e.g. after the speed run)")
     args = ap.parse_args()
+    if args.render_only:
+        DOC.write_text(render(json.loads(OUT_JSON.read_text())))
+        return
     if args.quick:
-        args.load_duration_s, args.chat_duration_s, args.plan_duration_s = 3.0, 6.0, 3.0
+        args.load_duration_s, args.chat_duration_s, args.plan_duration_s = 1.0, 2.0, 1.0
     t0, load_before = time.perf_counter(), os.getloadavg()
     with ProcessPoolExecutor(args.jobs) as pool:
-        plans = [pool.submit(capacity_plan, r, args.plan_duration_s) for r in PLAN_RATES]
+        plans = pool.submit(capacity_plans, PLAN_RATES, args.plan_duration_s,
+                            args.plan_resolution)
         load_jobs = [(p, pool.submit(fleet_point, p, DESIGN_TRAFFIC, REPLICAS * r,
                                      args.load_duration_s))
                      for p in POLICIES for r in PER_REPLICA_RPS]
         chat_jobs = [(p, pool.submit(fleet_point, p, CHAT, REPLICAS * CHAT_RPS_PER_REPLICA,
-                                     args.chat_duration_s)) for p in POLICIES]
+                                     args.chat_duration_s)) for p in CHAT_POLICIES]
         load: dict[str, list[dict]] = {p: [] for p in POLICIES}
         for p, fut in load_jobs:
             load[p].append(fut.result())
         chat = {p: fut.result() for p, fut in chat_jobs}
-        plan = [fut.result() for fut in plans]
+        plan = plans.result()
     result = {
         "benchmark": "fleet_report", "quick": args.quick,
         "command": "PYTHONPATH=src python benchmarks/fleet_report.py"
@@ -127,7 +138,7 @@ def main() -> None:
         "stats_interval_s": STATS_INTERVAL_S,
         "slo": {"ttft_p99_s": SLO_TTFT_P99_S, "tpot_p50_s": SLO_TPOT_P50_S},
         "durations_s": {"load": args.load_duration_s, "chat": args.chat_duration_s,
-                        "plan": args.plan_duration_s},
+                        "plan": args.plan_duration_s}, "plan_resolution": args.plan_resolution,
         "load": load, "crossing_1s_rps": {p: crossing(pts, 1000.0) for p, pts in load.items()},
         "chat": chat, "plans": plan,
         "wall_s": round(time.perf_counter() - t0, 1), "jobs": args.jobs,

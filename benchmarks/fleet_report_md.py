@@ -29,6 +29,17 @@ def _load_table(r: dict) -> list[str]:
     return out
 
 
+def _crossing_order(r: dict) -> str:
+    known = {p: x for p, x in r["crossing_1s_rps"].items() if x is not None}
+    if not known:
+        return "No policy's p99 crossed 1 s between the loads simulated."
+    order = sorted(known, key=lambda p: known[p])
+    rest = [p for p in r["crossing_1s_rps"] if p not in known]
+    return ("In this run the p99 crosses 1 s first for " + ", then ".join(
+        f"{p} ({known[p]:,.0f} req/s)" for p in order) + "."
+        + (f" Not crossed within the loads simulated: {', '.join(rest)}." if rest else ""))
+
+
 def _chat_table(r: dict) -> list[str]:
     out = ["| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s "
            "| requests per replica (min-max) |", "|---|---|---|---|---|---|---|"]
@@ -125,14 +136,14 @@ def render(r: dict) -> str:
         "![p99 TTFT vs offered load](img/fleet_ttft_vs_load.png)",
         "",
         "Least-loaded and prefix-affinity rank by the same score (on this traffic no two prompts "
-        "share a block, so affinity never fires); power-of-two compares only queue lengths of "
-        "two random replicas; round-robin is blind to load and to the spread of reply lengths, "
-        "so its p99 crosses the SLO first.",
+        "share a block, so affinity never fires); power-of-two compares only the queue lengths "
+        "of two random replicas; round-robin is blind to load and to the spread of reply "
+        "lengths. " + _crossing_order(r),
         "",
         "## Prefix-cache hit rate on multi-turn chats",
         "",
         f"Traffic `{r['chat']['least-loaded']['traffic'] if 'least-loaded' in r['chat'] else ''}`"
-        ": 80% of new chats run 4 turns ~15 s apart, each turn resending the whole history (the "
+        ": 80% of new chats run 4 turns ~10 s apart, each turn resending the whole history (the "
         "simulated reply included), half of them behind one of 8 tenants' 512-token system "
         "prompts. Hit rate = prompt tokens served from the prefix cache / all prompt tokens.",
         "",
@@ -143,9 +154,11 @@ def render(r: dict) -> str:
         f"SLOs: p99 TTFT <= {r['slo']['ttft_p99_s']:g} s, p50 TPOT <= "
         f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. Found by "
         "`everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate R "
-        "--slo-ttft-p99 1.0 --slo-tpot-p50 0.05` (first what one replica sustains, then the "
-        "replica count bracketed and bisected with the fleet simulator, to 2% above 50 "
-        f"replicas). One replica sustains {plan0['single_replica_rate_rps']} req/s.",
+        f"--slo-ttft-p99 1.0 --slo-tpot-p50 0.05 --duration-s {r['durations_s']['plan']:g} "
+        f"--resolution {r['plan_resolution']:g}` (first what one replica sustains, then the "
+        "replica count bracketed and bisected with the fleet simulator, to "
+        f"{r['plan_resolution']:.0%} of the count). One replica sustains "
+        f"{plan0['single_replica_rate_rps']} req/s.",
         "",
         *_plan_table(r),
         "",

@@ -125,3 +125,19 @@ def test_replayed_trace_matches_the_single_node_simulator_on_one_replica(tmp_pat
                       node.cost.latency)
     assert fleet["num_finished"] == 40
     assert fleet["ttft_p99_ms"] == summarize(single)["ttft_p99_ms"]
+
+
+def test_plan_finds_the_fewest_replicas_that_meet_the_slo(tmp_path):
+    out = tmp_path / "plan.json"
+    rc = main(["simulate", "plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp",
+               "1", "--rate", "60", "--slo-ttft-p99", "0.3", "--slo-tpot-p50", "0.02",
+               "--traffic", "prompt=uniform:32:512,output=uniform:4:32", "--duration-s", "3",
+               "--min-requests", "100",
+               "--out", str(out)])
+    assert rc == 0
+    plan = json.loads(out.read_text())
+    curve = {p["replicas"]: p for p in plan["curve"]}
+    n = plan["replicas"]
+    assert curve[n]["meets_slo"] and curve[n]["ttft_p99_ms"] <= 300
+    assert n == 1 or not curve[n - 1]["meets_slo"]  # one fewer was tried and missed
+    assert "GPU-hour" in plan["price_assumption"] and plan["cost_per_1m_output_tokens"] > 0

@@ -79,6 +79,10 @@ def register_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="simulated seconds of arrivals per point searched")
     p.add_argument("--stats-interval-s", type=float, default=1.0)
     p.add_argument("--price-per-gpu-hour", type=float, default=None)
+    p.add_argument("--min-requests", type=int, default=400,
+                   help="fewest requests simulated per point, whatever the rate and duration")
+    p.add_argument("--resolution", type=float, default=0.02,
+                   help="relative precision of the replica count (0.02: within 2%%)")
     p.add_argument("--max-replicas", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the plan JSON here")
@@ -92,6 +96,7 @@ def run_plan(args: argparse.Namespace) -> int:
         planner = Planner(node, SLO(args.slo_ttft_p99, args.slo_tpot_p50), price,
                           traffic=args.traffic, router=args.router, duration_s=args.duration_s,
                           stats_interval_s=args.stats_interval_s, seed=args.seed,
+                          resolution=args.resolution, min_requests=args.min_requests,
                           progress=lambda p: print(json.dumps(p), file=sys.stderr))
         plan = planner.plan(args.rate, args.max_replicas)
     except ValueError as exc:
