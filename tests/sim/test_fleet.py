@@ -141,3 +141,15 @@ def test_plan_finds_the_fewest_replicas_that_meet_the_slo(tmp_path):
     assert curve[n]["meets_slo"] and curve[n]["ttft_p99_ms"] <= 300
     assert n == 1 or not curve[n - 1]["meets_slo"]  # one fewer was tried and missed
     assert "GPU-hour" in plan["price_assumption"] and plan["cost_per_1m_output_tokens"] > 0
+
+
+def test_static_batching_timeouts_across_replicas():
+    """Stalled replicas wake on their batch timeout or on an arrival, whichever comes first, and
+    a superseded wake-up never ends a pass in flight."""
+    node = build_node("llama-3-8b", "a100-80gb", 1, "static", num_gpu_blocks=2000,
+                      max_batch_size=4)
+    wl = synthetic("n=90,prompt=uniform:20:200,output=uniform:5:40,rate=15,seed=2")
+    res = simulate_fleet(from_workload(wl), node.setup, node.cost.latency, 3,
+                         make_router("power-of-two", seed=1), stats_interval_s=0.2)
+    assert len(res.finished) == 90 and not res.rejected
+    assert all(f.finished_s > f.first_token_s >= f.arrival_s for f in res.finished)

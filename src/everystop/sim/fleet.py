@@ -39,7 +39,8 @@ from everystop.sim.fleet_workload import FleetRequest
 from everystop.sim.sim_executor import SimClock, SimExecutor
 from everystop.sim.simulator import SimSetup
 
-REPORT, ARRIVAL, PASS = 0, 1, 2  # event kinds, in tie-break order
+ARRIVAL, PASS = 0, 1  # event kinds: at equal times arrivals go first (the single-node order)
+PASS_END = -1  # the token of a pass's end; a pass start carries its replica's wake token
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Replica:
         self.inbox: list[Request] = []  # arrived during the pass in flight
         self.in_pass: SchedulerOutput | None = None
         self.latency = 0.0
-        self.wake_token = 0  # only the newest pass-start event for this replica counts
+        self.wake_token = 0  # only the newest wake-up (pass start) for this replica counts
         self.wake_at: float | None = None  # when that event is due, if one is pending
         self.stalled = False  # its last attempt scheduled nothing
         self.num_passes, self.busy_s, self.num_routed = 0, 0.0, 0
@@ -190,8 +191,8 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
             _route(spec, replicas, router, loads, rejected, want_hashes, setup.block_size, wake)
             continue
         r = replicas[index]
-        if r.in_pass is None:
-            if token != r.wake_token:
+        if token != PASS_END:
+            if token != r.wake_token or r.in_pass is not None:
                 continue  # superseded by an earlier wake-up
             r.wake_at = None
             r.clock.now = max(r.clock.now, now)
@@ -205,7 +206,7 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
         end = r.start_pass() if r.sched.has_unfinished else None
         if end is not None:
             seq += 1
-            heapq.heappush(events, (end, PASS, seq, r.index, 0))
+            heapq.heappush(events, (end, PASS, seq, r.index, PASS_END))
         elif r.sched.has_unfinished:
             at = _static_timeout(r.sched, r.clock.now)
             if at is not None:

@@ -3,9 +3,10 @@ costs then.
 
 The search runs the fleet simulator, so queueing, batching, chunked prefill and the router all
 count. It first finds what one replica sustains (bisecting the rate on a single replica), takes
-`ceil(rate / that)` replicas as the first guess, then walks the replica count down while the
-fleet still meets the SLOs (many replicas pool their queues, so the guess is an upper bound
-more often than not) or up until it does. Every point it simulated is returned: the curve.
+`ceil(rate / that)` replicas as the first guess, then gallops down from it while the fleet still
+meets the SLOs (many replicas pool their queues, so the guess is an upper bound more often than
+not) or up until it does, in steps of `resolution` of the count that double, and bisects the
+bracket down to `resolution`. Every point it simulated is returned: the curve.
 
 Cost is the design's formula, $/1M output tokens = price per hour / output tokens per hour * 1e6,
 for the whole fleet paid for the whole run, at an hourly GPU price that is an assumption (below,
@@ -127,7 +128,7 @@ class Planner:
                 curve[n] = self.evaluate(n, rate)
             return bool(curve[n]["meets_slo"])
 
-        step = 1
+        step = max(1, round(guess * self.resolution))  # gallop in steps of the precision
         if ok(guess):
             lo, hi = 0, guess
             while hi - step >= 1:
