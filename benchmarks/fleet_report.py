@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -45,6 +46,8 @@ CHAT_RPS_PER_REPLICA = 6.0
 PLAN_RATES = [50.0, 200.0, 1000.0]
 SLO_TTFT_P99_S, SLO_TPOT_P50_S = 1.0, 0.05
 STATS_INTERVAL_S = 1.0
+PLAN_DURATION_S = 6.0  # simulated seconds of arrivals per plan point
+PLAN_GRID = (0.7, 0.8, 0.9, 1.0)  # replica counts tried, as fractions of the guess
 
 
 def fleet_point(policy: str, traffic: str, rate: float, duration_s: float) -> dict:
@@ -59,13 +62,47 @@ def fleet_point(policy: str, traffic: str, rate: float, duration_s: float) -> di
             "sim_cpu_s": round(time.process_time() - t0, 1), **summarize_fleet(result, price)}
 
 
-def capacity_plan(rate: float, duration_s: float, resolution: float) -> dict:
+def _planner() -> Planner:
     node = build_node(MODEL, HARDWARE, TP)
-    price, source = replica_price(HARDWARE, TP, None)
-    planner = Planner(node, SLO(SLO_TTFT_P99_S, SLO_TPOT_P50_S), price,
-                      duration_s=duration_s, stats_interval_s=STATS_INTERVAL_S,
-                      resolution=resolution)
-    return {"price_assumption": source, **planner.plan(rate)}
+    price, _ = replica_price(HARDWARE, TP, None)
+    return Planner(node, SLO(SLO_TTFT_P99_S, SLO_TPOT_P50_S), price,
+                   duration_s=PLAN_DURATION_S, stats_interval_s=STATS_INTERVAL_S)
+
+
+def single_replica() -> tuple[float, list[dict]]:
+    return _planner().single_replica_rate()
+
+
+def plan_point(replicas: int, rate: float) -> dict:
+    return _planner().evaluate(replicas, rate)
+
+
+def capacity_plans(pool: ProcessPoolExecutor,
+                   single: tuple[float, list[dict]]) -> list[dict]:
+    """The planner's points, run in parallel: what one replica sustains, then a grid of replica
+    counts from 70% to 100% of `rate / that` for each rate; the fewest that meets the SLOs."""
+    per_replica, single_curve = single
+    _, source = replica_price(HARDWARE, TP, None)
+    jobs = {}
+    for rate in PLAN_RATES:
+        guess = math.ceil(rate / per_replica)
+        for n in sorted({max(1, round(guess * f)) for f in PLAN_GRID}):
+            jobs[rate, n] = pool.submit(plan_point, n, rate)
+    plans = []
+    for rate in PLAN_RATES:
+        curve = [fut.result() for (r, _), fut in sorted(jobs.items()) if r == rate]
+        ok = [p for p in curve if p["meets_slo"]]
+        best = ok[0] if ok else None
+        plans.append({
+            "rate_rps": rate, "price_assumption": source,
+            "single_replica_rate_rps": round(per_replica, 3),
+            "first_guess_replicas": math.ceil(rate / per_replica),
+            "replicas": best["replicas"] if best else None, "chosen": best,
+            "cost_per_1m_output_tokens": best["cost_per_1m_output_tokens"] if best else None,
+            "fleet_price_per_hour": round(_planner().price_per_replica_hour
+                                          * best["replicas"], 2) if best else None,
+            "curve": curve, "single_replica_curve": single_curve})
+    return plans
 
 
 def crossing(points: list[dict], limit_ms: float) -> float | None:
@@ -105,8 +142,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--load-duration-s", type=float, default=12.0)
     ap.add_argument("--chat-duration-s", type=float, default=45.0)
-    ap.add_argument("--plan-duration-s", type=float, default=6.0)
-    ap.add_argument("--plan-resolution", type=float, default=0.1)
     ap.add_argument("--render-only", action="store_true",
                     help="re-render the markdown from the saved JSON (e.g. after the speed run)")
     args = ap.parse_args()
@@ -114,22 +149,20 @@ def main() -> None:
         DOC.write_text(render(json.loads(OUT_JSON.read_text())))
         return
     if args.quick:
-        args.load_duration_s, args.chat_duration_s, args.plan_duration_s = 1.0, 2.0, 1.0
+        args.load_duration_s, args.chat_duration_s = 1.0, 2.0
     t0, load_before = time.perf_counter(), os.getloadavg()
     with ProcessPoolExecutor(args.jobs) as pool:
-        # The biggest plan first: it is the longest single job.
-        plans = [pool.submit(capacity_plan, rate, args.plan_duration_s, args.plan_resolution)
-                 for rate in sorted(PLAN_RATES, reverse=True)]
+        single = pool.submit(single_replica)  # first: the plans' grids wait for it
         load_jobs = [(p, pool.submit(fleet_point, p, DESIGN_TRAFFIC, REPLICAS * r,
                                      args.load_duration_s))
                      for p in POLICIES for r in PER_REPLICA_RPS]
         chat_jobs = [(p, pool.submit(fleet_point, p, CHAT, REPLICAS * CHAT_RPS_PER_REPLICA,
                                      args.chat_duration_s)) for p in CHAT_POLICIES]
+        plan = capacity_plans(pool, single.result())
         load: dict[str, list[dict]] = {p: [] for p in POLICIES}
         for p, fut in load_jobs:
             load[p].append(fut.result())
         chat = {p: fut.result() for p, fut in chat_jobs}
-        plan = sorted((fut.result() for fut in plans), key=lambda p: p["rate_rps"])
     result = {
         "benchmark": "fleet_report", "quick": args.quick,
         "command": "PYTHONPATH=src python benchmarks/fleet_report.py"
@@ -138,7 +171,7 @@ def main() -> None:
         "stats_interval_s": STATS_INTERVAL_S,
         "slo": {"ttft_p99_s": SLO_TTFT_P99_S, "tpot_p50_s": SLO_TPOT_P50_S},
         "durations_s": {"load": args.load_duration_s, "chat": args.chat_duration_s,
-                        "plan": args.plan_duration_s}, "plan_resolution": args.plan_resolution,
+                        "plan": PLAN_DURATION_S}, "plan_grid": PLAN_GRID,
         "load": load, "crossing_1s_rps": {p: crossing(pts, 1000.0) for p, pts in load.items()},
         "chat": chat, "plans": plan,
         "wall_s": round(time.perf_counter() - t0, 1), "jobs": args.jobs,

@@ -57,6 +57,10 @@ def _plan_table(r: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|"]
     for p in r["plans"]:
         c = p["chosen"]
+        if c is None:
+            out.append(f"| {_f(p['rate_rps'])} | none in the grid met the SLOs | | | | | | | "
+                       f"{p['first_guess_replicas']} |")
+            continue
         out.append(f"| {_f(p['rate_rps'])} | **{p['replicas']}** | {p['replicas'] * r['tp']} "
                    f"| ${p['fleet_price_per_hour']:,.2f} "
                    f"| **${c['cost_per_1m_output_tokens']:.3f}** | {_f(c['ttft_p99_ms'])} ms "
@@ -152,13 +156,16 @@ def render(r: dict) -> str:
         "## Capacity plan",
         "",
         f"SLOs: p99 TTFT <= {r['slo']['ttft_p99_s']:g} s, p50 TPOT <= "
-        f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. Found by "
-        "`everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate R "
-        f"--slo-ttft-p99 1.0 --slo-tpot-p50 0.05 --duration-s {r['durations_s']['plan']:g} "
-        f"--resolution {r['plan_resolution']:g}` (first what one replica sustains, then the "
-        "replica count bracketed and bisected with the fleet simulator, to "
-        f"{r['plan_resolution']:.0%} of the count). One replica sustains "
-        f"{plan0['single_replica_rate_rps']} req/s.",
+        f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. The "
+        "planner of `everystop simulate plan` (`src/everystop/sim/plan.py`) first finds what one "
+        f"replica sustains ({plan0['single_replica_rate_rps']} req/s, bisecting the rate, >= 400 "
+        "requests per point); `rate / that` is the first guess. Here its fleet points are run "
+        "in parallel over a grid of " + ", ".join(f"{g:.0%}" for g in r["plan_grid"])
+        + " of the guess (the CLI gallops and bisects instead, one point at a time); the plan "
+        f"is the fewest replicas that met the SLOs. Each fleet point simulates "
+        f"{r['durations_s']['plan']:g} s of arrivals from an empty fleet, shorter than a "
+        "request's life at load (~10 s), so the fleet points are optimistic: treat the first "
+        "guess as the conservative figure and the grid's answer as what pooling buys at best.",
         "",
         *_plan_table(r),
         "",
@@ -171,6 +178,33 @@ def render(r: dict) -> str:
         "## Simulation speed",
         "",
         *_speed(),
+        "",
+        "## Running it",
+        "",
+        "```",
+        "# 16 replicas of 4xH100 / 70B, prefix-affinity, multi-turn chats at 150 req/s",
+        "everystop simulate --hardware h100-sxm --tp 4 --replicas 16 --router prefix-affinity \\",
+        "    --traffic 'n=20000,rate=150,sessions=0.8:4:10,prefix=0.5:512,tenants=8'",
+        "# (the rest run on the default node, 4x A100 80GB / 70B)",
+        "# bursty (10 s at 2x the mean rate, then 20 s quieter) or a diurnal ramp",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,arrival=onoff:10:20:2'",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,arrival=diurnal:600:0.5'",
+        "# long tails, tenants and tiers",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,"
+        "prompt=lognormal:400:0.9:8000,output=lognormal:150:1.0:4000,tenants=4,"
+        "tiers=0.2:0.6:0.2'",
+        "# replay your own traffic: a JSON trace in the bench workload format",
+        "everystop simulate --replicas 16 --workload my_trace.json",
+        "# router information delay: fresh stats every 5 s (0 = every request)",
+        "everystop simulate --replicas 16 --stats-interval-s 5 --traffic 'n=20000,rate=150'",
+        "# capacity plan",
+        "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
+        "    --slo-ttft-p99 1.0 --slo-tpot-p50 0.05",
+        "```",
+        "",
+        "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "
+        "Traffic keys are documented in `src/everystop/sim/fleet_workload.py`; `rate` counts "
+        "every request, follow-up turns included (the first think-times are a ramp-up).",
         "",
         "## What this does not model",
         "",
