@@ -13,7 +13,7 @@ from everystop.sim.fleet_workload import SAMPLED_TOKEN, fleet_traffic, from_work
 from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node
 from everystop.sim.simulator import simulate
-from everystop.sim.workload import SimRequest, Workload, load_workload, synthetic
+from everystop.sim.workload import load_workload, synthetic
 
 MIXED = ("n=120,prompt=uniform:20:600,output=uniform:5:120,rate=30,priority=0.3:0.4:0.3,"
          "prefix=0.4:64,tenants=3,seed=5")
@@ -40,18 +40,21 @@ def test_one_replica_is_the_single_node_simulator(scheduling, blocks):
     assert sum(single.num_preemptions.values()) == fleet.num_preemptions
 
 
-def _skewed(n=160):
+def _skewed(tmp_path, n=160):
     """Alternating long and short jobs: round-robin over two replicas piles every long one on
-    the same replica."""
-    reqs = [SimRequest(f"s{i}", 200, 300 if i % 2 == 0 else 4, i * 0.02) for i in range(n)]
-    return Workload("skewed", reqs)
+    the same replica. (A trace file: the bench workload format is the stable interface.)"""
+    path = tmp_path / "skewed.json"
+    path.write_text(json.dumps({"name": "skewed", "requests": [
+        {"id": f"s{i}", "prompt_len": 200, "max_tokens": 300 if i % 2 == 0 else 4,
+         "arrival_s": i * 0.02} for i in range(n)]}))
+    return load_workload(path)
 
 
-def test_least_loaded_beats_round_robin_on_a_skewed_workload():
+def test_least_loaded_beats_round_robin_on_a_skewed_workload(tmp_path):
     node = build_node("llama-3-8b", "a100-80gb", 1, num_gpu_blocks=4000, max_num_seqs=32)
     runs = {}
     for policy in ("round-robin", "least-loaded"):
-        res = simulate_fleet(from_workload(_skewed()), node.setup, node.cost.latency, 2,
+        res = simulate_fleet(from_workload(_skewed(tmp_path)), node.setup, node.cost.latency, 2,
                              make_router(policy), stats_interval_s=0.1)
         runs[policy] = (summarize_fleet(res, 1.0), res)
     rr, ll = runs["round-robin"][0], runs["least-loaded"][0]

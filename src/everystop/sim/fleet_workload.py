@@ -44,10 +44,11 @@ class FleetRequest:
 
 def from_workload(workload: Workload) -> Iterator[FleetRequest]:
     """The single-node simulator's requests, in its order and with its token ids."""
-    order = sorted(range(len(workload.requests)), key=lambda k: workload.requests[k].arrival_s)
+    order = sorted(range(len(workload.requests)),
+                   key=lambda k: workload.requests[k].arrival_s or 0.0)
     for k in order:
         spec = workload.requests[k]
-        yield FleetRequest(spec.request_id, spec.arrival_s, prompt_token_ids(spec, k),
+        yield FleetRequest(spec.request_id, spec.arrival_s or 0.0, prompt_token_ids(spec, k),
                            spec.max_tokens, spec.priority, spec.tenant)
 
 
