@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from everystop.config import parse_tpot_target
-from everystop.sim.fleet_cli import add_fleet_args, register_plan, run_fleet
+from everystop.sim import plan_cli
+from everystop.sim.fleet_cli import add_fleet_args, run_fleet
 from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
 from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
@@ -55,7 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="arrival seed for --rate")
     add_fleet_args(p)
     p.set_defaults(func=run)
-    register_plan(p.add_subparsers(dest="sim_command", metavar="plan"))
+    sub = p.add_subparsers(dest="sim_command", metavar="plan")
+    plan = sub.add_parser("plan", help=plan_cli.HELP, description=plan_cli.__doc__)
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(func=plan_cli.run)
 
 
 def run(args: argparse.Namespace) -> int:
