@@ -39,7 +39,7 @@ OUT_JSON = ROOT / "benchmarks/results/sim/fleet_report.json"
 DOC = ROOT / "docs/fleet-simulation.md"
 IMG = ROOT / "docs/img"
 MODEL, HARDWARE, TP, REPLICAS = "llama-3-70b", "h100-sxm", 4, 16
-PER_REPLICA_RPS = [8.0, 10.0, 12.0]  # offered load, req/s per replica
+PER_REPLICA_RPS = [9.0, 11.0, 13.0]  # offered load, req/s per replica
 CHAT = "prompt=uniform:64:512,output=uniform:20:400,sessions=0.8:4:10,prefix=0.5:512,tenants=8"
 CHAT_POLICIES = ("prefix-affinity", "least-loaded", "round-robin")
 CHAT_RPS_PER_REPLICA = 6.0
@@ -140,11 +140,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--load-duration-s", type=float, default=12.0)
+    ap.add_argument("--load-duration-s", type=float, default=40.0)
     ap.add_argument("--chat-duration-s", type=float, default=45.0)
     ap.add_argument("--render-only", action="store_true",
                     help="re-render the markdown from the saved JSON (e.g. after the speed run)")
+    ap.add_argument("--only-load", action="store_true",
+                    help="rerun only the load curve, keeping the rest of the saved JSON")
     args = ap.parse_args()
+    if args.only_load:
+        saved = json.loads(OUT_JSON.read_text())
+        with ProcessPoolExecutor(args.jobs) as pool:
+            jobs = [(p, pool.submit(fleet_point, p, DESIGN_TRAFFIC, REPLICAS * r,
+                                    args.load_duration_s))
+                    for p in POLICIES for r in PER_REPLICA_RPS]
+            saved["load"] = {p: [] for p in POLICIES}
+            for p, fut in jobs:
+                saved["load"][p].append(fut.result())
+        saved["crossing_1s_rps"] = {p: crossing(pts, 1000.0) for p, pts in saved["load"].items()}
+        saved["durations_s"]["load"] = args.load_duration_s
+        saved["load_rerun"] = {"command": " ".join(["python"] + sys.argv),
+                               "loadavg_after": os.getloadavg()}
+        emit(saved, str(OUT_JSON))
+        plot(saved["load"], IMG / "fleet_ttft_vs_load.png")
+        DOC.write_text(render(saved))
+        return
     if args.render_only:
         DOC.write_text(render(json.loads(OUT_JSON.read_text())))
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+MEAN_REPLY_TOKENS = 410  # the design's replies, uniform 20..800 tokens
 SPEED_JSON = Path(__file__).resolve().parent / "results/sim/fleet_speed.json"
 
 
@@ -52,20 +53,26 @@ def _chat_table(r: dict) -> list[str]:
 
 
 def _plan_table(r: dict) -> list[str]:
-    out = ["| req/s | replicas | GPUs | fleet $/hour | $ / 1M output tokens | TTFT p99 "
-           "| TPOT p50 | output tok/s | first guess (rate / one replica's) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| req/s | replicas (one replica's sustained rate) | GPUs | fleet $/hour "
+           "| $ / 1M output tokens, steady state | fleet point at that count: TTFT p99, TPOT "
+           "p50, $ / 1M incl. warm-up and drain | fewest in the 6 s fleet grid (optimistic) |",
+           "|---|---|---|---|---|---|---|"]
     for p in r["plans"]:
-        c = p["chosen"]
-        if c is None:
-            out.append(f"| {_f(p['rate_rps'])} | none in the grid met the SLOs | | | | | | | "
-                       f"{p['first_guess_replicas']} |")
-            continue
-        out.append(f"| {_f(p['rate_rps'])} | **{p['replicas']}** | {p['replicas'] * r['tp']} "
-                   f"| ${p['fleet_price_per_hour']:,.2f} "
-                   f"| **${c['cost_per_1m_output_tokens']:.3f}** | {_f(c['ttft_p99_ms'])} ms "
-                   f"| {c['tpot_p50_ms']:.1f} ms "
-                   f"| {_f(c['output_tokens_per_s'])} | {p['first_guess_replicas']} |")
+        n = p["first_guess_replicas"]
+        at = next((c for c in p["curve"] if c["replicas"] == n), None)
+        price = p["fleet_price_per_hour"] / p["replicas"] * n if p["replicas"] else None
+        floor = min(c["replicas"] for c in p["curve"])
+        fewest = ("none met" if p["chosen"] is None else
+                  f"{p['replicas']}" + (" (the grid's floor)" if p["replicas"] == floor else ""))
+        # Steady state: every request served, so output tokens/s = rate * mean reply length.
+        steady = price / 3600 / (p["rate_rps"] * MEAN_REPLY_TOKENS) * 1e6 if price else None
+        out.append(
+            f"| {_f(p['rate_rps'])} | **{n}** | {n * r['tp']} | "
+            + (f"${price:,.2f}" if price else "n/a") + " | "
+            + (f"**${steady:.3f}**" if steady else "n/a") + " | "
+            + (f"{_f(at['ttft_p99_ms'])} ms, {at['tpot_p50_ms']:.1f} ms, "
+               f"${at['cost_per_1m_output_tokens']:.3f}" if at else "n/a")
+            + f" | {fewest} |")
     return out
 
 
@@ -113,7 +120,9 @@ def render(r: dict) -> str:
         f"Every number here comes from one command, `{r['command']}` "
         f"({r['wall_s']:,.0f} s wall with {r['jobs']} processes, load average "
         f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}); its JSON is "
-        "`benchmarks/results/sim/fleet_report.json`.",
+        "`benchmarks/results/sim/fleet_report.json`."
+        + (f" The load curve was then rerun alone (`{r['load_rerun']['command']}`, the same "
+           "settings as the full command's defaults)." if "load_rerun" in r else ""),
         "",
         "The fleet simulator (`everystop simulate --replicas N --router POLICY`, "
         "`src/everystop/sim/fleet.py`) runs N copies of the production `Scheduler` + "
@@ -161,17 +170,20 @@ def render(r: dict) -> str:
         f"replica sustains ({plan0['single_replica_rate_rps']} req/s, bisecting the rate, >= 400 "
         "requests per point); `rate / that` is the first guess. Here its fleet points are run "
         "in parallel over a grid of " + ", ".join(f"{g:.0%}" for g in r["plan_grid"])
-        + " of the guess (the CLI gallops and bisects instead, one point at a time); the plan "
-        f"is the fewest replicas that met the SLOs. Each fleet point simulates "
-        f"{r['durations_s']['plan']:g} s of arrivals from an empty fleet, shorter than a "
-        "request's life at load (~10 s), so the fleet points are optimistic: treat the first "
-        "guess as the conservative figure and the grid's answer as what pooling buys at best.",
+        + " of the guess (the CLI gallops and bisects instead, one point at a time). Each fleet "
+        f"point simulates only {r['durations_s']['plan']:g} s of arrivals from an empty fleet, "
+        "shorter than a request's life at load (~10 s): the fleet never fills, so those points "
+        "are optimistic and the fewest count that passed them is a lower bound at best. The "
+        "plan is therefore the count from one replica's sustained rate, which was simulated "
+        "long enough to saturate; its cost is the fleet point at that count.",
         "",
         *_plan_table(r),
         "",
         f"Price assumption: {plan0['price_assumption']}. Cost = fleet $/hour / (output tokens "
-        "per second x 3,600) x 10^6, the design's formula, every replica paid for the whole "
-        "simulated span. The curves searched:",
+        "per second x 3,600) x 10^6, the design's formula. Steady state: the fleet emits what "
+        "arrives, rate x 410 tokens per second (the mean reply of 20-800 tokens). The short "
+        "fleet points pay every replica for the whole simulated span, warm-up and drain "
+        "included, so their cost is higher. The curves searched:",
         "",
         *_curves(r),
         "",
