@@ -24,7 +24,7 @@ def _load_table(r: dict) -> list[str]:
             pt = next(p for p in r["load"][pol] if p["rate_rps"] == rate)
             cells.append(f"{_f(pt['ttft_p99_ms'] / 1e3, 2)} s")
         out.append(f"| {_f(rate)} | {rate / r['replicas']:.1f} | " + " | ".join(cells) + " |")
-    out.append("| **p99 crosses 1 s at** | | " + " | ".join(
+    out.append("| **p99 crosses 1 s at** (linear between points) | | " + " | ".join(
         f"**{_f(r['crossing_1s_rps'][p])} req/s**" if r["crossing_1s_rps"][p] else "not crossed"
         for p in policies) + " |")
     return out
