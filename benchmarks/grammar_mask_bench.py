@@ -19,12 +19,10 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_json import emit
+from everystop.results import write_result
 
 SCHEMA = {
     "type": "object",
@@ -171,7 +169,8 @@ def main() -> None:
             for batched in (True, False):
                 key = f"{e.name}/{'batched' if batched else 'loop'}"
                 results.setdefault(key, []).append(run(e, docs_ids, tok.eos_token_id, batched))
-    emit({"bench": "grammar_mask", "seqs": args.seqs, "vocab": vocab, "threads": args.threads,
+    write_result({"bench": "grammar_mask", "seqs": args.seqs, "vocab": vocab,
+                  "threads": args.threads,
           "mean_doc_tokens": statistics.mean(map(len, docs_ids)),
           "load_avg": os.getloadavg(), "results": results}, args.out)
 

@@ -19,10 +19,8 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_json import emit
-
 from everystop import LLM, SamplingParams
+from everystop.results import write_result
 from everystop.sampling_params import StructuredOutput
 
 NAME = {"type": "string", "maxLength": 24}
@@ -116,7 +114,7 @@ def main() -> None:
                              "error": str(exc).splitlines()[0]})
     tokens = sum(len(o.token_ids) for o in outs)
     masks_s = spent["fill_bitmasks_s"] + spent["apply_bitmasks_s"]
-    emit({"bench": "structured_output", "prompts": args.prompts,
+    write_result({"bench": "structured_output", "prompts": args.prompts,
           "temperature": args.temperature, "max_tokens": args.max_tokens,
           "valid": args.prompts - len(failures), "failures": failures, "wall_s": wall,
           "output_tokens": tokens, "output_tok_per_s": tokens / wall, **spent,

@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from pathlib import Path
 
 from everystop.config import parse_tpot_target
+from everystop.sim import plan_cli
+from everystop.sim.fleet_cli import add_fleet_args, run_fleet
 from everystop.sim.metrics import DEFAULT_PRICE_PER_HOUR, summarize
 from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
@@ -30,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-3-70b", choices=model_keys())
     p.add_argument("--hardware", default="a100-80gb", choices=hardware_keys())
     p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--workload", help=WORKLOAD_HELP + " (required to simulate)")
+    p.add_argument("--workload", default=None,
+                   help=WORKLOAD_HELP + " (required to simulate one node)")
     p.add_argument("--scheduling", default="chunked", choices=SCHEDULING_MODES)
     p.add_argument("--rate", type=float, default=None,
                    help="override arrivals with Poisson arrivals at R requests/s (0 = all at t=0)")
@@ -54,8 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory for JSON and PNG plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="arrival seed for --rate")
-    p.set_defaults(func=run, simulate_parser=p)
-    sub = p.add_subparsers(dest="simulate_command", metavar="{report,calibrate}")
+    add_fleet_args(p)
+    p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="simulate_command", metavar="{report,calibrate,plan}")
     for name, module_name, help_text in SUBCOMMANDS:
         module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=help_text, description=module.__doc__,
@@ -70,12 +75,19 @@ SUBCOMMANDS = [
      "and benchmarks/results/sim/report.json"),
     ("calibrate", "everystop.sim.calibrate", "fit the cost model to measured iterations (or a "
      "synthetic self-test) and predict another workload"),
+    ("plan", "everystop.sim.plan_cli", plan_cli.HELP),
 ]
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.workload:
-        args.simulate_parser.error("--workload is required (or a subcommand: report, calibrate)")
+    try:
+        return _run(args)
+    except ValueError as exc:  # impossible hardware or configuration: say which, exit 2
+        print(f"everystop simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("eff_compute", args.eff_compute),
                                    ("eff_memory", args.eff_memory)) if v is not None}
     tpot: dict[str, object] = {}
@@ -90,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       chunk_size=args.chunk_size, max_batch_size=args.max_batch_size, **tpot)
+    if args.replicas is not None:
+        return run_fleet(args, node)
+    if args.workload is None:
+        raise ValueError("--workload is required (or --replicas, or a subcommand: report, "
+                         "calibrate, plan)")
     workload = resolve_workload(args.workload)
     if args.rate is not None:
         workload = workload.with_rate(args.rate or None, seed=args.seed)

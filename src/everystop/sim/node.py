@@ -52,10 +52,18 @@ def build_node(model: str = "llama-3-70b", hardware: str = "a100-80gb", tp: int 
                enable_prefix_caching: bool = True, hw_overrides: dict | None = None,
                **sched_options: object) -> Node:
     """Everything needed to simulate `model` on `tp` GPUs of `hardware`."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, not {tp}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization}")
     m = load_model(model)
     hw = load_hardware(hardware, **(hw_overrides or {}))
     cap = kv_capacity(m, hw, tp, gpu_memory_utilization=gpu_memory_utilization,
                       activation_reserve_bytes=activation_reserve_bytes, block_size=block_size)
+    if num_gpu_blocks is None and cap.num_blocks == 0:
+        raise ValueError(f"{m.key} does not fit on {tp}x {hw.key}: {cap.weight_bytes / 1e9:.1f} GB "
+                         f"of weights + {activation_reserve_bytes / 1e9:.1f} GB reserve leave no "
+                         f"KV cache in {cap.usable_bytes / 1e9:.1f} GB usable")
     cost = CostModel.from_specs(m, hw, tp, block_size)
     sched_options.setdefault("max_model_len", m.max_model_len)
     per_token_prefill = cost.latency(prefill_shape(512)) / 512

@@ -34,6 +34,21 @@ class HardwareSpec:
     overhead_per_seq_s: float
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # An efficiency above 1 or a non-positive rate would let the model predict passes faster
+        # than the physical roofline it prints beside them (issue #22): refuse, by name.
+        for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "link_bandwidth",
+                     "pcie_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.key}: {name} must be > 0, not {getattr(self, name)}")
+        for name in ("eff_compute", "eff_memory", "eff_link"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{self.key}: {name} is the achieved fraction of peak and must "
+                                 f"be in (0, 1], not {getattr(self, name)}")
+        for name in ("allreduce_latency_s", "iteration_overhead_s", "overhead_per_seq_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{self.key}: {name} must be >= 0, not {getattr(self, name)}")
+
     @property
     def ridge_flops_per_byte(self) -> float:
         """Arithmetic intensity above which a kernel is compute-bound (roofline ridge)."""

@@ -1,0 +1,229 @@
+"""The markdown text of docs/fleet-simulation.md, filled from fleet_report.py's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MEAN_REPLY_TOKENS = 410  # the design's replies, uniform 20..800 tokens
+SPEED_JSON = Path(__file__).resolve().parent / "results/sim/fleet_speed.json"
+
+
+def _f(x: float | None, nd: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{nd}f}"
+
+
+def _load_table(r: dict) -> list[str]:
+    policies = list(r["load"])
+    rates = sorted({p["rate_rps"] for pts in r["load"].values() for p in pts})
+    out = ["| offered req/s | per replica | " + " | ".join(policies) + " |",
+           "|---|---|" + "---|" * len(policies)]
+    for rate in rates:
+        cells = []
+        for pol in policies:
+            pt = next(p for p in r["load"][pol] if p["rate_rps"] == rate)
+            cells.append(f"{_f(pt['ttft_p99_ms'] / 1e3, 2)} s")
+        out.append(f"| {_f(rate)} | {rate / r['replicas']:.1f} | " + " | ".join(cells) + " |")
+    out.append("| **p99 crosses 1 s at** (linear between points) | | " + " | ".join(
+        f"**{_f(r['crossing_1s_rps'][p])} req/s**" if r["crossing_1s_rps"][p] else "not crossed"
+        for p in policies) + " |")
+    return out
+
+
+def _crossing_order(r: dict) -> str:
+    known = {p: x for p, x in r["crossing_1s_rps"].items() if x is not None}
+    if not known:
+        return "No policy's p99 crossed 1 s between the loads simulated."
+    order = sorted(known, key=lambda p: known[p])
+    rest = [p for p in r["crossing_1s_rps"] if p not in known]
+    return ("In this run the p99 crosses 1 s first for " + ", then ".join(
+        f"{p} ({known[p]:,.0f} req/s)" for p in order) + "."
+        + (f" Not crossed within the loads simulated: {', '.join(rest)}." if rest else ""))
+
+
+def _chat_table(r: dict) -> list[str]:
+    out = ["| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s "
+           "| requests per replica (min-max) |", "|---|---|---|---|---|---|---|"]
+    for pol, s in r["chat"].items():
+        out.append(f"| {pol} | {s['prefix_hit_rate'] * 100:.1f}% | {_f(s['ttft_p50_ms'])} ms "
+                   f"| {_f(s['ttft_p99_ms'])} ms | {s['tpot_p50_ms']:.1f} ms "
+                   f"| {_f(s['output_tokens_per_s'])} | {s['routed_min_max'][0]}-"
+                   f"{s['routed_min_max'][1]} |")
+    return out
+
+
+def _plan_table(r: dict) -> list[str]:
+    out = ["| req/s | replicas (one replica's sustained rate) | GPUs | fleet $/hour "
+           "| $ / 1M output tokens, steady state | fleet point at that count: TTFT p99, TPOT "
+           "p50, $ / 1M incl. warm-up and drain | fewest in the 6 s fleet grid (optimistic) |",
+           "|---|---|---|---|---|---|---|"]
+    for p in r["plans"]:
+        n = p["first_guess_replicas"]
+        at = next((c for c in p["curve"] if c["replicas"] == n), None)
+        price = p["fleet_price_per_hour"] / p["replicas"] * n if p["replicas"] else None
+        floor = min(c["replicas"] for c in p["curve"])
+        fewest = ("none met" if p["chosen"] is None else
+                  f"{p['replicas']}" + (" (the grid's floor)" if p["replicas"] == floor else ""))
+        # Steady state: every request served, so output tokens/s = rate * mean reply length.
+        steady = price / 3600 / (p["rate_rps"] * MEAN_REPLY_TOKENS) * 1e6 if price else None
+        out.append(
+            f"| {_f(p['rate_rps'])} | **{n}** | {n * r['tp']} | "
+            + (f"${price:,.2f}" if price else "n/a") + " | "
+            + (f"**${steady:.3f}**" if steady else "n/a") + " | "
+            + (f"{_f(at['ttft_p99_ms'])} ms, {at['tpot_p50_ms']:.1f} ms, "
+               f"${at['cost_per_1m_output_tokens']:.3f}" if at else "n/a")
+            + f" | {fewest} |")
+    return out
+
+
+def _curves(r: dict) -> list[str]:
+    out = []
+    for p in r["plans"]:
+        pts = ", ".join(f"{c['replicas']}: {_f(c['ttft_p99_ms'])} ms"
+                        + ("" if c["meets_slo"] else " (miss)") for c in p["curve"])
+        out.append(f"- {_f(p['rate_rps'])} req/s, replicas searched -> p99 TTFT: {pts}")
+    single = r["plans"][0]["single_replica_curve"]
+    out.append("- one replica, req/s -> p99 TTFT: " + ", ".join(
+        f"{c['rate_rps']:g}: {_f(c['ttft_p99_ms'])} ms" + ("" if c["meets_slo"] else " (miss)")
+        for c in sorted(single, key=lambda c: c["rate_rps"])))
+    return out
+
+
+def _speed() -> list[str]:
+    if not SPEED_JSON.exists():
+        return ["(run `benchmarks/fleet_sim_speed.py` for the simulator's own speed)"]
+    s = json.loads(SPEED_JSON.read_text())
+    return [
+        f"`{s['command']}` ({s['replicas']} replicas, {s['requests']:,} requests of the "
+        f"design's shape at {s['offered_load_fraction']:.0%} of capacity): "
+        f"{s['cpu_s']:,} CPU-s ({s['wall_s']:,} s wall, load average "
+        f"{s['loadavg_before'][0]:.1f} before and {s['loadavg_after'][0]:.1f} after, on "
+        f"{s['cpu_count']} cores), {s['cpu_ms_per_request']} CPU-ms per request, "
+        f"{s['cpu_us_per_output_token']} CPU-us per output token. Linear extrapolation to "
+        f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
+        f" against the 600 s target: "
+        + ("met." if s["meets_target_extrapolated"] else "**not met**."),
+        "",
+        "Where the time goes (cProfile, share of self time): "
+        + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
+        + ".",
+    ]
+
+
+def render(r: dict) -> str:
+    plan0 = r["plans"][0]
+    lines = [
+        "# Fleet simulation and capacity planning",
+        "",
+        "<!-- Generated by `" + r["command"] + "`; do not edit by hand. -->",
+        "",
+        f"Every number here comes from one command, `{r['command']}` "
+        f"({r['wall_s']:,.0f} s wall with {r['jobs']} processes, load average "
+        f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}); its JSON is "
+        "`benchmarks/results/sim/fleet_report.json`."
+        + (f" The load curve was then rerun alone (`{r['load_rerun']['command']}`, the same "
+           "settings as the full command's defaults)." if "load_rerun" in r else ""),
+        "",
+        "The fleet simulator (`everystop simulate --replicas N --router POLICY`, "
+        "`src/everystop/sim/fleet.py`) runs N copies of the production `Scheduler` + "
+        "`KVCacheManager` on one discrete-event clock, each pass timed by the cost model "
+        "(`sim/cost_model.py`), behind the production router (`everystop.routing`, the same "
+        "scoring function the Ray Serve router calls). The router sees each replica's load "
+        f"report as of its last refresh (every {r['stats_interval_s']} s here), corrected by "
+        "its own count of requests sent and finished since, as the live router does. With one "
+        "replica the fleet simulator reproduces the single-node simulator request for request "
+        "(`tests/sim/test_fleet.py`).",
+        "",
+        f"Replicas: {r['tp']}x `{r['hardware']}` running `{r['model']}` (tensor parallel "
+        f"{r['tp']}), chunked prefill, prefix caching on. Traffic: the design's shape (prompts "
+        "128-1,024 tokens, replies 20-800, Poisson arrivals) unless said otherwise. Each point "
+        "starts from an empty fleet and simulates "
+        f"{r['durations_s']['load']:g} s of arrivals (chats: {r['durations_s']['chat']:g} s, "
+        f"plan points: {r['durations_s']['plan']:g} s), so a load a little above capacity "
+        "shows as a growing p99 rather than as a collapse.",
+        "",
+        f"## p99 TTFT vs offered load, {r['replicas']} replicas",
+        "",
+        *_load_table(r),
+        "",
+        "![p99 TTFT vs offered load](img/fleet_ttft_vs_load.png)",
+        "",
+        "Least-loaded and prefix-affinity rank by the same score (on this traffic no two prompts "
+        "share a block, so affinity never fires); power-of-two compares only the queue lengths "
+        "of two random replicas; round-robin is blind to load and to the spread of reply "
+        "lengths. " + _crossing_order(r),
+        "",
+        "## Prefix-cache hit rate on multi-turn chats",
+        "",
+        f"Traffic `{r['chat']['least-loaded']['traffic'] if 'least-loaded' in r['chat'] else ''}`"
+        ": 80% of new chats run 4 turns ~10 s apart, each turn resending the whole history (the "
+        "simulated reply included), half of them behind one of 8 tenants' 512-token system "
+        "prompts. Hit rate = prompt tokens served from the prefix cache / all prompt tokens.",
+        "",
+        *_chat_table(r),
+        "",
+        "## Capacity plan",
+        "",
+        f"SLOs: p99 TTFT <= {r['slo']['ttft_p99_s']:g} s, p50 TPOT <= "
+        f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. The "
+        "planner of `everystop simulate plan` (`src/everystop/sim/plan.py`) first finds what one "
+        f"replica sustains ({plan0['single_replica_rate_rps']} req/s, bisecting the rate, >= 400 "
+        "requests per point); `rate / that` is the first guess. Here its fleet points are run "
+        "in parallel over a grid of " + ", ".join(f"{g:.0%}" for g in r["plan_grid"])
+        + " of the guess (the CLI gallops and bisects instead, one point at a time). Each fleet "
+        f"point simulates only {r['durations_s']['plan']:g} s of arrivals from an empty fleet, "
+        "shorter than a request's life at load (~10 s): the fleet never fills, so those points "
+        "are optimistic and the fewest count that passed them is a lower bound at best. The "
+        "plan is therefore the count from one replica's sustained rate, which was simulated "
+        "long enough to saturate; its cost is the fleet point at that count.",
+        "",
+        *_plan_table(r),
+        "",
+        f"Price assumption: {plan0['price_assumption']}. Cost = fleet $/hour / (output tokens "
+        "per second x 3,600) x 10^6, the design's formula. Steady state: the fleet emits what "
+        "arrives, rate x 410 tokens per second (the mean reply of 20-800 tokens). The short "
+        "fleet points pay every replica for the whole simulated span, warm-up and drain "
+        "included, so their cost is higher. The curves searched:",
+        "",
+        *_curves(r),
+        "",
+        "## Simulation speed",
+        "",
+        *_speed(),
+        "",
+        "## Running it",
+        "",
+        "```",
+        "# 16 replicas of 4xH100 / 70B, prefix-affinity, multi-turn chats at 150 req/s",
+        "everystop simulate --hardware h100-sxm --tp 4 --replicas 16 --router prefix-affinity \\",
+        "    --traffic 'n=20000,rate=150,sessions=0.8:4:10,prefix=0.5:512,tenants=8'",
+        "# (the rest run on the default node, 4x A100 80GB / 70B)",
+        "# bursty (10 s at 2x the mean rate, then 20 s quieter) or a diurnal ramp",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,arrival=onoff:10:20:2'",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,arrival=diurnal:600:0.5'",
+        "# long tails, tenants and tiers",
+        "everystop simulate --replicas 16 --traffic 'n=20000,rate=150,"
+        "prompt=lognormal:400:0.9:8000,output=lognormal:150:1.0:4000,tenants=4,"
+        "tiers=0.2:0.6:0.2'",
+        "# replay your own traffic: a JSON trace in the bench workload format",
+        "everystop simulate --replicas 16 --workload my_trace.json",
+        "# router information delay: fresh stats every 5 s (0 = every request)",
+        "everystop simulate --replicas 16 --stats-interval-s 5 --traffic 'n=20000,rate=150'",
+        "# capacity plan",
+        "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
+        "    --slo-ttft-p99 1.0 --slo-tpot-p50 0.05",
+        "```",
+        "",
+        "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "
+        "Traffic keys are documented in `src/everystop/sim/fleet_workload.py`; `rate` counts "
+        "every request, follow-up turns included (the first think-times are a ramp-up).",
+        "",
+        "## What this does not model",
+        "",
+        "- Network and router latency (a request reaches its replica at once), replica failures,",
+        "  autoscaling delays; the prefix cache's hit rate depends on the simulated KV capacity.",
+        "- Every pass's latency is the cost model's (a roofline with efficiency assumptions, see",
+        "  `docs/simulator-report.md`), not a measurement on H100s.",
+        "",
+    ]
+    return "\n".join(lines)
