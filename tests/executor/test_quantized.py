@@ -106,3 +106,14 @@ def _backends():
     from everystop.executor.model_runner import select_backends
 
     return select_backends(ModelConfig())
+
+
+def test_metrics_expose_rss_and_weight_bytes():
+    from types import SimpleNamespace
+
+    from everystop.server.metrics import _memory_metrics
+
+    front = SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(weight_bytes=1234)))
+    gauges = {m.name: m.samples[0].value for m in _memory_metrics(front)}  # type: ignore[arg-type]
+    assert gauges["everystop:model_weight_bytes"] == 1234
+    assert gauges["everystop:process_resident_memory_bytes"] > 10 << 20

@@ -86,6 +86,11 @@ class LocalExecutor:
     def describe_capacity(self) -> str:
         return self.runner.describe_capacity() if self.runner else "executor shut down"
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
+        return self.runner.weight_bytes if self.runner else 0
+
     def preemption_cost_model(self) -> PreemptionCostModel:
         """Recompute vs swap costs measured on this model and device, now."""
         assert self.runner is not None
