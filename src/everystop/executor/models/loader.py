@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ _GGUF_NEAREST = {"Q2_K": "q4_1", "Q3_K": "q4_1", "Q4_K": "q4_1", "IQ4_NL": "q4_1
 _PRECISION = ("q4_0", "q4_1", "q8_0")  # worst first
 
 logger = logging.getLogger(__name__)
+_Rows = TypeVar("_Rows", np.ndarray, torch.Tensor)
 
 
 class ModelLoadError(Exception):
@@ -346,10 +347,11 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return np.array(data, dtype=np.float32).reshape(shape)  # a writable copy
 
 
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # Export did, per head: rows (2, d/2) -> (d/2, 2). Swap back.
+def _unpermute_rope(w: _Rows, n_heads: int) -> _Rows:
+    # Export did, per head: rows (2, d/2) -> (d/2, 2). Swap back. (The reshape after the swap
+    # copies: the result is contiguous, numpy or torch.)
     half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # --- Hugging Face directory ----------------------------------------------------------------
