@@ -33,8 +33,44 @@ constexpr int64_t kBlock = 32;
 constexpr int kV = 32 / ES_W;  // vectors per block
 constexpr int64_t kMaxSmallRows = 8;
 
-typedef int8_t vs8 __attribute__((vector_size(ES_W)));
-typedef uint8_t vu8 __attribute__((vector_size(ES_W)));
+// NOTE: GCC's generic __builtin_convertvector from byte vectors to floats goes one lane at a
+// time (vpextrb + vcvtusi2ss per value), so the widening is spelled out with intrinsics.
+
+// W signed bytes as fp32.
+inline vf s8_to_vf(const uint8_t* p) {
+#if ES_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif ES_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  float tmp[ES_W];
+  for (int i = 0; i < ES_W; ++i) tmp[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  vf out;
+  std::memcpy(&out, tmp, sizeof(out));
+  return out;
+#endif
+}
+
+// The low (high: the high) nibbles of W bytes as fp32 in [0, 15].
+inline vf nibbles_to_vf(const uint8_t* p, bool high) {
+#if ES_W == 16 && defined(__AVX512F__)
+  __m128i x = _mm_loadu_si128((const __m128i*)p);
+  if (high) x = _mm_srli_epi16(x, 4);
+  x = _mm_and_si128(x, _mm_set1_epi8(0x0f));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+#elif ES_W == 8 && defined(__AVX2__)
+  __m128i x = _mm_loadl_epi64((const __m128i*)p);
+  if (high) x = _mm_srli_epi16(x, 4);
+  x = _mm_and_si128(x, _mm_set1_epi8(0x0f));
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+#else
+  float tmp[ES_W];
+  for (int i = 0; i < ES_W; ++i) tmp[i] = static_cast<float>(high ? p[i] >> 4 : p[i] & 0x0f);
+  vf out;
+  std::memcpy(&out, tmp, sizeof(out));
+  return out;
+#endif
+}
 
 enum Fmt { kDense = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
 
@@ -52,11 +88,7 @@ struct Block<kQ8_0> {
   static constexpr int64_t kBytes = 34;
   static inline void load(const uint8_t* b, vf* out) {
     const vf d = vf{} + half_at(b);
-    for (int v = 0; v < kV; ++v) {
-      vs8 q;
-      std::memcpy(&q, b + 2 + v * ES_W, ES_W);
-      out[v] = __builtin_convertvector(q, vf) * d;
-    }
+    for (int v = 0; v < kV; ++v) out[v] = s8_to_vf(b + 2 + v * ES_W) * d;
   }
 };
 
@@ -64,12 +96,7 @@ struct Block<kQ8_0> {
 // for the first half of the block, high nibbles for the second.
 inline void load_nibbles(const uint8_t* qs, vf d, vf bias, vf* out) {
   constexpr int kHalf = kV / 2;
-  for (int v = 0; v < kV; ++v) {
-    vu8 q;
-    std::memcpy(&q, qs + (v % kHalf) * ES_W, ES_W);
-    q = v < kHalf ? (q & 0x0f) : (q >> 4);
-    out[v] = __builtin_convertvector(q, vf) * d + bias;
-  }
+  for (int v = 0; v < kV; ++v) out[v] = nibbles_to_vf(qs + (v % kHalf) * ES_W, v >= kHalf) * d + bias;
 }
 
 template <>
