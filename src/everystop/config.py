@@ -16,6 +16,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The CPU kernel builds (best first; executor/layers/cpu_kernels.ISAS), "auto" or "off".
 CPU_KERNEL_CHOICES = ("auto", "off", "avx512bf16", "avx512", "avx2", "generic")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "reference")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")  # ModelConfig.quantization
 
 
 class ConfigError(ValueError):
@@ -161,11 +162,16 @@ class ModelConfig:
     # same kernels, bit-identical results, without ~2 ms of Python per step. False: layer by
     # layer (for A/B measurement).
     decoder_stack: bool = True
+    # How weights are held (QUANTIZATIONS): "auto" as the file stores them (GGUF Q8_0/Q4_0/
+    # Q4_1 blocks kept, K-quants requantized to the nearest of those, 16-bit kept 16-bit),
+    # "none" every weight converted to `dtype`, "q8_0"/"q4_0" float weights quantized at load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("cpu_16bit_gemm", ("auto", "fp32", "native"))):
+                              ("cpu_16bit_gemm", ("auto", "fp32", "native")),
+                              ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, not "
                                   f"{getattr(self, name)!r}")

@@ -16,6 +16,7 @@ from everystop.config import (
     ATTENTION_BACKENDS,
     CPU_KERNEL_CHOICES,
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     ConfigError,
     EngineConfig,
     TpotTarget,
@@ -78,6 +79,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-decoder-stack", dest="decoder_stack", action="store_false",
                    default=None, help="run decode steps layer by layer from Python instead of "
                    "in one kernel call (for A/B measurement)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weights in memory: auto (as the file holds them: GGUF Q8_0/Q4_0/Q4_1 "
+                   "blocks as they are, K-quants requantized to the nearest), none (all "
+                   "converted to --dtype), or q8_0/q4_0 (float weights quantized at load)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -132,7 +137,8 @@ ENGINE_OPTIONS = (
     "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
-    "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size")
+    "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
+    "quantization")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

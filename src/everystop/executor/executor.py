@@ -98,6 +98,11 @@ class RunnerExecutor:
     def _measure_prefill(self, runner: ModelRunner) -> float:
         return runner.measure_prefill_tokens_per_s()
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
+        return self.runner.weight_bytes if self.runner else 0
+
     def preemption_cost_model(self) -> PreemptionCostModel:
         """Recompute vs swap costs measured on this model and device, once per machine: later
         start-ups read them from the cache (swap bandwidth and block bytes are rank 0's: the

@@ -23,7 +23,7 @@ from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
-from everystop.executor.models.loader import DTYPES, load_model
+from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
 from everystop.executor.sampler import Sampler
 from everystop.sampling_params import SamplingParams
@@ -85,16 +85,16 @@ def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,
 
 # Loaded weights by (path, dtype, device, backends). Inference never writes to them, so engines
 # in one process (tests, benchmarks comparing modes) share one copy instead of reloading.
-_MODELS: OrderedDict[tuple[str | None, str, str, Backends], LlamaForCausalLM] = OrderedDict()
+_MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], LlamaForCausalLM] = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 
 def _shared_model(path: str | None, dtype: str, device: str,
-                  backends: Backends) -> LlamaForCausalLM:
-    key = (path, dtype, device, backends)
+                  backends: Backends, quantization: str = "auto") -> LlamaForCausalLM:
+    key = (path, dtype, device, backends, quantization)
     model = _MODELS.get(key)
     if model is None:
-        model = load_model(path, dtype, device, backends=backends)
+        model = load_model(path, dtype, device, backends=backends, quantization=quantization)
         _MODELS[key] = model
         while len(_MODELS) > _MAX_SHARED_MODELS:
             _MODELS.popitem(last=False)
@@ -130,10 +130,10 @@ class ModelRunner:
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
-                          self.backends)
+                          self.backends, model_config.quantization)
             if parallel.world_size == 1 else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
-                       self.backends))
+                       self.backends, model_config.quantization))
         args = self.model.args
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -157,6 +157,13 @@ class ModelRunner:
             usable = self.num_gpu_blocks - int(cache_config.watermark * self.num_gpu_blocks)
             self.max_model_len = min(self.max_model_len, usable * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
+        self.weight_bytes, self.num_params = weight_memory(self.model)
+        if parallel.rank == 0:
+            logger.info("weights: %.1f MiB resident for %.1fM parameters (%.2f bytes/param, "
+                        "quantization=%s); KV pool: %.1f MiB", self.weight_bytes / 2**20,
+                        self.num_params / 1e6, self.weight_bytes / max(self.num_params, 1),
+                        model_config.quantization,
+                        self.num_gpu_blocks * self.bytes_per_block / 2**20)
 
     @property
     def num_gpu_blocks(self) -> int:

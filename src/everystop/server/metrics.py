@@ -226,6 +226,7 @@ class _EngineCollector(Collector):
                  self.front.num_watchdog_aborts)):
             yield CounterMetricFamily(f"everystop:{name}", doc, value=value)
         yield from _step_budget_metrics(stats)
+        yield from _memory_metrics(self.front)
         pre = CounterMetricFamily("everystop:num_preemptions", "Preemptions by strategy",
                                   labels=["strategy"])
         pre.add_metric(["recompute"], stats.num_preemptions_recompute)
@@ -237,6 +238,25 @@ def prefix_hit_rate(stats: SchedulerStats) -> float:
     """Hit tokens over queried tokens since start (0 before the first lookup)."""
     return stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens \
         else 0.0
+
+
+def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
+    """Process RSS (read at scrape time) and the model weights' bytes as held (quantized
+    weights count their blocks; absent for executors without a model)."""
+    rss = 0
+    try:
+        with open("/proc/self/status") as f:
+            rss = next((int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("VmRSS:")), 0)
+    except OSError:  # not Linux
+        pass
+    yield GaugeMetricFamily("everystop:process_resident_memory_bytes",
+                            "Resident set size of the server process", value=rss)
+    weight_bytes = getattr(getattr(front.engine, "executor", None), "weight_bytes", None)
+    if isinstance(weight_bytes, int):
+        yield GaugeMetricFamily("everystop:model_weight_bytes",
+                                "Bytes of the model weights as held in memory",
+                                value=weight_bytes)
 
 
 def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "decoder_stack.cpp"]
+_SOURCES += [_CSRC / "quant_linear.cpp"]  # block-quantized weights (layers/quant.py)
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
@@ -64,6 +65,7 @@ ROWS_PER_ITEM = 24
 # The ops each library registers (csrc/*.cpp).
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "rope_write_kv_",
         "argmax_rows", "linear_small", "decoder_stack")
+_OPS += ("linear_q_small", "linear_q_tiled", "dequantize")
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -237,6 +239,22 @@ class CpuKernels:
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
                                       ROWS_PER_ITEM)
+
+    def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
+                       ) -> torch.Tensor:
+        """x [rows <= 8, k] @ W.T for W held as blocks of format code `fmt` (layers/quant.py),
+        streaming the blocks once; fp32 accumulation, x's dtype out."""
+        return self.ops.linear_q_small(x, weight, fmt, k)
+
+    def linear_q_tiled(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
+                       ) -> torch.Tensor:
+        """x [rows, k] @ W.T for any rows: W (blocks, or a dense fp16/bf16 weight for fmt 0)
+        widened a cache-sized tile at a time into fp32 for the library GEMM."""
+        return self.ops.linear_q_tiled(x, weight, fmt, k)
+
+    def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
+        """The fp32 [n, k] weight that blocks (or a dense 16-bit weight, fmt 0) hold."""
+        return self.ops.dequantize(weight, fmt, k)
 
 
 def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True

@@ -23,6 +23,7 @@ from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
+from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, dequantize
 
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
 # the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
@@ -32,16 +33,58 @@ from everystop.executor.layers.parallel import ParallelContext, shard_heads, sha
 SMALL_ROWS = 8
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = None
-           ) -> torch.Tensor:
-    """x @ weight.T (no bias), x: [rows, in]; through the CPU kernels where they apply."""
+def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = None,
+           fmt: str = DENSE, k: int = 0) -> torch.Tensor:
+    """x @ weight.T (no bias), x: [rows, in]; through the CPU kernels where they apply.
+
+    `fmt` names how `weight` holds the matrix: DENSE (a float tensor [out, in]) or a block
+    format of layers/quant.py (uint8 blocks; `k` = in)."""
+    if fmt != DENSE:
+        return _quantized_linear(x, weight, kernels, fmt, k)
     if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
         if x.shape[0] <= SMALL_ROWS and weight.is_contiguous():
             return kernels.linear_small(x, weight)
-        if weight.dtype == torch.float32 or kernels.fp32_gemm_for_16bit:
+        if weight.dtype == torch.float32:
             out = _gemm_fp32(x.float(), weight)
             return out if out.dtype == x.dtype else out.to(x.dtype)
+        if kernels.fp32_gemm_for_16bit or x.dtype != weight.dtype:
+            # A 16-bit weight widened a cache-sized tile at a time: no fp32 copy is kept.
+            return kernels.linear_q_tiled(x, weight.contiguous(), 0, weight.shape[1])
+    if x.dtype != weight.dtype:  # a 16-bit weight held as loaded, off the CPU kernels
+        return F.linear(x, weight.to(x.dtype))
     return F.linear(x, weight)
+
+
+def _quantized_linear(x: torch.Tensor, blocks: torch.Tensor, kernels: CpuKernels | None,
+                      fmt: str, k: int) -> torch.Tensor:
+    code = FORMATS[fmt][0]
+    if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
+        if x.shape[0] <= SMALL_ROWS:
+            return kernels.linear_q_small(x, blocks, code, k)
+        return kernels.linear_q_tiled(x, blocks, code, k)
+    # Plain torch (no kernels, other devices): a transient dequantized copy per call.
+    return F.linear(x, dequantize(blocks, fmt, k).to(x.dtype))
+
+
+class HeldWeight(nn.Module):
+    """A layer whose `weight` is held as loaded: a float tensor (DENSE; a 16-bit one may stay
+    16-bit next to fp32 activations) or the uint8 blocks of a layers/quant.py format."""
+
+    weight: nn.Parameter
+    weight_format: str = DENSE
+    weight_cols: int = 0  # the matrix's columns (its `in` size), for block formats
+
+    def hold(self, weight: torch.Tensor | QuantizedTensor) -> None:
+        """Install the loaded weight in place of the (meta) placeholder."""
+        if isinstance(weight, QuantizedTensor):
+            self.weight_format, self.weight_cols = weight.fmt, weight.cols
+            weight = weight.data
+        else:
+            self.weight_format, self.weight_cols = DENSE, weight.shape[1]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def project(self, x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+        return linear(x, self.weight, kernels, self.weight_format, self.weight_cols)
 
 
 def fp32_gemm_is_faster(dtype: torch.dtype, rows: int = 256, size: int = 1024,
@@ -81,16 +124,9 @@ _ONEDNN = _onednn_available()
 def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x @ weight.T through oneDNN's GEMM. On AMD Zen (AVX2 and AVX-512 alike) MKL's
     sgemm, what F.linear calls, runs its generic code path: measured per thread, 1-thread CPU
-    time, default model's projections at 256-512 rows: oneDNN 119-128 GFLOP/s vs MKL (packed
-    weights) 100-110 with AVX2, 216-228 vs 96-100 with AVX-512 (docs/perf/profile.md). oneDNN
-    reads the plain weight, so no packed copy is kept beside it; a 16-bit weight keeps one
-    plain fp32 copy, made on first use."""
-    if weight.dtype != torch.float32:
-        w32 = getattr(weight, "_everystop_fp32", None)
-        if w32 is None or w32.shape != weight.shape:
-            w32 = weight.float().contiguous()
-            weight._everystop_fp32 = w32  # type: ignore[attr-defined]
-        weight = w32
+    time, default model's projections at 256-512 rows: oneDNN 230-238 vs MKL (packed weights)
+    104-105 GFLOP/s with AVX-512, 115-116 vs 101 with AVX2 (benchmarks/gemm_backends.py).
+    oneDNN reads the plain weight: no packed copy is kept beside it."""
     if not _ONEDNN:
         return F.linear(x, weight)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
@@ -99,7 +135,7 @@ def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 RowRange = tuple[int, int]  # (start, size) along the weight's output dimension
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HeldWeight):
     """The full weight is a stack of blocks (e.g. [gate; up]); each rank keeps its even share of
     every block, stacked in the same order, so a fused output still splits block by block."""
 
@@ -124,7 +160,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([full[start:start + size] for start, size in self.rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.kernels)
+        return self.project(x, self.kernels)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -143,7 +179,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.rows = ((0, q_full + 2 * kv_full),)  # the whole tensor: no copy on load
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HeldWeight):
     """Keeps the input columns [start, start+size) and sums partial outputs over ranks."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
@@ -162,10 +198,10 @@ class RowParallelLinear(nn.Module):
         return full if size == full.shape[1] else full[:, start:start + size].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(linear(x, self.weight, self.kernels))
+        return self.ctx.all_reduce(self.project(x, self.kernels))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(HeldWeight):
     """Rank r holds embedding rows [start, start+size). A token outside the range looks up
     zeros, so the all-reduce sum is exactly the one rank's row (x + 0 = x: no rounding)."""
 
@@ -177,22 +213,33 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.size = shard_range(vocab_size, ctx.world_size, ctx.rank)
         self.weight = nn.Parameter(torch.empty(self.size, hidden_size), requires_grad=False)
+        # The activations' dtype where the weight is held in another (None: the weight's).
+        self.act_dtype: torch.dtype | None = None
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.size == full.shape[0] else full[self.start:self.start + self.size]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.size)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local.masked_fill(outside, 0))
         return self.ctx.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` in the activation dtype (a held 16-bit or block weight's rows are
+        widened: only the rows looked up)."""
+        if self.weight_format != DENSE:
+            rows = dequantize(self.weight[ids.reshape(-1)], self.weight_format, self.weight_cols)
+            return rows.view(*ids.shape, -1).to(self.act_dtype or torch.float32)
+        x = F.embedding(ids, self.weight)
+        return x if self.act_dtype is None else x.to(self.act_dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Use the rows as a vocabulary projection (an LM head, or a tied embedding): float32
         logits [N, vocab] on rank 0 (the only rank that samples), None on the others."""
-        full = self.ctx.gather_last_dim(linear(hidden, self.weight, self.kernels),
+        full = self.ctx.gather_last_dim(self.project(hidden, self.kernels),
                                         self.vocab_size)
         return None if full is None else full.float()
 

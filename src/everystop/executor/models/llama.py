@@ -30,6 +30,7 @@ from everystop.executor.layers.linear import (
 from everystop.executor.layers.mlp import SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.layers.quant import DENSE
 from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
@@ -227,9 +228,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_weights(self) -> list[torch.Tensor] | None:
         """Per layer [input norm, qkv, o, post-attention norm, gate_up, down]; None where a
-        weight is not contiguous (the layers would not take the GEMV then). Cached: reading 180
-        parameters through nn.Module attribute lookups every step costs ~0.1 ms; rebuilt when
-        the loader has replaced a parameter (load_state_dict(assign=True))."""
+        weight is block-quantized or not contiguous (the layers would not take the GEMV then).
+        Cached: reading 180 parameters through nn.Module attribute lookups every step costs
+        ~0.1 ms; rebuilt when the loader has replaced a parameter (load_state_dict(assign=True))."""
         layers = self.model.layers
         cached = self.__dict__.get("_stack_weight_cache")
         if (cached is None or cached[0] is not layers[0].self_attn.qkv_proj.weight
@@ -238,7 +239,12 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
                 layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
                 layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-            usable = all(w.is_contiguous() for w in weights)
+            linears = [m for layer in layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj)]
+            # Block-quantized weights take their own kernels (layers/quant.py): layer by layer.
+            usable = (all(m.weight_format == DENSE for m in linears)
+                      and all(w.is_contiguous() for w in weights))
             cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
                       weights if usable else None)
             self.__dict__["_stack_weight_cache"] = cached

@@ -1,5 +1,6 @@
 """Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json plus
-*.safetensors), dequantizing and converting to the requested dtype and device.
+*.safetensors) onto the requested device, each projection/embedding weight held as the
+`quantization` policy says (see `_held_weight`) and everything else in the requested dtype.
 
 Every failure a user can cause (bad path, unreadable file, unsupported architecture, missing
 tensor) surfaces as a `ModelLoadError` with a one-line message.
@@ -9,14 +10,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from everystop.executor.layers.linear import HeldWeight, VocabParallelEmbedding
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.layers.quant import (
+    BLOCK,
+    DENSE,
+    QuantizedTensor,
+    quantize,
+    relative_error,
+)
 from everystop.executor.models.llama import (
     TORCH_ONLY,
     Backends,
@@ -30,6 +40,17 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 HF_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)  # llama.cpp exports Mistral as "llama" too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
+# GGUF block types held as they are, and the native format every other quantized type is
+# requantized to under "auto": the nearest with at least its precision (Q4_K keeps a per-block
+# minimum like Q4_1; 5- and 6-bit types need Q8_0 not to lose bits).
+_GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_GGUF_NEAREST = {"Q2_K": "q4_1", "Q3_K": "q4_1", "Q4_K": "q4_1", "IQ4_NL": "q4_1",
+                 "IQ4_XS": "q4_1"}  # anything else quantized: q8_0
+_PRECISION = ("q4_0", "q4_1", "q8_0")  # worst first
+
+logger = logging.getLogger(__name__)
+_Rows = TypeVar("_Rows", np.ndarray, torch.Tensor)
 
 
 class ModelLoadError(Exception):
@@ -70,21 +91,30 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               parallel: ParallelContext = SINGLE,
-               backends: Backends = TORCH_ONLY) -> LlamaForCausalLM:
+               parallel: ParallelContext = SINGLE, backends: Backends = TORCH_ONLY,
+               quantization: str = "auto") -> LlamaForCausalLM:
     """Load weights from `path` (GGUF file or HF directory; None = default model).
 
     Under tensor parallelism (`parallel.world_size > 1`) only rank `parallel.rank`'s shard of
     each weight reaches the device: tensors are read whole on the host one at a time, cut by
-    the owning layer's `shard_weight`, then converted and moved.
+    the owning layer's `shard_weight`, then converted and moved. Weights are held quantized or
+    16-bit (`quantization` != "none") by a single CPU process only; elsewhere they are
+    converted to `dtype`.
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
     path = resolve_model_path(path)
+    hold = (quantization != "none" and parallel.world_size == 1
+            and torch.device(device).type == "cpu")
+    if quantization != "none" and not hold:
+        logger.warning("weights converted to %s: quantized weights are held on one CPU "
+                       "process only", dtype)
     if os.path.isdir(path):
         args, get, freq_factors = _open_hf_dir(path)
     else:
-        args, get, freq_factors = _open_gguf(path)
+        args, get, freq_factors = _open_gguf(path, keep_blocks=hold)
     torch_dtype = DTYPES[dtype]
     try:
         with torch.device("meta"):
@@ -93,22 +123,92 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         raise ModelLoadError(f"{path}: {e}") from None
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
+    held: set[str] = set()
+    errors: list[tuple[str, str, float]] = []
     for name, sources in hf_sources(args).items():
         try:
             parts = [get(src) for src in sources]
         except KeyError as e:
             raise ModelLoadError(f"{path}: missing tensor {e.args[0]}") from None
-        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if hold and isinstance(owner, HeldWeight):
+            weight = _held_weight(name, parts, quantization, torch_dtype, errors)
+            if tuple(weight.shape) != tuple(expected[name].shape):
+                raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(weight.shape)}, "
+                                     f"expected {tuple(expected[name].shape)}")
+            owner.hold(weight)
+            if isinstance(owner, VocabParallelEmbedding):
+                owner.act_dtype = torch_dtype
+            held.add(name)
+            continue
+        dense = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
+        full = dense[0] if len(dense) == 1 else torch.cat(dense, dim=0)
         shard = owner.shard_weight(full) if hasattr(owner, "shard_weight") else full
         if tuple(shard.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(full.shape)}, "
                                  f"expected {_full_shape(owner, expected[name])}")
         state[name] = shard.to(device=device, dtype=torch_dtype)
-        del parts, full, shard
-    model.load_state_dict(state, strict=True, assign=True)
+        del parts, dense, full, shard
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    assert set(missing) == held and not unexpected, (missing, unexpected)
+    if errors:
+        worst = max(errors, key=lambda e: e[2])
+        logger.info("requantized %d weights at load (relative error: mean %.4f, max %.4f on "
+                    "%s as %s)", len(errors), sum(e[2] for e in errors) / len(errors),
+                    worst[2], worst[0], worst[1])
     model.set_rope(device, freq_factors)
     return model.eval().requires_grad_(False)
+
+
+def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,
+                 dtype: torch.dtype, errors: list[tuple[str, str, float]]
+                 ) -> torch.Tensor | QuantizedTensor:
+    """One projection/embedding weight (its `parts` stacked) as it will be held:
+
+    - "auto": blocks stay the blocks they are (parts in different formats: all in the most
+      precise of them); float weights stay 16-bit when they are 16-bit and `dtype` is fp32
+      (widening is exact, done a tile at a time), else become `dtype`.
+    - "q8_0" / "q4_0": that format; the embedding and the LM head (one matrix when tied) get
+      q8_0 under q4_0, as the logits are the most sensitive product.
+    Requantizing (a format change) appends (name, format, relative error) to `errors`.
+    """
+    blocks = [p for p in parts if isinstance(p, QuantizedTensor)]
+    if quantization == "auto":
+        if not blocks:
+            full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # type: ignore
+            keep = full.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32
+            return full if keep else full.to(dtype)
+        target = max((b.fmt for b in blocks), key=_PRECISION.index)
+    else:
+        vocab = name.endswith("embed_tokens.weight") or name.startswith("lm_head")
+        target = "q8_0" if vocab else quantization
+    if len(blocks) == len(parts) and all(b.fmt == target for b in blocks):
+        if len(blocks) == 1:
+            return blocks[0]
+        return QuantizedTensor(target, torch.cat([b.data for b in blocks]), blocks[0].cols)
+    full = torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p.float()
+                      for p in parts])
+    if full.shape[1] % BLOCK:
+        logger.warning("%s: %d columns do not split into blocks of %d; held as %s",
+                       name, full.shape[1], BLOCK, dtype)
+        return full.to(dtype)
+    q = quantize(full, target)
+    errors.append((name, target, relative_error(q.dequantize(), full)))
+    return q
+
+
+def weight_memory(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes, parameters) of the weights as held: a block-format matrix counts its logical
+    rows x columns as parameters and its blocks as bytes."""
+    nbytes = params = 0
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            nbytes += p.numel() * p.element_size()
+            if isinstance(module, HeldWeight) and module.weight_format != DENSE:
+                params += p.shape[0] * module.weight_cols
+            else:
+                params += p.numel()
+    return nbytes, params
 
 
 def _full_shape(owner: Any, param: torch.Tensor) -> tuple[int, ...]:
@@ -143,7 +243,12 @@ def _gguf_hf_name(name: str) -> str | None:
     return None
 
 
-def _open_gguf(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], torch.Tensor | None]:
+def _open_gguf(path: str, keep_blocks: bool = False
+               ) -> tuple[LlamaArgs, Callable[[str], Any], torch.Tensor | None]:
+    """The model's hyper-parameters, a getter of tensors by Hugging Face name, the rope
+    frequency factors. With `keep_blocks` the getter returns Q8_0/Q4_0/Q4_1 tensors as their
+    blocks (`QuantizedTensor`, no dequantize round trip), other quantized types requantized to
+    the nearest of those, and F16/BF16 as they are; otherwise fp32 tensors."""
     from everystop.executor.models.gguf_file import GGUFFile
 
     try:
@@ -159,22 +264,45 @@ def _open_gguf(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], tor
     args = _gguf_args(meta, arch, tensors, path)
     by_hf_name = {_gguf_hf_name(n): t for n, t in tensors.items()}
 
-    def get(hf_name: str) -> torch.Tensor:
+    def get(hf_name: str) -> torch.Tensor | QuantizedTensor:
         if hf_name not in by_hf_name:
             raise KeyError(hf_name)
-        w = _dequantize(by_hf_name[hf_name])
+        tensor = by_hf_name[hf_name]
+        w = _read_gguf_tensor(tensor, keep_blocks)
         # llama.cpp interleaves each Q/K head's rotary pairs on export; undo it to get back the
-        # half-split layout our rope (and Hugging Face's) expects.
-        if hf_name.endswith("q_proj.weight"):
-            w = _unpermute_rope(w, args.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            w = _unpermute_rope(w, args.num_kv_heads)
-        return torch.from_numpy(np.ascontiguousarray(w))  # already a private copy
+        # half-split layout our rope (and Hugging Face's) expects. (A row permutation: block
+        # rows permute like any others.)
+        heads = (args.num_heads if hf_name.endswith("q_proj.weight") else
+                 args.num_kv_heads if hf_name.endswith("k_proj.weight") else 0)
+        if heads and isinstance(w, QuantizedTensor):
+            return QuantizedTensor(w.fmt, _unpermute_rope(w.data, heads), w.cols)
+        return _unpermute_rope(w, heads) if heads else w
 
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"]).reshape(-1))
     return args, get, freq_factors
+
+
+def _read_gguf_tensor(tensor: Any, keep_blocks: bool) -> torch.Tensor | QuantizedTensor:
+    kind = tensor.tensor_type.name
+    rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])  # GGUF lists dims innermost first
+    if keep_blocks and len(tensor.shape) == 2:
+        if kind in _GGUF_NATIVE:  # a private copy of the file's blocks, byte for byte
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+            return QuantizedTensor(_GGUF_NATIVE[kind], data.reshape(rows, -1), cols)
+        if kind == "F16":
+            return torch.from_numpy(np.array(tensor.data, dtype=np.float16).reshape(rows, cols))
+        if kind == "BF16":
+            raw = np.array(tensor.data).view(np.int16).reshape(rows, cols)
+            return torch.from_numpy(raw).view(torch.bfloat16)
+        if kind not in ("F32", "F64") and cols % BLOCK == 0:
+            exact = torch.from_numpy(_dequantize(tensor))
+            q = quantize(exact, _GGUF_NEAREST.get(kind, "q8_0"))
+            logger.info("%s: %s requantized to %s at load (relative error %.4f)", tensor.name,
+                        kind, q.fmt, relative_error(q.dequantize(), exact))
+            return q
+    return torch.from_numpy(_dequantize(tensor))  # already a private copy
 
 
 def _gguf_args(meta: dict[str, Any], arch: str, tensors: dict[str, Any], path: str) -> LlamaArgs:
@@ -218,8 +346,9 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return np.array(data, dtype=np.float32).reshape(shape)  # a writable copy
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # Export did, per head: rows (2, d/2) -> (d/2, 2). Swap back.
+def _unpermute_rope(w: _Rows, n_heads: int) -> _Rows:
+    # Export did, per head: rows (2, d/2) -> (d/2, 2). Swap back. (The reshape after the swap
+    # copies: the result is contiguous, numpy or torch.)
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

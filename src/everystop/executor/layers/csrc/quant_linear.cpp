@@ -1,0 +1,337 @@
+// Linear layers on weights kept in GGUF's 32-value block formats (and on 16-bit weights next to
+// fp32 activations), without ever materializing a whole dequantized weight:
+//
+//   q8_0  [half d][int8 q x32]                   34 B / 32 values   w = d * q
+//   q4_0  [half d][uint8 qs x16]                 18 B / 32 values   w = d * (q - 8)
+//   q4_1  [half d][half m][uint8 qs x16]         20 B / 32 values   w = d * q + m
+//         (qs[j] holds value j in its low nibble and value j + 16 in its high nibble)
+//
+//   linear_q_small(x, w, fmt, k)  x [rows <= 8, k] @ W.T: the decode GEMV. Each block is
+//                                 widened to fp32 in registers once and multiplied into all
+//                                 rows, so the weights stream from memory exactly once.
+//   linear_q_tiled(x, w, fmt, k)  x [rows, k] @ W.T for prefill: each thread widens a tile of
+//                                 output rows into a cache-resident fp32 buffer and hands it to
+//                                 the library GEMM (single-threaded inside the tile loop).
+//
+// fmt: 0 = a dense fp16/bf16 weight [n, k], 1 = q8_0, 2 = q4_0, 3 = q4_1 (layers/quant.py).
+// Activations are fp32 inside (a 16-bit x is widened once; the output is cast back).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kV = 32 / ES_W;  // vectors per block
+constexpr int64_t kMaxSmallRows = 8;
+
+// NOTE: GCC's generic __builtin_convertvector from byte vectors to floats goes one lane at a
+// time (vpextrb + vcvtusi2ss per value), so the widening is spelled out with intrinsics.
+
+// W signed bytes as fp32.
+inline vf s8_to_vf(const uint8_t* p) {
+#if ES_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif ES_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  float tmp[ES_W];
+  for (int i = 0; i < ES_W; ++i) tmp[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  vf out;
+  std::memcpy(&out, tmp, sizeof(out));
+  return out;
+#endif
+}
+
+// The low (high: the high) nibbles of W bytes as fp32 in [0, 15].
+inline vf nibbles_to_vf(const uint8_t* p, bool high) {
+#if ES_W == 16 && defined(__AVX512F__)
+  __m128i x = _mm_loadu_si128((const __m128i*)p);
+  if (high) x = _mm_srli_epi16(x, 4);
+  x = _mm_and_si128(x, _mm_set1_epi8(0x0f));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+#elif ES_W == 8 && defined(__AVX2__)
+  __m128i x = _mm_loadl_epi64((const __m128i*)p);
+  if (high) x = _mm_srli_epi16(x, 4);
+  x = _mm_and_si128(x, _mm_set1_epi8(0x0f));
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+#else
+  float tmp[ES_W];
+  for (int i = 0; i < ES_W; ++i) tmp[i] = static_cast<float>(high ? p[i] >> 4 : p[i] & 0x0f);
+  vf out;
+  std::memcpy(&out, tmp, sizeof(out));
+  return out;
+#endif
+}
+
+enum Fmt { kDense = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+template <int F>
+struct Block;
+
+template <>
+struct Block<kQ8_0> {
+  static constexpr int64_t kBytes = 34;
+  static inline void load(const uint8_t* b, vf* out) {
+    const vf d = vf{} + half_at(b);
+    for (int v = 0; v < kV; ++v) out[v] = s8_to_vf(b + 2 + v * ES_W) * d;
+  }
+};
+
+// The nibble-packed formats: vector v holds values [v * W, (v + 1) * W): low nibbles of bytes
+// for the first half of the block, high nibbles for the second.
+inline void load_nibbles(const uint8_t* qs, vf d, vf bias, vf* out) {
+  constexpr int kHalf = kV / 2;
+  for (int v = 0; v < kV; ++v) out[v] = nibbles_to_vf(qs + (v % kHalf) * ES_W, v >= kHalf) * d + bias;
+}
+
+template <>
+struct Block<kQ4_0> {
+  static constexpr int64_t kBytes = 18;
+  static inline void load(const uint8_t* b, vf* out) {
+    const float d = half_at(b);
+    load_nibbles(b + 2, vf{} + d, vf{} - 8.f * d, out);
+  }
+};
+
+template <>
+struct Block<kQ4_1> {
+  static constexpr int64_t kBytes = 20;
+  static inline void load(const uint8_t* b, vf* out) {
+    load_nibbles(b + 4, vf{} + half_at(b), vf{} + half_at(b + 2), out);
+  }
+};
+
+// Output columns per step: R x C accumulators plus C x kV weight vectors fit the register file
+// (32 vector registers with AVX-512, 16 with AVX2).
+template <int R>
+constexpr int kQCols = ES_W == 16 ? (R <= 3 ? 4 : (R <= 6 ? 2 : 1)) : (R <= 2 ? 2 : 1);
+
+template <int F, int R, int C>
+void qgemv_columns(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                   int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int64_t B = Block<F>::kBytes;
+  const int64_t nb = k / kBlock;
+  int64_t n = n_begin;
+  for (; n + C <= n_end; n += C) {
+    vf acc[R][C];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) acc[m][j] = vf{};
+    const uint8_t* w0 = w + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      vf wv[C][kV];
+      for (int j = 0; j < C; ++j) {
+        // The next group's rows, same offset: keeps 2C streams of cache-line fills in flight.
+        __builtin_prefetch(w0 + (C + j) * row_bytes + b * B);
+        Block<F>::load(w0 + j * row_bytes + b * B, wv[j]);
+      }
+      for (int m = 0; m < R; ++m) {
+        const float* xb = x + m * k + b * kBlock;
+        for (int v = 0; v < kV; ++v) {
+          const vf xv = loadv(xb + v * ES_W);
+          for (int j = 0; j < C; ++j) acc[m][j] += xv * wv[j][v];
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) out[m * out_stride + n + j] = hsum(acc[m][j]);
+  }
+  if constexpr (C > 1) {
+    if (n < n_end) qgemv_columns<F, R, 1>(x, k, w, row_bytes, n, n_end, out, out_stride);
+  }
+}
+
+template <int R = 1, typename Fn>
+void with_rows(int64_t rows, const Fn& f) {
+  if constexpr (R <= kMaxSmallRows) {
+    if (rows == R)
+      f(std::integral_constant<int, R>{});
+    else
+      with_rows<R + 1>(rows, f);
+  }
+}
+
+template <int F>
+void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, at::Tensor& out) {
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  const float* xp = x32.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_rows(x32.size(0), [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    auto body = [&](int64_t b, int64_t e) {
+      qgemv_columns<F, R, kQCols<R>>(xp, k, wp, row_bytes, b, e, op, n);
+    };
+    // Chunks of 32 columns so both threads share even the small projections; a weight that
+    // streams in a few microseconds stays on one thread.
+    if (n * row_bytes < (int64_t{1} << 16)) {
+      body(0, n);
+    } else {
+      at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b, int64_t e) {
+        body(b * 32, std::min(e * 32, n));
+      });
+    }
+  });
+}
+
+at::Tensor linear_q_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) >= 1 && x.size(0) <= kMaxSmallRows,
+              "linear_q_small: x must be [1..8, k]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && k % kBlock == 0,
+              "linear_q_small: w must be contiguous uint8 blocks [n, k / 32 * block bytes]");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  switch (fmt) {
+    case kQ8_0:
+      TORCH_CHECK(w.size(1) == k / kBlock * 34, "linear_q_small: q8_0 row size");
+      linear_q_small_impl<kQ8_0>(x32, w, k, out);
+      break;
+    case kQ4_0:
+      TORCH_CHECK(w.size(1) == k / kBlock * 18, "linear_q_small: q4_0 row size");
+      linear_q_small_impl<kQ4_0>(x32, w, k, out);
+      break;
+    case kQ4_1:
+      TORCH_CHECK(w.size(1) == k / kBlock * 20, "linear_q_small: q4_1 row size");
+      linear_q_small_impl<kQ4_1>(x32, w, k, out);
+      break;
+    default: TORCH_CHECK(false, "linear_q_small: unknown format ", fmt);
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// --- prefill: dequantized tiles into a library GEMM ----------------------------------------
+
+template <int F>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, float* dst) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    float* d = dst + r * k;
+    for (int64_t b = 0; b < nb; ++b) {
+      vf v[kV];
+      Block<F>::load(row + b * Block<F>::kBytes, v);
+      std::memcpy(d + b * kBlock, v, sizeof(v));
+    }
+  }
+}
+
+template <typename T>
+void widen_rows(const T* w, int64_t rows, int64_t k, float* dst) {
+  const int64_t n = rows * k, nv = n - n % kW;
+  for (int64_t i = 0; i < nv; i += kW) {
+    const vf v = loadv(w + i);
+    std::memcpy(dst + i, &v, sizeof(v));
+  }
+  for (int64_t i = nv; i < n; ++i) dst[i] = static_cast<float>(w[i]);
+}
+
+void dequant_tile(const at::Tensor& w, int64_t fmt, int64_t k, int64_t n0, int64_t rows,
+                  float* dst) {
+  if (fmt == kDense) {
+    if (w.scalar_type() == at::kBFloat16)
+      widen_rows(w.data_ptr<c10::BFloat16>() + n0 * k, rows, k, dst);
+    else
+      widen_rows(w.data_ptr<c10::Half>() + n0 * k, rows, k, dst);
+    return;
+  }
+  const int64_t rb = w.size(1);
+  const uint8_t* p = w.data_ptr<uint8_t>() + n0 * rb;
+  switch (fmt) {
+    case kQ8_0: dequant_rows<kQ8_0>(p, rb, rows, k, dst); break;
+    case kQ4_0: dequant_rows<kQ4_0>(p, rb, rows, k, dst); break;
+    default: dequant_rows<kQ4_1>(p, rb, rows, k, dst); break;
+  }
+}
+
+// x @ w.T in fp32 through oneDNN where torch has it (mkldnn::_linear_pointwise): on AMD Zen
+// MKL's sgemm runs its generic path, 1.15x (AVX2) to 2.2x (AVX-512) slower per thread
+// (benchmarks/gemm_backends.py). Inside a parallel_for it runs on the calling thread.
+at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w) {
+  static const auto handle =
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  if (handle) {
+    static const auto op = handle->typed<at::Tensor(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+        c10::string_view, c10::List<std::optional<at::Scalar>>,
+        std::optional<c10::string_view>)>();
+    return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                   std::nullopt);
+  }
+  return at::mm(x, w.t());
+}
+
+at::Tensor linear_q_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && w.dim() == 2 && w.is_contiguous(),
+              "linear_q_tiled: x [rows, k] and contiguous w expected");
+  if (fmt == kDense) {
+    TORCH_CHECK((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) &&
+                    w.size(1) == k, "linear_q_tiled: a dense weight must be fp16/bf16 [n, k]");
+  } else {
+    TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1, "linear_q_tiled: unknown format ", fmt);
+    TORCH_CHECK(w.scalar_type() == at::kByte && k % kBlock == 0, "linear_q_tiled: uint8 blocks");
+    const int64_t bytes = fmt == kQ8_0 ? 34 : (fmt == kQ4_0 ? 18 : 20);
+    TORCH_CHECK(w.size(1) == k / kBlock * bytes, "linear_q_tiled: row size");
+  }
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t n = w.size(0);
+  at::Tensor out = at::empty({x.size(0), n}, x32.options());
+  // A tile of ~256 KiB of fp32 stays in L2 while the GEMM reads it once per row block of x.
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (int64_t{1} << 16) / k / 16 * 16));
+  const int64_t tiles = (n + tile - 1) / tile;
+  const int64_t m = x32.size(0);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // NOTE: only tensors made on this thread are written through ATen here: the caller's
+    // inference mode is thread-local, so `out` (an inference tensor) is filled by memcpy.
+    at::Tensor buf = at::empty({tile, k}, x32.options());
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, n - n0);
+      dequant_tile(w, fmt, k, n0, rows, buf.data_ptr<float>());
+      // Inside parallel_for the library GEMM runs on this thread only.
+      const at::Tensor r = gemm_nt(x32, buf.narrow(0, 0, rows)).contiguous();
+      const float* rp = r.data_ptr<float>();
+      for (int64_t i = 0; i < m; ++i)
+        std::memcpy(op + i * n + n0, rp + i * rows, rows * sizeof(float));
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The whole weight as fp32 [n, k] (tests, and the embedding rows a step looks up).
+at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "dequantize: contiguous 2-D weight");
+  at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(at::kFloat));
+  at::parallel_for(0, w.size(0), 64, [&](int64_t b, int64_t e) {
+    dequant_tile(w, fmt, k, b, e - b, out.data_ptr<float>() + b * k);
+  });
+  return out;
+}
+
+}  // namespace
+
+ES_LIBRARY_FRAGMENT(m) {
+  m.def("linear_q_small(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
+  m.def("linear_q_tiled(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
+  m.def("dequantize(Tensor weight, int fmt, int k) -> Tensor");
+}
+
+ES_LIBRARY_IMPL(m) {
+  m.impl("linear_q_small", &linear_q_small);
+  m.impl("linear_q_tiled", &linear_q_tiled);
+  m.impl("dequantize", &dequantize);
+}

@@ -1,0 +1,117 @@
+"""Weights kept in GGUF's 32-value block formats: the formats' layout, quantizing a float
+weight into them and widening them back, in plain torch (the CPU kernels in
+csrc/quant_linear.cpp read the same bytes in place).
+
+A quantized weight of logical shape [n, k] is a contiguous uint8 tensor [n, k / 32 * bytes]:
+each row is its k / 32 blocks back to back, exactly as a GGUF file stores them, so a tensor
+read from a file is used as it is (no repacking, no second copy)::
+
+    q8_0  [fp16 d][int8 q x32]                  34 B   w = d * q
+    q4_0  [fp16 d][u8 qs x16]                   18 B   w = d * (q - 8)
+    q4_1  [fp16 d][fp16 m][u8 qs x16]           20 B   w = d * q + m
+          (qs[j]: value j in the low nibble, value j + 16 in the high nibble)
+
+Quantizing follows ggml's reference rounding, so a weight quantized here equals the one
+llama-quantize writes for the same values (up to ties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+# name -> (kernel format code, bytes per block); code 0 is a dense 16-bit weight.
+FORMATS: dict[str, tuple[int, int]] = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+DENSE = "dense"
+# Bits per weight, for logs and memory accounting.
+BITS_PER_WEIGHT = {name: 8 * nbytes / BLOCK for name, (_, nbytes) in FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [rows, cols] weight held as blocks (`data`: uint8 [rows, cols / 32 * bytes])."""
+
+    fmt: str
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    def rows(self, start: int, size: int) -> QuantizedTensor:
+        return QuantizedTensor(self.fmt, self.data[start:start + size], self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.data, self.fmt, self.cols)
+
+
+def row_bytes(fmt: str, cols: int) -> int:
+    if cols % BLOCK:
+        raise ValueError(f"{fmt} needs a row length divisible by {BLOCK}, not {cols}")
+    return cols // BLOCK * FORMATS[fmt][1]
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """Blocks of the float weight w [n, k] (k divisible by 32) in `fmt`."""
+    n, k = w.shape
+    row_bytes(fmt, k)
+    x = w.float().reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        # ggml rounds half away from zero (roundf).
+        q = (x * inv).abs().add(0.5).floor().copysign(x * inv).to(torch.int8)
+        parts = [_half_bytes(d), q.view(torch.uint8)]
+    elif fmt == "q4_0":
+        # The signed value of largest magnitude maps to -8, so its sign sets d's.
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx) / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv + 8.5).clamp(0, 15).to(torch.uint8)  # truncation, as ggml's (int8_t) cast
+        parts = [_half_bytes(d), _pack_nibbles(q)]
+    elif fmt == "q4_1":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = ((x - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+        parts = [_half_bytes(d), _half_bytes(lo), _pack_nibbles(q)]
+    else:
+        raise ValueError(f"unknown quantized format {fmt!r}; expected one of {list(FORMATS)}")
+    data = torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
+    return QuantizedTensor(fmt, data, k)
+
+
+def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+    """The fp32 weight [n, cols] the blocks `data` hold."""
+    n = data.shape[0]
+    nb = cols // BLOCK
+    b = data.reshape(n, nb, FORMATS[fmt][1])
+    d = _half(b[..., 0:2])
+    if fmt == "q8_0":
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, cols)
+    qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    w = q * d + _half(b[..., 2:4]) if fmt == "q4_1" else (q - 8) * d
+    return w.reshape(n, cols)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact|| / ||exact|| (0 for an all-zero weight)."""
+    norm = float(exact.float().norm())
+    return float((approx.float() - exact.float()).norm()) / norm if norm else 0.0
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    half = BLOCK // 2
+    return q[..., :half] | (q[..., half:] << 4)
