@@ -112,7 +112,7 @@ def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[st
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
               kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
-              tpot_target_ms=args.tpot_target_ms)
+              tpot_target_ms=args.tpot_target_ms, quantization=args.quantization)
     startup = time.perf_counter() - start
     warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
     run_workload(llm, {"requests": warm}, 0.0)
@@ -135,6 +135,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
     ap.add_argument("--everystop-max-num-seqs", type=int, default=128)
     ap.add_argument("--cpu-kernels", default="auto", help="everystop's kernel build")
+    ap.add_argument("--quantization", default="none",
+                    help="everystop's weights in memory (default none: --dtype throughout, like "
+                    "for like with an F16 GGUF; auto keeps the default model's Q4_1 blocks)")
     ap.add_argument("--tpot-target-ms", type=lambda v: None if v == "auto" else float(v),
                     default=0.0,
                     help="everystop's step-time target: 0 = off (default; every request arrives "
