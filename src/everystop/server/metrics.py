@@ -252,7 +252,9 @@ def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
         pass
     yield GaugeMetricFamily("everystop:process_resident_memory_bytes",
                             "Resident set size of the server process", value=rss)
-    weight_bytes = getattr(getattr(front.engine, "executor", None), "weight_bytes", None)
+    # A cluster's ingress front has no local engine (its replicas report their own).
+    engine = getattr(front, "engine", None)
+    weight_bytes = getattr(getattr(engine, "executor", None), "weight_bytes", None)
     if isinstance(weight_bytes, int):
         yield GaugeMetricFamily("everystop:model_weight_bytes",
                                 "Bytes of the model weights as held in memory",
