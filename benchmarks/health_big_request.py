@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from everystop.bench.servers import wait_healthy
 from everystop.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,16 +76,7 @@ def measure(src: str, mb: float, interval_s: float, extra: list[str]) -> dict[st
            "--max-num-batched-tokens", "256", "--kv-cache-memory", "128MiB", *extra]
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server from {src} did not come up")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(server, url, f"server from {src} did not come up")
         text = ("The quick brown fox jumps over the lazy dog. " * int(mb * 30_000))
         text = text[:int(mb * 1_000_000)]
         bodies = {"/v1/completions": {"prompt": text, "max_tokens": 4},

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from everystop.bench.servers import wait_healthy
 from everystop.results import write_result
 from everystop.stats import percentile
 
@@ -112,16 +113,7 @@ def main() -> int:
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     load = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not come up")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(server, url, "server did not come up")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         idle, _ = _probe(url, 10, 0.01)
         load = subprocess.Popen([sys.executable, __file__, "--model-name", model, "--load-role",

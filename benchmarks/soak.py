@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from everystop.bench.servers import wait_healthy
 from everystop.results import write_result
 from everystop.stats import percentile
 
@@ -286,16 +287,7 @@ def main() -> int:
                                "127.0.0.1", "--port", str(port), *args.server_flags],
                               cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not come up")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(server, url, "server did not come up")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         soak = Soak(url, args, model)
         capacity = args.rate / args.load if args.rate else asyncio.run(soak.calibrate())
