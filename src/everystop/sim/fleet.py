@@ -123,7 +123,8 @@ class Replica:
         out, self.in_pass = self.in_pass, None
         assert out is not None
         self.clock.advance(self.latency)
-        sampled = {e.request_id: SimExecutor.SAMPLED_TOKEN for e in out.scheduled if e.sample}
+        sampled = dict.fromkeys([e.request_id for e in out.scheduled if e.sample],
+                                SimExecutor.SAMPLED_TOKEN)
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
         return [self.routed[u.request_id][0] for u in updates if u.finished]
