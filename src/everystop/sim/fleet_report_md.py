@@ -1,4 +1,5 @@
-"""The markdown text of docs/fleet-simulation.md, filled from fleet_report.py's numbers."""
+"""The markdown text of docs/fleet-simulation.md, filled from `everystop bench fleet-report`'s
+numbers (and `everystop bench fleet-speed`'s, when its JSON is there)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 from pathlib import Path
 
 MEAN_REPLY_TOKENS = 410  # the design's replies, uniform 20..800 tokens
-SPEED_JSON = Path(__file__).resolve().parent / "results/sim/fleet_speed.json"
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and benchmarks/ live there
+SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed.json"
 
 
 def _f(x: float | None, nd: int = 0) -> str:
@@ -91,7 +93,7 @@ def _curves(r: dict) -> list[str]:
 
 def _speed() -> list[str]:
     if not SPEED_JSON.exists():
-        return ["(run `benchmarks/fleet_sim_speed.py` for the simulator's own speed)"]
+        return ["(run `everystop bench fleet-speed` for the simulator's own speed)"]
     s = json.loads(SPEED_JSON.read_text())
     return [
         f"`{s['command']}` ({s['replicas']} replicas, {s['requests']:,} requests of the "
