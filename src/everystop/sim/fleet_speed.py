@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,11 +34,43 @@ from everystop.sim.plan import DESIGN_TRAFFIC
 SINGLE_REPLICA_RPS = 9.25  # `everystop simulate plan` at 1 s p99 TTFT / 50 ms p50 TPOT
 
 
+# The same timed run against another source tree (--baseline-src), in a fresh process; it uses
+# only what the fleet simulator has exposed since it was written.
+_BASELINE_DRIVER = """
+import json, sys, time
+from everystop.routing import make_router
+from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.node import build_node
+replicas, router, spec = json.loads(sys.argv[1])
+node = build_node("llama-3-70b", "h100-sxm", 4)
+cpu0, wall0 = time.process_time(), time.perf_counter()
+result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
+                        make_router(router), stats_interval_s=1.0)
+cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+print(json.dumps({"summary": summarize_fleet(result, 12.0), "cpu_s": cpu, "wall_s": wall}))
+"""
+
+
+def traffic_spec(requests: int, replicas: int, load: float) -> str:
+    rate = load * SINGLE_REPLICA_RPS * replicas
+    return f"{DESIGN_TRAFFIC},n={requests},rate={rate},seed=0"
+
+
+def baseline_run(src: str, requests: int, replicas: int, load: float, router: str) -> dict:
+    """timed_run on the sources under `src` (e.g. an export of the commit before a speed-up)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    arg = json.dumps([replicas, router, traffic_spec(requests, replicas, load)])
+    out = subprocess.run([sys.executable, "-c", _BASELINE_DRIVER, arg], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def timed_run(requests: int, replicas: int, load: float,
               router: str) -> tuple[dict, float, float]:
     node = build_node("llama-3-70b", "h100-sxm", 4)
-    rate = load * SINGLE_REPLICA_RPS * replicas
-    spec = f"{DESIGN_TRAFFIC},n={requests},rate={rate},seed=0"
+    spec = traffic_spec(requests, replicas, load)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
                             make_router(router), stats_interval_s=1.0)
@@ -73,19 +108,33 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--router", default="least-loaded")
     ap.add_argument("--profile-requests", type=int, default=3_000)
     ap.add_argument("--target-requests", type=int, default=1_000_000)
+    ap.add_argument("--baseline-src", default=None,
+                    help="also time the same run on the sources in this directory (an export "
+                         "of another commit's src/), first, and check it simulates the same")
     ap.add_argument("--out", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
+    baseline = None
+    if args.baseline_src:
+        baseline = baseline_run(args.baseline_src, args.requests, args.replicas, args.load,
+                                args.router)
     summary, cpu, wall = timed_run(args.requests, args.replicas, args.load, args.router)
     load_after = os.getloadavg()
     per_req_cpu = cpu / args.requests
+    if baseline is not None:
+        baseline = {"src": args.baseline_src, "cpu_s": round(baseline["cpu_s"], 2),
+                    "wall_s": round(baseline["wall_s"], 2),
+                    "cpu_ms_per_request": round(baseline["cpu_s"] / args.requests * 1e3, 3),
+                    "speedup_cpu": round(baseline["cpu_s"] / cpu, 3),
+                    "same_summary": json.loads(json.dumps(summary)) == baseline["summary"]}
     write_result({
         "benchmark": "fleet_sim_speed",
         "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
                     f"{args.replicas} --load {args.load} --router {args.router} "
-                    f"--profile-requests {args.profile_requests}"),
+                    f"--profile-requests {args.profile_requests}"
+                    + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")),
         "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
         "replicas": args.replicas, "router": args.router, "traffic": DESIGN_TRAFFIC,
         "offered_load_fraction": args.load, "requests": args.requests,
@@ -102,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "simulated": {k: summary[k] for k in ("num_finished", "makespan_s", "output_tokens",
                                               "num_passes", "ttft_p99_ms", "tpot_p50_ms",
                                               "busy_fraction_min_max")},
+        "baseline": baseline,
         "profile_time_share": profile_split(args.profile_requests, args.replicas, args.load,
                                             args.router),
     }, args.out)
