@@ -105,10 +105,26 @@ def _speed() -> list[str]:
         f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
         f" against the 600 s target: "
         + ("met." if s["meets_target_extrapolated"] else "**not met**."),
+        *_speed_baseline(s),
         "",
         "Where the time goes (cProfile, share of self time): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
+    ]
+
+
+def _speed_baseline(s: dict) -> list[str]:
+    b = s.get("baseline")
+    if not b:
+        return []
+    return [
+        "",
+        f"The same run on the sources before the hot-path work (`{b['src']}`, an export of "
+        "the commit before it, timed first in the same command): "
+        f"{b['cpu_s']:,} CPU-s, {b['cpu_ms_per_request']} CPU-ms per request; "
+        f"**{b['speedup_cpu']:.2f}x** less CPU now, and "
+        + ("the same simulated summary (every percentile, pass count and token count)."
+           if b["same_summary"] else "**a different simulated summary** (a behaviour change)."),
     ]
 
 
@@ -214,6 +230,10 @@ def render(r: dict) -> str:
         "# capacity plan",
         "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
         "    --slo-ttft-p99 1.0 --slo-tpot-p50 0.05",
+        "# this page (--render-only: from the saved JSONs) and the simulator's own speed",
+        "everystop bench fleet-report",
+        "everystop bench fleet-speed --requests 20000 --baseline-src OLD_TREE/src \\",
+        "    --out benchmarks/results/sim/fleet_speed.json",
         "```",
         "",
         "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "
