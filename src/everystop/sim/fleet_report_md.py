@@ -107,6 +107,16 @@ def _speed() -> list[str]:
         + ("met." if s["meets_target_extrapolated"] else "**not met**."),
         *_speed_baseline(s),
         "",
+        "Why the target is out of reach this way: a request of the design's shape is "
+        f"~{MEAN_REPLY_TOKENS} decode rows, each built by the real scheduler (a scheduled row, "
+        "its block table, the step budget) and applied by it (a request update, the prefix "
+        "cache's books, the stop check). 600 s for "
+        f"{s['target_requests']:,} requests leaves "
+        f"{600 / s['target_requests'] / MEAN_REPLY_TOKENS * 1e6:.1f} CPU-us per row; this run "
+        f"spends {s['cpu_us_per_output_token']}. Getting there needs passes that are not "
+        "simulated one by one (e.g. fast-forwarding a replica's pure-decode stretches between "
+        "events), which the real scheduler does not offer today.",
+        "",
         "Where the time goes (cProfile, share of self time): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
