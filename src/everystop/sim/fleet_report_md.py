@@ -134,7 +134,8 @@ def _speed_baseline(s: dict) -> list[str]:
         f"{b['cpu_s']:,} CPU-s, {b['cpu_ms_per_request']} CPU-ms per request; "
         f"**{b['speedup_cpu']:.2f}x** less CPU now, and "
         + ("the same simulated summary (every percentile, pass count and token count)."
-           if b["same_summary"] else "**a different simulated summary** (a behaviour change)."),
+           if b["same_summary"] else "**a different simulated summary** (a behaviour change).")
+        + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
 
 
