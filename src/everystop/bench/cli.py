@@ -25,6 +25,7 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("startup", "everystop.bench.startup", "start-up: generate to its answer, serve to /health"),
 ]
 
 
