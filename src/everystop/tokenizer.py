@@ -128,7 +128,8 @@ class Tokenizer:
 
 
 _TOOLS_PROMPT = ("You can call these functions:\n{functions}\nTo call one, answer with only "
-                 'a JSON object: {{"name": <function name>, "arguments": <its arguments>}}.')
+                 'a JSON object: {{"name": <function name>, "arguments": <its arguments>}}; '
+                 "to call several at once, a JSON array of such objects.")
 
 
 def _tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]

@@ -61,3 +61,12 @@ def test_bind_tools_returns_tool_calls(roomy: ChatOpenAI) -> None:
     msg = bound.invoke("What is the weather in Paris?")
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+
+def test_bind_tools_parallel_calls(roomy: ChatOpenAI) -> None:
+    ask = "What is the weather in Paris and in London?"
+    msg = roomy.bind_tools([get_weather], tool_choice="any").invoke(ask)
+    assert [c["args"]["city"] for c in msg.tool_calls] == ["Paris", "London"]
+    assert len({c["id"] for c in msg.tool_calls}) == 2
+    single = roomy.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=False)
+    assert len(single.invoke(ask).tool_calls) == 1
