@@ -139,10 +139,10 @@ def _tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     out = [dict(m) for m in messages]
     for m in out:
         calls = m.pop("tool_calls", None)
-        if calls:
-            m["content"] = "\n".join(json.dumps({"name": c["function"]["name"],
-                                                 "arguments": c["function"]["arguments"]})
-                                     for c in calls)
+        if calls:  # in the shape the prompt asks for: one object, or an array of several
+            objs = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                    for c in calls]
+            m["content"] = json.dumps(objs[0] if len(objs) == 1 else objs)
         m.pop("tool_call_id", None)
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
