@@ -170,9 +170,10 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI, model_nam
 
 
 def test_parallel_tool_calls(client: openai.OpenAI, model_name: str) -> None:
+    from tests.server.test_openai_fields import parallel_weather_chat
+
     kw = dict(model=model_name, tools=[WEATHER], tool_choice="required", max_tokens=80,
-              temperature=0, messages=[{"role": "user", "content":
-                                        "What is the weather in Paris and in London?"}])
+              temperature=0, messages=parallel_weather_chat(unit=True))
     calls = client.chat.completions.create(**kw).choices[0].message.tool_calls
     assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "London"]
     assert len({c.id for c in calls}) == 2

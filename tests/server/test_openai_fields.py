@@ -384,11 +384,26 @@ def _tool_choice(s: ServerProcess, ep: str, v: Any) -> None:
     assert all(isinstance(x, int) for x in args.values())
 
 
+def parallel_weather_chat(unit: bool = False) -> list[dict[str, Any]]:
+    """An earlier turn that called get_weather for two cities at once (and got the results),
+    then a new question about two cities: the model follows its own example."""
+    args = [{"city": c, **({"unit": "celsius"} if unit else {})} for c in ("Rome", "Madrid")]
+    calls = [{"id": f"c{i}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps(a)}}
+             for i, a in enumerate(args)]
+    return [{"role": "user", "content": "What is the weather in Rome and in Madrid?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c0", "content": "Sunny, 20 degrees."},
+            {"role": "tool", "tool_call_id": "c1", "content": "Cloudy, 15 degrees."},
+            {"role": "assistant", "content": "Rome: sunny, 20 degrees. Madrid: cloudy, 15."},
+            {"role": "user", "content": "What is the weather in Paris and in London?"}]
+
+
 def _parallel_tool_calls(s: ServerProcess, ep: str, v: Any) -> None:
-    ask = "What is the weather in Paris and in London?"
-    calls = [_gen(s, ep, ask, 80, tools=[WEATHER], tool_choice="required",
-                  parallel_tool_calls=p)["choices"][0]["message"]["tool_calls"]
-             for p in (True, v)]
+    body = {**base(ep, MODEL, max_tokens=80), "messages": parallel_weather_chat(),
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required"}
+    calls = [ok(s, ep, {**body, "parallel_tool_calls": p})["choices"][0]["message"]
+             ["tool_calls"] for p in (True, v)]
     # Allowed, the model calls once per city, each call with its own id; not allowed, once.
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls[0]] == \
         ["Paris", "London"]
