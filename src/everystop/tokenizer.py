@@ -128,7 +128,8 @@ class Tokenizer:
 
 
 _TOOLS_PROMPT = ("You can call these functions:\n{functions}\nTo call one, answer with only "
-                 'a JSON object: {{"name": <function name>, "arguments": <its arguments>}}.')
+                 'a JSON object: {{"name": <function name>, "arguments": <its arguments>}}; '
+                 "to call several at once, a JSON array of such objects.")
 
 
 def _tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -138,10 +139,10 @@ def _tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     out = [dict(m) for m in messages]
     for m in out:
         calls = m.pop("tool_calls", None)
-        if calls:
-            m["content"] = "\n".join(json.dumps({"name": c["function"]["name"],
-                                                 "arguments": c["function"]["arguments"]})
-                                     for c in calls)
+        if calls:  # in the shape the prompt asks for: one object, or an array of several
+            objs = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                    for c in calls]
+            m["content"] = json.dumps(objs[0] if len(objs) == 1 else objs)
         m.pop("tool_call_id", None)
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
@@ -168,12 +169,11 @@ def _load_cached(path: str) -> Tokenizer:
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
             path = os.path.join(path, ggufs[0])
-    from transformers import AutoTokenizer  # slow import, only when a tokenizer is needed
-
     try:
         if os.path.isfile(path):
-            hf = _from_gguf(AutoTokenizer, path)
+            hf = _from_gguf(path)
         else:
+            from transformers import AutoTokenizer  # slow import: only when needed
             hf = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         msg = " ".join(f"cannot load tokenizer from {path}: {type(e).__name__}: {e}".split())
@@ -184,7 +184,7 @@ def _load_cached(path: str) -> Tokenizer:
 CACHE_ENV = "EVERYSTOP_CACHE_DIR"
 
 
-def _from_gguf(auto: Any, path: str) -> Any:
+def _from_gguf(path: str) -> Any:
     """The tokenizer of a GGUF file, through a converted copy cached on disk.
 
     Building it from GGUF metadata means parsing the whole vocabulary out of the file (seconds);
@@ -200,10 +200,12 @@ def _from_gguf(auto: Any, path: str) -> Any:
     cache = os.path.join(root, "tokenizers", key)
     if os.path.isfile(os.path.join(cache, "tokenizer.json")):
         try:
-            return auto.from_pretrained(cache)
+            return _fast_tokenizer_class().from_pretrained(cache)
         except Exception:  # a damaged cache entry: rebuild it below
             pass
-    hf = auto.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         tmp = f"{cache}.{os.getpid()}.tmp"
         hf.save_pretrained(tmp)
@@ -211,6 +213,21 @@ def _from_gguf(auto: Any, path: str) -> Any:
     except OSError:
         pass
     return hf
+
+
+def _fast_tokenizer_class() -> Any:
+    """The class of a converted (tokenizer.json) tokenizer, imported by its own module.
+
+    NOTE: `from transformers import AutoTokenizer` first indexes every model package
+    transformers ships (~1.5 s here); the class itself imports in a third of that. The
+    converted copy is always a tokenizers-backed one, so nothing needs AutoTokenizer's lookup.
+    """
+    try:  # transformers 5
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return TokenizersBackend
+    except ImportError:  # transformers 4
+        from transformers.tokenization_utils_fast import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast
 
 
 def _generation_eos_ids(path: str) -> list[int]:

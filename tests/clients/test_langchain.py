@@ -61,3 +61,22 @@ def test_bind_tools_returns_tool_calls(roomy: ChatOpenAI) -> None:
     msg = bound.invoke("What is the weather in Paris?")
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+
+def test_bind_tools_parallel_calls(roomy: ChatOpenAI) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    # An earlier turn that called the tool for two cities at once: the model follows it.
+    earlier = [HumanMessage("What is the weather in Rome and in Madrid?"),
+               AIMessage("", tool_calls=[
+                   {"name": "get_weather", "args": {"city": c}, "id": f"c{i}"}
+                   for i, c in enumerate(("Rome", "Madrid"))]),
+               ToolMessage("Sunny, 20 degrees.", tool_call_id="c0"),
+               ToolMessage("Cloudy, 15 degrees.", tool_call_id="c1"),
+               AIMessage("Rome: sunny, 20 degrees. Madrid: cloudy, 15."),
+               HumanMessage("What is the weather in Paris and in London?")]
+    msg = roomy.bind_tools([get_weather], tool_choice="any").invoke(earlier)
+    assert [c["args"]["city"] for c in msg.tool_calls] == ["Paris", "London"]
+    assert len({c["id"] for c in msg.tool_calls}) == 2
+    single = roomy.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=False)
+    assert len(single.invoke(earlier).tool_calls) == 1

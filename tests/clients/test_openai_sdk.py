@@ -156,12 +156,34 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI, model_nam
     streamed = [c for c in client.chat.completions.create(**kw, tool_choice="required",
                                                           stream=True) if c.choices]
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
-    (delta,) = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
-    assert (delta.function.name, delta.function.arguments) == (call.function.name,
-                                                               call.function.arguments)
+    pieces = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
+    # Streamed as generated: the header, then the arguments in pieces (OpenAI's delta shape).
+    assert len(pieces) > 3 and pieces[0].id and pieces[0].function.name == call.function.name
+    assert {p.index for p in pieces} == {0}
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == args
     # The call and its result go back through the template: the model reads the result.
     back = ASK + [r.choices[0].message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}]
     answer = client.chat.completions.create(model=model_name, messages=back, max_tokens=30,
                                             temperature=0)
     assert answer.choices[0].message.content
+
+
+def test_parallel_tool_calls(client: openai.OpenAI, model_name: str) -> None:
+    from tests.server.test_openai_fields import parallel_weather_chat
+
+    kw = dict(model=model_name, tools=[WEATHER], tool_choice="required", max_tokens=80,
+              temperature=0, messages=parallel_weather_chat(unit=True))
+    calls = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "London"]
+    assert len({c.id for c in calls}) == 2
+    # Streamed: each call by its index, its id in its first piece.
+    pieces = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices
+              for t in c.choices[0].delta.tool_calls or []]
+    assert [p.index for p in pieces if p.id] == [0, 1]
+    for i, call in enumerate(calls):
+        streamed = "".join(p.function.arguments or "" for p in pieces if p.index == i)
+        assert json.loads(streamed) == json.loads(call.function.arguments)
+    (one,) = client.chat.completions.create(**kw, parallel_tool_calls=False
+                                            ).choices[0].message.tool_calls
+    assert json.loads(one.function.arguments)["city"] == "Paris"

@@ -173,3 +173,20 @@ def test_unknown_backend_and_isa_are_rejected():
         paged_attention(q, kc, vc, meta, 1.0, backend="triton")
     with pytest.raises(ValueError):
         cpu_kernels.load_cpu_kernels("sse9")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unwritten_slots_are_never_used(impl):
+    """The KV pool is not zero-filled (kv_pool.py): NaN in every slot no sequence has written
+    (block tails, unowned blocks) must not reach any output."""
+    h, kvh, d, bs = 8, 2, 64, 16
+    q, kc, vc, meta = make_batch(MIXED, h, kvh, d, bs, torch.float32, seed=3)
+    ref = paged_attention_reference(q, kc, vc, meta, d ** -0.5)
+    written = torch.zeros(kc.shape[0] * bs, dtype=torch.bool)
+    for i, n in enumerate(meta.seq_lens_list):
+        for pos in range(n):
+            written[int(meta.block_tables[i, pos // bs]) * bs + pos % bs] = True
+    for cache in (kc, vc):
+        cache.view(-1, kvh, d)[~written] = float("nan")
+    out = run(impl, q, kc, vc, meta, d ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
             "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "tools", "tool_choice"}
+            "tools", "tool_choice", "parallel_tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,8 @@ def test_null_means_not_set_and_default_values_are_accepted() -> None:
             "parallel_tool_calls": False, "max_tokens": None}
     assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).max_tokens is None
     with pytest.raises(APIError) as err:
-        parse_body(json.dumps({**body, "parallel_tool_calls": True}).encode(),
-                   ChatCompletionRequest)
-    assert err.value.param == "parallel_tool_calls"
+        parse_body(json.dumps({**body, "modalities": ["audio"]}).encode(), ChatCompletionRequest)
+    assert err.value.param == "modalities"
     assert err.value.code == "unsupported_parameter"
 
 
@@ -243,13 +242,18 @@ def _echo(s: ServerProcess, ep: str, v: Any) -> None:
 
 def _prompt_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
     out = ok(s, ep, {**base(ep, "toy"), "prompt_logprobs": v})
-    scored = out["choices"][0]["prompt_logprobs"]
-    # The toy scores every prompt token after the first -0.5 ("fields": 6 tokens).
-    assert scored[0] is None and len(scored) == 6
-    for char, entry in zip("ields", scored[1:]):
-        assert entry[str(ord(char))]["logprob"] == -0.5
-        assert entry[str(ord(char))]["decoded_token"] == char
-    assert "prompt_logprobs" not in ok(s, ep, base(ep, "toy"))["choices"][0]
+    # vLLM's places: in each completion choice; at a chat response's top level.
+    scored = out["choices"][0]["prompt_logprobs"] if ep == "C" else out["prompt_logprobs"]
+    # The toy scores every prompt token after the first -0.5 (one token per character).
+    assert scored[0] is None and len(scored) == out["usage"]["prompt_tokens"]
+    if ep == "C":
+        assert len(scored) == 6  # "fields"
+        for char, entry in zip("ields", scored[1:]):
+            assert entry[str(ord(char))]["decoded_token"] == char
+    assert all(e is not None and [x["logprob"] for x in e.values()] == [-0.5] * len(e)
+               for e in scored[1:])
+    plain = ok(s, ep, base(ep, "toy"))
+    assert "prompt_logprobs" not in plain and "prompt_logprobs" not in plain["choices"][0]
 
 
 TOY_EFFECTS: dict[str, Effect] = {
@@ -365,6 +369,11 @@ def _tools(s: ServerProcess, ep: str, v: Any) -> None:
     assert with_tools["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+    "required": ["city"]}}}
+
+
 def _tool_choice(s: ServerProcess, ep: str, v: Any) -> None:
     out = _gen(s, ep, "What is 2 + 3?", 40, tools=ADD, tool_choice=v)
     choice = out["choices"][0]
@@ -375,7 +384,34 @@ def _tool_choice(s: ServerProcess, ep: str, v: Any) -> None:
     assert all(isinstance(x, int) for x in args.values())
 
 
+def parallel_weather_chat(unit: bool = False) -> list[dict[str, Any]]:
+    """An earlier turn that called get_weather for two cities at once (and got the results),
+    then a new question about two cities: the model follows its own example."""
+    args = [{"city": c, **({"unit": "celsius"} if unit else {})} for c in ("Rome", "Madrid")]
+    calls = [{"id": f"c{i}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps(a)}}
+             for i, a in enumerate(args)]
+    return [{"role": "user", "content": "What is the weather in Rome and in Madrid?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c0", "content": "Sunny, 20 degrees."},
+            {"role": "tool", "tool_call_id": "c1", "content": "Cloudy, 15 degrees."},
+            {"role": "assistant", "content": "Rome: sunny, 20 degrees. Madrid: cloudy, 15."},
+            {"role": "user", "content": "What is the weather in Paris and in London?"}]
+
+
+def _parallel_tool_calls(s: ServerProcess, ep: str, v: Any) -> None:
+    body = {**base(ep, MODEL, max_tokens=80), "messages": parallel_weather_chat(),
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required"}
+    calls = [ok(s, ep, {**body, "parallel_tool_calls": p})["choices"][0]["message"]
+             ["tool_calls"] for p in (True, v)]
+    # Allowed, the model calls once per city, each call with its own id; not allowed, once.
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls[0]] == \
+        ["Paris", "London"]
+    assert len({c["id"] for c in calls[0]}) == 2 and len(calls[1]) == 1
+
+
 SAMPLING_EFFECTS: dict[str, Effect] = {
+    "parallel_tool_calls": _parallel_tool_calls,
     "tools": _tools, "tool_choice": _tool_choice,
     "response_format": _constrained("response_format", _json_with_int_n),
     "guided_json": _constrained("guided_json", _json_with_int_n),

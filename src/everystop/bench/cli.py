@@ -29,6 +29,7 @@ MEASUREMENTS = [
      "router policies vs load, prefix hits on chats, capacity plans"),
     ("fleet-speed", "everystop.sim.fleet_speed", "how fast the fleet simulator runs (64 "
      "replicas; the 1M-request extrapolation)"),
+    ("startup", "everystop.bench.startup", "start-up: generate to its answer, serve to /health"),
 ]
 
 

@@ -20,9 +20,11 @@ class KVPool:
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, 0, block_size, num_kv_heads, head_dim)
-        # NOTE: zero-filled: a kernel that reads a whole block and masks the tail must not meet
-        # NaN garbage (0 * NaN is NaN).
-        self.device_pool = torch.zeros(_with_blocks(shape, num_device_blocks), dtype=dtype,
+        # NOTE: uninitialised, like the host pool: zero-filling a pool of gigabytes cost ~0.7 s
+        # of start-up and touched every page. Every reader stays within each sequence's
+        # written slots (the C++ kernel stops at the sequence length; the torch path zeroes
+        # the V rows it gathers past it), so unwritten slots are never used.
+        self.device_pool = torch.empty(_with_blocks(shape, num_device_blocks), dtype=dtype,
                                        device=device)
         pin = device.type == "cuda"  # pinned host memory makes device<->host copies async
         # Uninitialised on purpose: a host block is only read after a swap-out wrote it, and

@@ -109,7 +109,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
             if body.tools else {}  # the model's template renders them
         prompt = await off_loop(template, conversation, add_generation_prompt=True, size=size,
                                 **tools)
-        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names())
+        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
     @app.get("/v1/models")

@@ -17,7 +17,6 @@ IGNORED = frozenset({"metadata", "store", "service_tier"})
 # OpenAI fields accepted only at the value that means "the default behaviour".
 DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "response_format": lambda v, _: v is None or v == {"type": "text"},
-    "parallel_tool_calls": lambda v, _: v in (None, False),
     "functions": lambda v, _: not v,
     "function_call": lambda v, _: v in (None, "none"),
     "modalities": lambda v, _: v in (None, ["text"]),
@@ -29,14 +28,12 @@ DEFAULT_ONLY: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 REASONS = {
     "response_format": "a chat field: on /v1/completions use guided_json, guided_regex, "
                        "guided_choice or guided_grammar",
-    "parallel_tool_calls": "one tool call per turn (parallel_tool_calls=false)",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "modalities": "text output only",
     "audio": "text output only",
     "best_of": "best_of other than n is not supported (no server-side ranking)",
     "suffix": "fill-in-the-middle (suffix) is not supported",
-    "prompt_logprobs": "on /v1/completions only (or echo with logprobs there)",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported",

@@ -6,6 +6,7 @@ from typing import Any
 
 from everystop.core.outputs import TokenLogprob
 from everystop.server import protocol
+from everystop.server.tool_stream import ToolCallStream
 from everystop.server.tools import parse_tool_calls
 
 
@@ -23,6 +24,19 @@ class _Tokens:
             if len(self._cache) < 65536:
                 self._cache[token_id] = s
         return s
+
+
+def prompt_logprobs(token_text: _Tokens, prompt_ids: list[int],
+                    scored: list[TokenLogprob] | None) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first has none), its own entry and the
+    top alternatives, keyed by token id; `rank` is given for the top ones."""
+    out: list[dict[str, Any] | None] = [None]
+    for tid, e in zip(prompt_ids[1:], scored or []):
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": token_text(t)}
+                 for r, (t, v) in enumerate(e.top, 1)}
+        entry.setdefault(str(tid), {"logprob": e.logprob, "decoded_token": token_text(tid)})
+        out.append(entry)
+    return out
 
 
 class CompletionFormat:
@@ -68,19 +82,6 @@ class CompletionFormat:
                 None if e is None else {self.token_text(t): v for t, v in e.top})
         return prompt + text, {k: head[k] + logprobs[k] for k in head}
 
-    def prompt_logprobs(self, prompt_ids: list[int], scored: list[TokenLogprob] | None
-                        ) -> list[dict[str, Any] | None]:
-        """vLLM's `prompt_logprobs`: per prompt token (the first has none), its own entry and
-        the top alternatives, keyed by token id; `rank` is given for the top ones."""
-        out: list[dict[str, Any] | None] = [None]
-        for tid, e in zip(prompt_ids[1:], scored or []):
-            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
-                     for r, (t, v) in enumerate(e.top, 1)}
-            entry.setdefault(str(tid), {"logprob": e.logprob,
-                                        "decoded_token": self.token_text(tid)})
-            out.append(entry)
-        return out
-
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs,
@@ -101,14 +102,16 @@ class ChatFormat:
 
     kind = "chat"
 
-    def __init__(self, model: str, tokenizer: Any, tool_names: set[str] | None = None) -> None:
+    def __init__(self, model: str, tokenizer: Any, tool_names: set[str] | None = None,
+                 parallel_tool_calls: bool = True) -> None:
         self.model = model
         self.id = protocol.new_id("chatcmpl")
         self.token_text = _Tokens(tokenizer)
-        # With tools, a choice's text is held back until it ends: only then is it known to
-        # be a tool call or content.
         self.tool_names = tool_names
-        self._held: dict[int, str] = {}
+        self.parallel_tool_calls = parallel_tool_calls
+        # With tools, each streamed choice's text goes through a ToolCallStream: content and
+        # call argument deltas as they are generated.
+        self._streams: dict[int, ToolCallStream] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.token_text(token_id)
@@ -121,21 +124,25 @@ class ChatFormat:
 
     def chunk_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None, first: bool) -> dict[str, Any]:
-        if self.tool_names is not None:
-            self._held[index] = self._held.get(index, "") + text
-            text = ""
-            if finish_reason is not None:
-                message, finish_reason = self._message(self._held.pop(index), finish_reason)
-                if "tool_calls" in message:
-                    calls = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-                    return {"index": index, "delta": {"role": "assistant", "content": None,
-                                                      "tool_calls": calls},
-                            "logprobs": logprobs,
-                            "finish_reason": finish_reason}
-                text = message["content"]
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        if self.tool_names is not None:
+            stream = self._streams.setdefault(
+                index, ToolCallStream(self.tool_names, self.parallel_tool_calls))
+            pieces = stream.feed(text)
+            if finish_reason is not None:
+                self._streams.pop(index)
+                for key, value in stream.finish().items():
+                    pieces[key] = pieces.get(key, "" if key == "content" else []) + value
+                if stream.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            delta = {"role": "assistant"} if first else {}
+            if "content" in pieces or first:
+                delta["content"] = pieces.get("content") or (
+                    "" if stream.mode == "content" else None)
+            if "tool_calls" in pieces:
+                delta["tool_calls"] = pieces["tool_calls"]
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
@@ -148,6 +155,8 @@ class ChatFormat:
     def _message(self, text: str, finish_reason: str | None
                  ) -> tuple[dict[str, Any], str | None]:
         calls = parse_tool_calls(text, self.tool_names) if self.tool_names else None
+        if calls is not None and not self.parallel_tool_calls:
+            calls = calls[:1]  # parallel_tool_calls=false: at most one call per turn
         if calls is None:
             return {"role": "assistant", "content": text}, finish_reason
         reason = "tool_calls" if finish_reason == "stop" else finish_reason

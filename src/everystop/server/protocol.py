@@ -55,6 +55,8 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's: each prompt token's logprob given its prefix, with this many alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, Bias] | None = None  # OpenAI's range: a finite nudge
     # vLLM's structured-output extras (one at most; chat also has response_format).
     guided_json: dict[str, Any] | str | None = None
@@ -94,8 +96,6 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    # vLLM's: each prompt token's logprob given its prefix, with this many alternatives.
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field normalised to a list of prompts (text or token ids)."""
@@ -202,6 +202,12 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # OpenAI's default (null) is true: a reply may hold several calls.
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     def functions(self) -> list[dict[str, Any]]:
         return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
@@ -230,7 +236,7 @@ class ChatCompletionRequest(_GenerationRequest):
         found = super()._constraints()
         choice = self._tool_choice()
         if choice is not None:
-            tool = tool_constraint(self.functions(), choice)
+            tool = tool_constraint(self.functions(), choice, self.parallel)
             assert tool is not None
             found.append(("tool_choice", tool))
         fmt = self.response_format

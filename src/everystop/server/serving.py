@@ -31,7 +31,7 @@ from everystop.sampling_params import (
 )
 from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
-from everystop.server.formatting import CompletionFormat, Format
+from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
 from everystop.server.offload import make_request
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
@@ -288,9 +288,10 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
             if first:
                 text, lp = _with_echo(fmt, c, text, lp, out)
             choice = fmt.chunk_choice(c.index, text, lp, out.finish_reason, first)
+            chunk = fmt.body([choice], None, chunk=True)
             if first:
-                _add_prompt_logprobs(fmt, c, choice)
-            yield sse(fmt.body([choice], None, chunk=True))
+                _add_prompt_logprobs(fmt, c, choice, chunk)
+            yield sse(chunk)
         if body.include_usage:
             yield sse(fmt.body([], _usage(choices), chunk=True))
     except EngineDead as exc:
@@ -327,24 +328,30 @@ async def _respond_when_done(ctx: ServingContext, http: HTTPRequest, fmt: Format
         task.cancel()
         _finish(ctx, choices)
     want_lp = any(c.req.sampling_params.logprobs is not None for c in choices)
-    out_choices = []
+    out_choices: list[dict[str, Any]] = []
+    body = fmt.body(out_choices, _usage(choices), chunk=False)
     for c in choices:
         lp = fmt.logprobs(c.logprobs, _echo_offset(c)) if want_lp else None
         text, lp = _with_echo(fmt, c, c.text, lp, c.out)
         choice = fmt.final_choice(c.index, text, lp, c.out.finish_reason if c.out else "abort")
-        _add_prompt_logprobs(fmt, c, choice)
+        _add_prompt_logprobs(fmt, c, choice, body)
         out_choices.append(choice)
-    return JSONResponse(fmt.body(out_choices, _usage(choices), chunk=False))
+    return JSONResponse(body)
 
 
 def _engine_error(out: RequestOutput) -> APIError:
     return APIError(500, out.error or "engine error", code="engine_error")
 
 
-def _add_prompt_logprobs(fmt: Format, c: _Choice, choice: dict[str, Any]) -> None:
-    if c.prompt_logprobs and isinstance(fmt, CompletionFormat):
-        scored = c.out.prompt_logprobs if c.out is not None else None
-        choice["prompt_logprobs"] = fmt.prompt_logprobs(c.req.prompt_token_ids, scored)
+def _add_prompt_logprobs(fmt: Format, c: _Choice, choice: dict[str, Any],
+                         body: dict[str, Any]) -> None:
+    """vLLM's places: a completion choice carries its prompt's scores; a chat response (one
+    prompt) carries them at the top level."""
+    if not c.prompt_logprobs:
+        return
+    scored = c.out.prompt_logprobs if c.out is not None else None
+    where = choice if isinstance(fmt, CompletionFormat) else body
+    where["prompt_logprobs"] = prompt_logprobs(fmt.token_text, c.req.prompt_token_ids, scored)
 
 
 async def _wait_for_disconnect(http: HTTPRequest) -> None:

@@ -5,7 +5,8 @@ The tools reach the model through its chat template (`Tokenizer.render_chat(tool
 call is the JSON object {"name": ..., "arguments": {...}}, bare or wrapped in the
 <tool_call>...</tool_call> tags Hermes-style templates teach ("parameters" is read as
 "arguments", as Llama 3.1 writes it). Under "required" or a named choice a JSON-schema grammar
-makes the output exactly one such object, valid for that function's parameters.
+makes the output exactly one such object, valid for that function's parameters (or, with
+`parallel_tool_calls` not false, optionally a JSON array of them: several calls in one turn).
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ def call_schema(function: dict[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"]}
 
 
-def tool_constraint(functions: list[dict[str, Any]], choice: str | None
-                    ) -> StructuredOutput | None:
-    """The grammar for `choice` ("required", or the name of one function), else None."""
+def tool_constraint(functions: list[dict[str, Any]], choice: str | None,
+                    parallel: bool = False) -> StructuredOutput | None:
+    """The grammar for `choice` ("required", or the name of one function), else None: one
+    call, or with `parallel` also a JSON array of one or more calls."""
     if choice is None:
         return None
     chosen = functions if choice == "required" else [f for f in functions
                                                      if f["name"] == choice]
     schemas = [call_schema(f) for f in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel \
+        else one
     return StructuredOutput("json_schema", json.dumps(schema))
 
 

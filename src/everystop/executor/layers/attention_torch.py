@@ -24,6 +24,17 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     return cache[table].reshape(table.shape[0], n_blocks * block_size, kvh, d)
 
 
+def _zero_unwritten(v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """V rows at positions >= each sequence's length set to 0, in place (v is a fresh gather).
+
+    NOTE: the KV pool is not zero-filled (kv_pool.py), so slots past a sequence's length may
+    hold NaN bit patterns; their softmax weight is exactly 0, but 0 * NaN is NaN in the
+    matmul. K needs no cleaning: its garbage scores are overwritten with -inf before softmax.
+    """
+    beyond = torch.arange(v.shape[1], device=v.device)[None, :] >= seq_lens[:, None]
+    return v.masked_fill_(beyond[:, :, None, None], 0)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
             scale: float) -> torch.Tensor:
     """q: [S, Q, H, D]; k, v: [S, L, KVH, D]; q_pos: [S, Q] absolute positions (key j is
@@ -61,7 +72,7 @@ def paged_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         lens = seq_lens.index_select(0, idx).to(torch.long)
         tables = block_tables.index_select(0, idx).to(torch.long)
         k = _gather_blocks(key_cache, tables, lens, n_blocks)
-        v = _gather_blocks(value_cache, tables, lens, n_blocks)
+        v = _zero_unwritten(_gather_blocks(value_cache, tables, lens, n_blocks), lens)
         res = _attend(q.index_select(0, tok)[:, None], k, v, (lens - 1)[:, None], scale)
         out.index_copy_(0, tok, res[:, 0].to(q.dtype))
     for i, seq_len in enumerate(seq_lens_list):
