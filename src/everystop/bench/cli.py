@@ -25,6 +25,8 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("routing", "everystop.bench.routing", "routing policies side by side on 2 Ray Serve "
+     "replicas (skewed and shared-prefix workloads)"),
 ]
 
 
