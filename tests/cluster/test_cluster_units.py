@@ -95,3 +95,16 @@ def test_a_choice_made_again_and_a_completion_leave_the_books_even() -> None:
     assert router.policy.in_flight(first) == 0 and router.policy.in_flight(other) == 1
     router.on_request_completed(SimpleNamespace(unique_id=other), "ray-r0")
     assert router.policy.in_flight(other) == 0
+
+
+def test_every_front_door_defaults_to_the_routing_floors_affinity_margin() -> None:
+    import argparse
+
+    from everystop.cluster.deploy import ClusterOptions
+    from everystop.routing import DEFAULT_AFFINITY_MARGIN
+    from everystop.server.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).affinity_margin == DEFAULT_AFFINITY_MARGIN
+    assert ClusterOptions().affinity_margin == DEFAULT_AFFINITY_MARGIN

@@ -14,7 +14,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from everystop.cluster import registry
 from everystop.core.request import Request
-from everystop.routing import ReplicaLoad, RouteRequest, make_router, prefix_block_hashes
+from everystop.routing import (
+    DEFAULT_AFFINITY_MARGIN,
+    ReplicaLoad,
+    RouteRequest,
+    make_router,
+    prefix_block_hashes,
+)
 
 _MAX_REMEMBERED = 65536
 
@@ -35,7 +41,8 @@ def load_from_report(replica_id: str, report: dict[str, Any] | None) -> ReplicaL
 
 
 class EveryStopRouter(RequestRouter):
-    def initialize_state(self, policy: str = "least-loaded", affinity_margin: float = 2.0,
+    def initialize_state(self, policy: str = "least-loaded",
+                         affinity_margin: float = DEFAULT_AFFINITY_MARGIN,
                          block_size: int = 16, seed: int = 0, **_: Any) -> None:
         self.policy_name = policy
         self.policy = make_router(policy, affinity_margin=affinity_margin, seed=seed)
