@@ -39,6 +39,7 @@ import psutil
 
 from everystop.bench.client import ServeOptions, run_serve
 from everystop.bench.metrics import distribution_ms
+from everystop.bench.routing_sim import add_sim_arguments, simulate_all
 from everystop.bench.servers import wait_healthy
 from everystop.results import write_result
 from everystop.workload import Workload, WorkloadRequest, english_corpus
@@ -186,13 +187,17 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
             "routed": {k.split('replica="')[1].split('"')[0]: v for k, v in
                        _delta(after, before, "everystop_router_requests_total").items()},
             "retries": _delta(after, before, "everystop_router_retries_total"),
+            "kv_blocks_per_replica": {k.split('replica="')[1].split('"')[0]: v for k, v in
+                                      after.items()
+                                      if k.startswith("everystop_replica_kv_cache_total_blocks")},
             "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())}
 
 
 def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload, dict],
                  policies: list[str], flags: list[str], load: float, rate: float | None,
-                 logs: Path) -> dict[str, Any]:
-    """Each policy on its own fresh cluster, the same arrivals at the same rate."""
+                 logs: Path, save: Any) -> dict[str, Any]:
+    """Each policy on its own fresh cluster, the same arrivals at the same rate. `save(out)`
+    after each policy: a run cut short by its time limit keeps the policies it finished."""
     out: dict[str, Any] = {"workload": workload.spec, "server_flags": flags, "policies": {}}
     if rate is not None:
         out["capacity"] = {"given_rate_req_s": rate}
@@ -208,6 +213,7 @@ def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload
             result = measure(cluster, workload, ids, rate)
             result["server_start_s"] = cluster.start_s
             out["policies"][policy] = result
+            save(out)
             print(f"{name} {policy}: ttft {result['ttft_ms']} short p99 "
                   f"{result['ttft_ms_short_prompts']['p99']:.0f} "
                   f"{result['output_tok_s']:.1f} tok/s hit "
@@ -267,6 +273,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-rate", type=float, default=None,
                     help="shared-prefix arrival rate (req/s) instead of measuring capacity")
     ap.add_argument("--logs", default="/tmp/everystop-routing-bench")
+    add_sim_arguments(ap)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,19 +284,29 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
     tokens = _tokens()
+    if args.simulate:
+        return _simulate(tokens, args, policies)
     result: dict[str, Any] = {
         "benchmark": "routing_policies", "replicas": 2, "threads_per_replica": 1,
         "note": "machine possibly shared with other jobs: compare policies within this file "
                 "only (load averages recorded per run)",
         "load_avg_start": list(os.getloadavg())}
     wanted = args.workloads.split(",")
+
+    def saver(key: str) -> Any:
+        def save(partial: dict[str, Any]) -> None:
+            result[key] = partial
+            if args.out:
+                write_result({**result, "partial": True}, args.out, quiet=True)
+        return save
+
     if "skewed" in wanted:
         flags = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-seqs", "16",
                  "--max-num-batched-tokens", "512"]
         result["skewed"] = run_workload(
             "skewed", *skewed(tokens, args.requests, args.long, seed=1),
             calib=skewed(tokens, args.requests, args.long, seed=2), policies=policies,
-            flags=flags, load=args.load, rate=args.rate, logs=logs)
+            flags=flags, load=args.load, rate=args.rate, logs=logs, save=saver("skewed"))
     if "shared-prefix" in wanted:
         # 160 blocks x 16 = 2,560 tokens of KV per replica: about half the system prompts (plus
         # the running work) fit, so a replica seeing every prefix keeps evicting them.
@@ -301,8 +318,32 @@ def run(args: argparse.Namespace) -> int:
             calib=shared_prefix(tokens, args.prefix_requests, args.groups, args.prefix_len,
                                 seed=2),
             policies=[p for p in policies if p in ("least-loaded", "prefix-affinity")],
-            flags=flags, load=args.load, rate=args.prefix_rate, logs=logs)
+            flags=flags, load=args.load, rate=args.prefix_rate, logs=logs,
+            save=saver("shared_prefix"))
     result["load_avg_end"] = list(os.getloadavg())
     result["verdict"] = verdict(result)
+    write_result(result, args.out)
+    return 0
+
+
+def _simulate(tokens: list[int], args: argparse.Namespace, policies: list[str]) -> int:
+    """The same workloads and per-replica limits as the live run, in the fleet simulator."""
+    wanted = args.workloads.split(",")
+    workloads: dict[str, Any] = {}
+    if "skewed" in wanted:
+        # 128 MiB of KV for the default model: 341 blocks of 16 tokens per replica.
+        workloads["skewed"] = (lambda seed: skewed(tokens, args.requests, args.long, seed),
+                               {"max_num_seqs": 16, "max_num_batched_tokens": 512,
+                                "num_gpu_blocks": 341})
+    if "shared-prefix" in wanted:
+        workloads["shared_prefix"] = (
+            lambda seed: shared_prefix(tokens, args.prefix_requests, args.groups,
+                                       args.prefix_len, seed),
+            {"max_num_seqs": 8, "max_num_batched_tokens": 512, "num_gpu_blocks": 160})
+    result = {"benchmark": "routing_policies_simulated", "replicas": 2,
+              "workload_args": {"requests": args.requests, "long": args.long,
+                                "prefix_requests": args.prefix_requests, "groups": args.groups,
+                                "prefix_len": args.prefix_len},
+              **simulate_all(tokens, args, policies, workloads)}
     write_result(result, args.out)
     return 0
