@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -195,13 +196,20 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
 
 def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload, dict],
                  policies: list[str], flags: list[str], load: float, rate: float | None,
-                 logs: Path, save: Any) -> dict[str, Any]:
+                 logs: Path, save: Any, done: dict[str, Any] | None = None) -> dict[str, Any]:
     """Each policy on its own fresh cluster, the same arrivals at the same rate. `save(out)`
-    after each policy: a run cut short by its time limit keeps the policies it finished."""
+    after each policy: a run cut short by its time limit keeps the policies it finished, and
+    `done` (that saved part) resumes it: its policies are skipped, its arrival rate reused."""
     out: dict[str, Any] = {"workload": workload.spec, "server_flags": flags, "policies": {}}
-    if rate is not None:
+    if done and done.get("workload") == workload.spec and done.get("server_flags") == flags:
+        out = done
+        rate = rate if rate is not None else next(
+            (p["rate_req_s"] for p in done["policies"].values()), None)
+    if rate is not None and "capacity" not in out:
         out["capacity"] = {"given_rate_req_s": rate}
     for policy in policies:
+        if policy in out["policies"]:
+            continue
         cluster = Cluster(policy, flags, logs / f"{name}-{policy}.log")
         try:
             if rate is None:  # capacity: the calibration workload all at once
@@ -273,10 +281,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-rate", type=float, default=None,
                     help="shared-prefix arrival rate (req/s) instead of measuring capacity")
     ap.add_argument("--logs", default="/tmp/everystop-routing-bench")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the --out file of a run cut short: skip the policies it "
+                         "has, at its arrival rate (one file, several CPU-lock slots)")
     add_sim_arguments(ap)
 
 
 def run(args: argparse.Namespace) -> int:
+    # `timeout` ends a run with SIGTERM: exit through the `finally`s, which stop the servers
+    # and their Ray processes, instead of leaving them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     policies = [p for p in args.policies.split(",") if p]
@@ -292,6 +306,14 @@ def run(args: argparse.Namespace) -> int:
                 "only (load averages recorded per run)",
         "load_avg_start": list(os.getloadavg())}
     wanted = args.workloads.split(",")
+    if args.resume:
+        if not args.out or not Path(args.out).exists():
+            raise SystemExit("--resume continues the --out file of an earlier run: give it")
+        earlier = json.loads(Path(args.out).read_text())
+        for key in ("skewed", "shared_prefix"):
+            if key in earlier:
+                result[key] = earlier[key]
+        result["load_avg_start_earlier"] = earlier.get("load_avg_start")
 
     def saver(key: str) -> Any:
         def save(partial: dict[str, Any]) -> None:
@@ -306,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
         result["skewed"] = run_workload(
             "skewed", *skewed(tokens, args.requests, args.long, seed=1),
             calib=skewed(tokens, args.requests, args.long, seed=2), policies=policies,
-            flags=flags, load=args.load, rate=args.rate, logs=logs, save=saver("skewed"))
+            flags=flags, load=args.load, rate=args.rate, logs=logs, save=saver("skewed"),
+            done=result.get("skewed"))
     if "shared-prefix" in wanted:
         # 160 blocks x 16 = 2,560 tokens of KV per replica: about half the system prompts (plus
         # the running work) fit, so a replica seeing every prefix keeps evicting them.
@@ -319,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                                 seed=2),
             policies=[p for p in policies if p in ("least-loaded", "prefix-affinity")],
             flags=flags, load=args.load, rate=args.prefix_rate, logs=logs,
-            save=saver("shared_prefix"))
+            save=saver("shared_prefix"), done=result.get("shared_prefix"))
     result["load_avg_end"] = list(os.getloadavg())
     result["verdict"] = verdict(result)
     write_result(result, args.out)
