@@ -82,6 +82,12 @@ class EveryStopRouter(RequestRouter):
             # one replica. Ray sends to the first rank unless it is at max_ongoing_requests;
             # on_request_routed moves the count if it chose otherwise.
             self._record(key, ordered[0], route, request_id)
+        if self.policy_name == "power-of-two" and not exclude and len(ordered) >= 2:
+            # Ray's own power of two choices: the two replicas the policy drew go to Ray as one
+            # group, and Ray takes the one with fewer ongoing requests (its queue-length probes
+            # and cache), then the rest one by one. `on_request_routed` books Ray's pick.
+            return [[by_id[ordered[0]], by_id[ordered[1]]]] + [[by_id[rid]]
+                                                              for rid in ordered[2:]]
         return [[by_id[rid]] for rid in ordered]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
