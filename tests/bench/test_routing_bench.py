@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import math
 
-from everystop import routing
-from everystop.bench.routing import LONG_PROMPT, POLICIES, shared_prefix, skewed, verdict
+from everystop.bench.routing import LONG_PROMPT, shared_prefix, skewed, verdict
 
 TOKENS = list(range(5000))
-
-
-def test_the_bench_knows_every_policy_the_server_takes() -> None:
-    assert POLICIES == routing.POLICIES
 
 
 def test_the_skewed_mix_has_exactly_the_long_prompts_asked_for() -> None:

@@ -43,12 +43,10 @@ from everystop.bench.metrics import distribution_ms
 from everystop.bench.routing_sim import add_sim_arguments, simulate_all
 from everystop.bench.servers import wait_healthy
 from everystop.results import write_result
+from everystop.routing import POLICIES
 from everystop.workload import Workload, WorkloadRequest, english_corpus
 
 LONG_PROMPT, LONG_OUTPUT = 1500, 192
-# The names `everystop serve --routing-policy` takes (everystop.routing.POLICIES; the bench only
-# talks to the server, so it does not import the routing floor).
-POLICIES = ("least-loaded", "prefix-affinity", "power-of-two", "round-robin")
 
 
 def _free_port() -> int:
