@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"core", "engine", "telemetry"},
     "cluster": {"core", "engine", "routing", "server", "tokenizer"},
     # the measurements time the executor's own parts (profile) and calibrate the simulator
-    "bench": {"core", "engine", "tokenizer", "executor", "sim"},
+    # and run the routing policies in the fleet simulator (bench routing --simulate)
+    "bench": {"core", "engine", "tokenizer", "executor", "sim", "routing"},
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.

@@ -250,3 +250,38 @@ def test_a_replica_killed_under_load_loses_nothing_silently(cluster: ServerProce
     # The cluster still answers (the survivor), and Ray replaces the dead replica.
     assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
     _wait_for(lambda: victim not in _replicas(cluster), 30, "the dead replica to be removed")
+
+
+def test_ray_restarts_the_killed_replica_and_the_router_uses_it(cluster: ServerProcess) -> None:
+    """After the kill above: Ray starts a replacement (a new replica id, a new process), /health
+    lists it once it reports, and the router sends it work again."""
+    replicas: dict[str, dict[str, Any]] = {}
+
+    def two_healthy() -> bool:
+        replicas.clear()
+        replicas.update(_replicas(cluster))
+        return len(replicas) == 2 and all(r["status"] == "ok" for r in replicas.values())
+
+    # Ray's health check runs every second; the new replica loads the model on one thread.
+    _wait_for(two_healthy, 60, "Ray to restart the killed replica")
+    before = _metrics(cluster)
+    assert all(r["pid"] and r["node"] for r in replicas.values()), replicas
+    assert len({r["pid"] for r in replicas.values()}) == 2
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0)
+
+    def one(i: int) -> None:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Count to {i}:",
+                                  max_tokens=4, temperature=0, user=f"after-{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = _metrics(cluster)
+    def routed(metrics: dict[str, float], rid: str) -> float:
+        return sum(v for k, v in metrics.items()
+                   if k.startswith("everystop_router_requests_total") and f'replica="{rid}"' in k)
+
+    sent = {rid: routed(after, rid) - routed(before, rid) for rid in replicas}
+    assert sum(sent.values()) == 4 and min(sent.values()) >= 1, (sent, after)

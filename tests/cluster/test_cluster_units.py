@@ -95,3 +95,29 @@ def test_a_choice_made_again_and_a_completion_leave_the_books_even() -> None:
     assert router.policy.in_flight(first) == 0 and router.policy.in_flight(other) == 1
     router.on_request_completed(SimpleNamespace(unique_id=other), "ray-r0")
     assert router.policy.in_flight(other) == 0
+
+
+def test_every_front_door_defaults_to_the_routing_floors_affinity_margin() -> None:
+    import argparse
+
+    from everystop.cluster.deploy import ClusterOptions
+    from everystop.routing import DEFAULT_AFFINITY_MARGIN
+    from everystop.server.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).affinity_margin == DEFAULT_AFFINITY_MARGIN
+    assert ClusterOptions().affinity_margin == DEFAULT_AFFINITY_MARGIN
+
+
+def test_power_of_two_hands_ray_its_two_draws_as_one_group() -> None:
+    """Ray's built-in procedure picks between the two by its own queue lengths; a retry after
+    refusals keeps the refusing replicas last, one by one."""
+    router = _router("power-of-two")
+    replicas = [_replica(r, _report(1)) for r in ("a", "b", "c")]
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(_req(0))))
+    assert [len(rank) for rank in ranks] == [2, 1]
+    assert sorted(r.replica_id.unique_id for rank in ranks for r in rank) == ["a", "b", "c"]
+    ranks = asyncio.run(router.choose_replicas(replicas, _pending(_req(1), exclude=("a",))))
+    assert [len(rank) for rank in ranks] == [1, 1, 1]
+    assert ranks[-1][0].replica_id.unique_id == "a"

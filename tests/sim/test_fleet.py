@@ -156,3 +156,21 @@ def test_static_batching_timeouts_across_replicas():
                          make_router("power-of-two", seed=1), stats_interval_s=0.2)
     assert len(res.finished) == 90 and not res.rejected
     assert all(f.finished_s > f.first_token_s >= f.arrival_s for f in res.finished)
+
+
+def test_a_replica_reports_the_prompt_left_of_a_running_prefill():
+    """As a real replica does (cluster/replica.py): a long prompt admitted and mid-chunk is
+    still work ahead of a newcomer, or the router sends short requests in behind it."""
+    from everystop.config import SchedulerConfig
+    from everystop.core.request import Request
+    from everystop.sampling_params import SamplingParams
+    from everystop.sim.fleet import Replica
+    from everystop.sim.simulator import SimSetup
+
+    setup = SimSetup(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+                     num_gpu_blocks=200)
+    replica = Replica(0, setup, lambda shape: 0.1)
+    replica.sched.add_request(Request("long", list(range(1000)), SamplingParams(max_tokens=2)))
+    replica.start_pass()  # the first 256-token chunk
+    replica.end_pass()
+    assert replica.sched.running and replica.load(1).prefill_tokens_queued == 1000 - 256

@@ -30,6 +30,8 @@ MEASUREMENTS = [
     ("fleet-speed", "everystop.sim.fleet_speed", "how fast the fleet simulator runs (64 "
      "replicas; the 1M-request extrapolation)"),
     ("startup", "everystop.bench.startup", "start-up: generate to its answer, serve to /health"),
+    ("routing", "everystop.bench.routing", "routing policies side by side on 2 Ray Serve "
+     "replicas (skewed and shared-prefix workloads)"),
 ]
 
 

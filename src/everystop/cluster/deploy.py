@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from everystop.config import EngineConfig
+from everystop.routing import DEFAULT_AFFINITY_MARGIN
 
 logger = logging.getLogger("everystop.cluster")
 
@@ -28,7 +29,7 @@ class ClusterOptions:
     num_replicas: int = 2
     ray_address: str | None = None  # None: start a local Ray instance
     policy: str = "least-loaded"
-    affinity_margin: float = 2.0
+    affinity_margin: float = DEFAULT_AFFINITY_MARGIN
     num_cpus: float | None = None  # per replica; None: its threads x tensor-parallel ranks
     num_gpus: float | None = None  # per replica; None: its ranks on CUDA, else 0
     stats_period_s: float = 0.2
@@ -118,9 +119,10 @@ def install_cluster_routes(app: Any, front: Any) -> None:
 
     @app.get("/health/replicas")
     async def replica_health() -> JSONResponse:
-        states, pids = front.replica_health(), front.replica_pids()
+        states, pids, nodes = front.replica_health(), front.replica_pids(), front.replica_nodes()
         ok = any(s == "ok" for s in states.values())
-        replicas = {rid: {"status": state, "pid": pids.get(rid)} for rid, state in states.items()}
+        replicas = {rid: {"status": state, "pid": pids.get(rid), "node": nodes.get(rid)}
+                    for rid, state in states.items()}
         return JSONResponse({"status": "ok" if ok else "dead", "replicas": replicas},
                             200 if ok else 503)
 

@@ -246,6 +246,10 @@ class ClusterEngine:
     def replica_pids(self) -> dict[str, int | None]:
         return {rid: r.get("pid") for rid, r in self.reports().items()}
 
+    def replica_nodes(self) -> dict[str, str | None]:
+        """The Ray node each replica runs on (several machines: which one holds it)."""
+        return {rid: r.get("node") for rid, r in self.reports().items()}
+
     def add_listeners(self, on_iteration: Any = None,
                       on_finish: Callable[[Request, RequestOutput], None] | None = None) -> None:
         """Finish listeners run here as each request ends; iteration listeners belong to the

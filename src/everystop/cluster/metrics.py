@@ -21,8 +21,11 @@ _REPLICA_GAUGES = (
     ("kv_cache_total_blocks", "KV blocks in the replica's pool", "num_total_blocks"),
 )
 _REPLICA_COUNTERS = (
-    ("prefix_cache_queries", "Prefix-cache lookups on the replica (tokens)", "prefix_queries"),
-    ("prefix_cache_hits", "Prefix-cache hits on the replica (tokens)", "prefix_hits"),
+    # In tokens, as the series say (prefix_queries/prefix_hits count lookups: a request that
+    # waits for blocks looks up again at every step, which skewed the routing bench's rate).
+    ("prefix_cache_queries", "Prefix-cache queried tokens on the replica",
+     "prefix_query_tokens"),
+    ("prefix_cache_hits", "Prefix-cache hit tokens on the replica", "prefix_hit_tokens"),
     ("preemptions_recompute", "Recompute preemptions on the replica",
      "num_preemptions_recompute"),
     ("preemptions_swap", "Swap preemptions on the replica", "num_preemptions_swap"),

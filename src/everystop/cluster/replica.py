@@ -49,9 +49,12 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, replica_id: str | None = None) -> None:
         from everystop.engine.llm_engine import LLMEngine
 
+        self.node_id: str | None = None  # the Ray node it runs on (none when built by hand)
         if replica_id is None:
+            import ray
             from ray import serve
             replica_id = serve.get_replica_context().replica_id.unique_id
+            self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = replica_id
         # Built on the engine thread: all torch work on one thread (see AsyncEngine).
         self.front = AsyncEngine(lambda: LLMEngine.from_config(config))
@@ -94,6 +97,7 @@ class EngineReplica:
         stats = self.front.stats()
         self._reports += 1
         return {"seq": self._reports, "health": self.front.health().status, "pid": os.getpid(),
+                "node": self.node_id,
                 "prefill_tokens_queued": self.front.inspect(prefill_tokens_queued),
                 "num_in_flight": self.front.num_in_flight,
                 "stats": {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}}

@@ -14,7 +14,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from everystop.cluster import registry
 from everystop.core.request import Request
-from everystop.routing import ReplicaLoad, RouteRequest, make_router, prefix_block_hashes
+from everystop.routing import (
+    DEFAULT_AFFINITY_MARGIN,
+    ReplicaLoad,
+    RouteRequest,
+    make_router,
+    prefix_block_hashes,
+)
 
 _MAX_REMEMBERED = 65536
 
@@ -35,7 +41,8 @@ def load_from_report(replica_id: str, report: dict[str, Any] | None) -> ReplicaL
 
 
 class EveryStopRouter(RequestRouter):
-    def initialize_state(self, policy: str = "least-loaded", affinity_margin: float = 2.0,
+    def initialize_state(self, policy: str = "least-loaded",
+                         affinity_margin: float = DEFAULT_AFFINITY_MARGIN,
                          block_size: int = 16, seed: int = 0, **_: Any) -> None:
         self.policy_name = policy
         self.policy = make_router(policy, affinity_margin=affinity_margin, seed=seed)
@@ -75,6 +82,12 @@ class EveryStopRouter(RequestRouter):
             # one replica. Ray sends to the first rank unless it is at max_ongoing_requests;
             # on_request_routed moves the count if it chose otherwise.
             self._record(key, ordered[0], route, request_id)
+        if self.policy_name == "power-of-two" and not exclude and len(ordered) >= 2:
+            # Ray's own power of two choices: the two replicas the policy drew go to Ray as one
+            # group, and Ray takes the one with fewer ongoing requests (its queue-length probes
+            # and cache), then the rest one by one. `on_request_routed` books Ray's pick.
+            return [[by_id[ordered[0]], by_id[ordered[1]]]] + [[by_id[rid]]
+                                                              for rid in ordered[2:]]
         return [[by_id[rid]] for rid in ordered]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

@@ -4,8 +4,8 @@ Plain Python with no Ray import, so the Ray Serve router (`everystop.cluster`) a
 simulator (`everystop.sim`) run the very same policy."""
 
 from everystop.routing.load import ReplicaLoad, RouteRequest, ScoreWeights
-from everystop.routing.policies import POLICIES, Router, make_router
+from everystop.routing.policies import DEFAULT_AFFINITY_MARGIN, POLICIES, Router, make_router
 from everystop.routing.prefix import prefix_block_hashes
 
-__all__ = ["POLICIES", "ReplicaLoad", "RouteRequest", "Router", "ScoreWeights", "make_router",
-           "prefix_block_hashes"]
+__all__ = ["DEFAULT_AFFINITY_MARGIN", "POLICIES", "ReplicaLoad", "RouteRequest", "Router",
+           "ScoreWeights", "make_router", "prefix_block_hashes"]

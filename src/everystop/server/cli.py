@@ -92,7 +92,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="join this Ray cluster ('auto' after `ray start`); default: start one")
     c.add_argument("--routing-policy", default="least-loaded",
                    choices=["least-loaded", "prefix-affinity", "power-of-two", "round-robin"])
-    c.add_argument("--affinity-margin", type=float, default=2.0,
+    # everystop.routing.DEFAULT_AFFINITY_MARGIN (the server floor does not import routing)
+    c.add_argument("--affinity-margin", type=float, default=4.0,
                    help="prefix-affinity: how much more loaded (score units, ~waiting "
                         "requests) the prefix's replica may be and still be chosen")
     c.add_argument("--replica-num-cpus", type=float, default=None,

@@ -103,8 +103,12 @@ class Replica:
                            num_running=len(s.running), num_swapped=len(s.swapped),
                            free_kv_blocks=self.kv.pool.num_free_blocks,
                            total_kv_blocks=self.kv.pool.num_blocks,
+                           # As a replica reports it (cluster/replica.py): the prompt left to
+                           # prefill of queued requests and of running ones still mid-prompt.
                            prefill_tokens_queued=sum(r.num_tokens - r.num_computed_tokens
                                                      for r in queued)
+                           + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                 for r in s.running)
                            + sum(r.num_prompt_tokens for r in self.inbox), seq=seq)
 
     def start_pass(self) -> float | None:

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from everystop.routing import POLICIES, make_router
+from everystop.routing import DEFAULT_AFFINITY_MARGIN, POLICIES, make_router
 from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_workload import fleet_traffic, from_workload
@@ -28,7 +28,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default="least-loaded", choices=POLICIES)
     g.add_argument("--stats-interval-s", type=float, default=1.0,
                    help="how often the router gets fresh load reports (0 = every request)")
-    g.add_argument("--affinity-margin", type=float, default=2.0)
+    g.add_argument("--affinity-margin", type=float, default=DEFAULT_AFFINITY_MARGIN)
     g.add_argument("--traffic", default=None, help=TRAFFIC_HELP)
     g.add_argument("--price-per-gpu-hour", type=float, default=None,
                    help="USD per GPU-hour for the fleet's $/1M tokens (default: the assumption "

@@ -1,0 +1,43 @@
+"""`everystop bench routing`'s workloads and verdict, without a cluster."""
+
+from __future__ import annotations
+
+import math
+
+from everystop.bench.routing import LONG_PROMPT, shared_prefix, skewed, verdict
+
+TOKENS = list(range(5000))
+
+
+def test_the_skewed_mix_has_exactly_the_long_prompts_asked_for() -> None:
+    workload, ids = skewed(TOKENS, 40, 3, seed=1)
+    lengths = [r.prompt_len for r in workload.requests]
+    assert lengths.count(LONG_PROMPT) == 3 and len(lengths) == 40
+    assert all(len(ids[r.id]) == r.prompt_len for r in workload.requests)
+    assert all(24 <= n <= 96 for n in lengths if n != LONG_PROMPT)
+
+
+def test_shared_prefix_prompts_start_with_one_of_the_system_prompts() -> None:
+    workload, ids = shared_prefix(TOKENS, 30, groups=4, prefix_len=64, seed=1)
+    heads = {tuple(ids[r.id][:64]) for r in workload.requests}
+    assert len(heads) <= 4 and len(workload.requests) == 30
+
+
+def _policy(p99: float, short_p99: float, tok_s: float, hit: float = 0.0) -> dict:
+    return {"ttft_ms": {"p99": p99}, "ttft_ms_short_prompts": {"p99": short_p99},
+            "ttft_ms_long_prompts": {"p99": p99}, "output_tok_s": tok_s,
+            "prefix_cache": {"hit_rate": hit}}
+
+
+def test_the_verdict_is_computed_from_the_run_and_can_say_no() -> None:
+    met = verdict({"skewed": {"policies": {
+        "least-loaded": _policy(600, 100, 10), "round-robin": _policy(1000, 500, 10),
+        "power-of-two": _policy(700, 300, 10)}}})
+    assert met["skewed"]["target_met"] and math.isclose(met["skewed"]["p99_ttft_ll_over_rr"], 0.6)
+    missed = verdict({"skewed": {"policies": {
+        "least-loaded": _policy(800, 100, 10), "round-robin": _policy(1000, 500, 10),
+        "power-of-two": _policy(700, 300, 10)}},
+        "shared_prefix": {"policies": {"least-loaded": _policy(500, 0, 5, hit=0.6),
+                                       "prefix-affinity": _policy(400, 0, 5, hit=0.8)}}})
+    assert not missed["skewed"]["target_met"]
+    assert not missed["shared_prefix"]["target_met"]  # 1.33x < 1.5x
