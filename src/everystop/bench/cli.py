@@ -25,6 +25,11 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
+    ("health-big-request", "everystop.bench.health_big_request", "worst /health latency while "
+     "one client sends a 10 MB request"),
+    ("health-under-load", "everystop.bench.health_under_load", "/health latency with every "
+     "sequence slot busy"),
 ]
 
 
