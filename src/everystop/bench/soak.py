@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -72,6 +73,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.events: list[dict[str, Any]] = []  # one per finished client
         self.health: list[tuple[float, float]] = []  # (at, latency)
+        self.load: list[tuple[float, float]] = []  # (at, 1-minute load average): a shared host
         self.reloads: list[tuple[float, int]] = []
 
     def minute(self, at: float) -> int:
@@ -134,6 +136,8 @@ class Soak:
                 t = time.monotonic()
                 await http.get("/health")
                 self.health.append((t, time.monotonic() - t))
+                if len(self.health) % 50 == 0:
+                    self.load.append((t, os.getloadavg()[0]))
                 await asyncio.sleep(0.1)
 
     async def reload(self, stop: asyncio.Event) -> None:
@@ -200,12 +204,16 @@ def report(s: Soak, rate: float, capacity: float, rss: tuple[int, int], metrics:
             m[f"ttft_tier{ev['tier']}"].append(ev["ttft"])
     for at, lat in s.health:
         per_minute[s.minute(at)]["health"].append(lat)
+    for at, load in s.load:
+        per_minute[s.minute(at)]["load"].append(load)
     minutes = []
     for i in sorted(per_minute):
         m = per_minute[i]
         row: dict[str, Any] = {"minute": i, "arrivals": len(m["arrivals"]),
                                "health_p99_ms": round(1e3 * percentile(m["health"], 99,
-                                                                        empty=0.0), 1)}
+                                                                        empty=0.0), 1),
+                               "health_max_ms": round(1e3 * max(m["health"], default=0.0), 1),
+                               "load_avg_1m_max": max(m["load"], default=None)}
         for tier in range(3):
             p99 = percentile(m[f"ttft_tier{tier}"], 99)
             row[f"ttft_p99_s_tier{tier}"] = None if p99 is None else round(p99, 3)
