@@ -15,6 +15,7 @@ side by side in one JSON.
 from __future__ import annotations
 
 import argparse
+import shlex
 import threading
 import time
 from typing import Any
@@ -85,6 +86,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mb", type=float, default=10.0, help="prompt size in MB")
     ap.add_argument("--interval", type=float, default=0.02, help="seconds between probes")
     ap.add_argument("--compare-src", default=None, help="another tree's src/ to run as well")
+    ap.add_argument("--compare-flags", default="",
+                    help="server flags for the --compare-src run, e.g. "
+                    "--compare-flags=--max-body-bytes=13MB for a tree that has the body limit")
     ap.add_argument("--out", default=None)
 
 
@@ -93,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     flags = ["--max-body-bytes", f"{int(args.mb * 1.2 + 1)}MB"]
     runs = [measure(str(SRC), args.mb, args.interval, flags)]
     if args.compare_src:
-        runs.append(measure(args.compare_src, args.mb, args.interval, []))
+        runs.append(measure(args.compare_src, args.mb, args.interval,
+                            shlex.split(args.compare_flags)))
     write_result({"benchmark": "health_big_request", "prompt_mb": args.mb,
                   "probe_interval_s": args.interval, "runs": runs}, args.out)
     return 0
