@@ -59,6 +59,7 @@ class Tokenizer:
         # loop, where a first lazy scan of 100k+ tokens would stall every client.
         self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
         self._pieces_ok: bool | None = None  # long texts in pieces (_encode_long): decided once
+        self._special_wrap: tuple[list[int], list[int]] = ([], [])  # what add_special_tokens adds
 
     @property
     def eos_token_id(self) -> int | None:
@@ -90,8 +91,12 @@ class Tokenizer:
     # BPE and SentencePiece, do not).
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if len(text) > LONG_TEXT_CHARS and not add_special_tokens and self._can_split():
-            return self._encode_long(text)
+        if len(text) > LONG_TEXT_CHARS and self._can_split():
+            ids = self._encode_long(text)
+            if add_special_tokens:
+                before, after = self._special_wrap
+                ids = [*before, *ids, *after]
+            return ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def _encode_long(self, text: str) -> list[int]:
@@ -135,8 +140,16 @@ class Tokenizer:
         cuts = [0, *split_points(_PROBE, 1), len(_PROBE)]
         whole = list(self._tok.encode(_PROBE, add_special_tokens=False))
         pieces = [_PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
-        return len(pieces) > 10 and whole == [
-            i for e in backend.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
+        if len(pieces) <= 10 or whole != [
+                i for e in backend.encode_batch(pieces, add_special_tokens=False) for i in e.ids]:
+            return False
+        # The special tokens a single sequence gets (BOS, EOS), found around the probe's ids.
+        wrapped = list(self._tok.encode(_PROBE, add_special_tokens=True))
+        for k in range(len(wrapped) - len(whole) + 1):
+            if wrapped[k:k + len(whole)] == whole:
+                self._special_wrap = (wrapped[:k], wrapped[k + len(whole):])
+                return True
+        return False
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -102,3 +102,22 @@ def test_pieces_are_refused_when_a_cut_would_change_the_ids(tok, monkeypatch):
     assert not fresh._can_split()
     text = "line one\r\nline two " * 5000
     assert fresh.encode(text) == list(tok.hf_tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_special_tokens_wrap_a_long_text_as_one_encode_wraps_it(tok):
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from everystop.tokenizer import Tokenizer
+
+    hf = copy.deepcopy(tok.hf_tokenizer)
+    start, end = hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    hf.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>",
+        special_tokens=[("<|im_start|>", start), ("<|im_end|>", end)])
+    wrapped = Tokenizer(hf)
+    text = _long_text()
+    assert wrapped._can_split() and wrapped._special_wrap == ([start], [end])
+    assert wrapped.encode(text, add_special_tokens=True) == list(
+        hf.encode(text, add_special_tokens=True))
