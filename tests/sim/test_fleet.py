@@ -13,7 +13,7 @@ from everystop.sim.fleet_workload import SAMPLED_TOKEN, fleet_traffic, from_work
 from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node
 from everystop.sim.simulator import simulate
-from everystop.sim.workload import load_workload, synthetic
+from everystop.workload import load_workload, synthetic
 
 MIXED = ("n=120,prompt=uniform:20:600,output=uniform:5:120,rate=30,priority=0.3:0.4:0.3,"
          "prefix=0.4:64,tenants=3,seed=5")

@@ -9,7 +9,7 @@ from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import hardware_keys, load_hardware
-from everystop.sim.workload import synthetic
+from everystop.workload import synthetic
 
 
 @pytest.mark.parametrize("override", [

@@ -25,6 +25,10 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("fleet-report", "everystop.sim.fleet_report", "every number in docs/fleet-simulation.md: "
+     "router policies vs load, prefix hits on chats, capacity plans"),
+    ("fleet-speed", "everystop.sim.fleet_speed", "how fast the fleet simulator runs (64 "
+     "replicas; the 1M-request extrapolation)"),
     ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
     ("health-big-request", "everystop.bench.health_big_request", "worst /health latency while "
      "one client sends a 10 MB request"),

@@ -50,7 +50,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return list(self._req_block_ids.get(request_id, ()))
+        ids = self._req_block_ids.get(request_id)
+        return ids[:] if ids is not None else []
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
@@ -98,11 +99,14 @@ class KVCacheManager:
         them (called after each step that advanced the request)."""
         if not self.enable_prefix_caching:
             return
+        # Most calls (a decode inside a block) register nothing: answer those first, cheaply.
+        start = self._num_registered.get(req.request_id, 0)
+        if req.num_computed_tokens // self.block_size <= start:
+            return
         blocks = self.req_blocks.get(req.request_id)
         if not blocks:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)

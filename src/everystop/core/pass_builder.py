@@ -47,20 +47,20 @@ class PassBuilder:
 
     def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
         """Schedule tokens num_computed_tokens .. +n of `req`."""
-        start = req.num_computed_tokens
+        # NOTE: runs once per scheduled row (the simulator's hot path): lengths are read once
+        # and the row is built positionally.
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
         params = req.sampling_params
-        entry = ScheduledSequence(
-            request_id=req.request_id, token_ids=req.token_slice(start, start + n),
-            start_pos=start, block_ids=block_ids, sample=start + n == req.num_tokens,
-            sampling_params=params, output_index=req.num_output_tokens,
-            is_prefill=start < req.num_prompt_tokens)
-        if params.penalizes or (params.prompt_logprobs is not None
-                                and start < req.num_prompt_tokens):
+        num_prompt, num_output = len(req.prompt_token_ids), len(req.output_token_ids)
+        num_tokens = num_prompt + num_output
+        entry = ScheduledSequence(req.request_id, req.token_slice(start, end), start, block_ids,
+                                  end == num_tokens, params, num_output, start < num_prompt)
+        if params.penalizes or (params.prompt_logprobs is not None and start < num_prompt):
             entry.prompt_token_ids, entry.output_token_ids = (req.prompt_token_ids,
                                                               req.output_token_ids)
-        if params.min_tokens > req.num_output_tokens:
+        if params.min_tokens > num_output:
             entry.eos_token_id = None if params.ignore_eos else req.eos_token_id
-        is_decode = n == 1 and start == req.num_tokens - 1
+        is_decode = n == 1 and end == num_tokens
         (self.decodes if is_decode else self.prefills)[req.request_id] = entry
         self.budget.add(n, start, decode=is_decode, tier=req.priority)
 

@@ -80,7 +80,8 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_len:
+        num_output = len(self.output_token_ids)
+        if num_output >= params.max_tokens or len(self.prompt_token_ids) + num_output >= max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -83,6 +83,8 @@ class Scheduler:
             self.cost_model.prefill_tokens_per_s)
         self.auto_tpot_target_s = default_target_s(self.step_cost)
         self.last_prefill_budget_tokens = config.max_num_batched_tokens
+        self._targets_key: tuple[SchedulerConfig, float] | None = None
+        self._targets: tuple[float | None, ...] = ()
 
     # -- intake ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -134,7 +136,7 @@ class Scheduler:
         timed = cfg.scheduling == "continuous"  # the static baseline runs whole batches, untimed
         budget = StepBudget(cfg.max_num_batched_tokens,
                             self.step_cost.coefficients if timed else None,
-                            tier_targets_s(cfg, self.auto_tpot_target_s), self.kv.block_size)
+                            self._tier_targets(cfg), self.kv.block_size)
         step = PassBuilder(now, budget, out)
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
@@ -153,16 +155,36 @@ class Scheduler:
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
         return step.finish()
 
+    def _tier_targets(self, cfg: SchedulerConfig) -> tuple[float | None, ...]:
+        """tier_targets_s, worked out again only when the (frozen) config or the auto target
+        changes, not at every pass."""
+        key = (cfg, self.auto_tpot_target_s)
+        if self._targets_key is None or key[0] is not self._targets_key[0] or (
+                key[1] != self._targets_key[1]):
+            self._targets_key, self._targets = key, tier_targets_s(cfg, key[1])
+        return self._targets
+
     def _schedule_running(self, step: PassBuilder) -> None:
         # 1. Decodes first: a skipped decode stalls that stream for a whole iteration.
+        # NOTE: this loop runs once per running sequence per pass (the simulator's hot path):
+        # the checks are inlined, the status is re-read each time (a _grow may preempt a
+        # later sequence), and the common grow - room in the blocks held - skips _grow.
+        running = RequestStatus.RUNNING
+        kv, emit = self.kv, step.emit
+        held, bs = kv.req_blocks, kv.block_size
         for req in list(self.running):
-            decoding = (req.status == RequestStatus.RUNNING
-                        and req.num_tokens - req.num_computed_tokens == 1)
-            if decoding and self._grow(req, 1, step):
-                self._emit(step, req, 1)
+            if req.status is not running:
+                continue
+            computed = req.num_computed_tokens
+            if len(req.prompt_token_ids) + len(req.output_token_ids) - computed != 1:
+                continue
+            blocks = held.get(req.request_id)
+            if (blocks is not None and computed < len(blocks) * bs) or self._grow(req, 1, step):
+                emit(req, 1, kv.block_ids(req.request_id))
         # 2. Then the rest of the prompt of sequences already admitted, in admission order.
+        decodes = step.decodes
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or req.request_id in step.decodes:
+            if req.status is not running or req.request_id in decodes:
                 continue
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
@@ -362,28 +384,37 @@ class Scheduler:
         # Learn what this pass cost (an executor that does not time itself reports 0).
         self.step_cost.observe(StepShape.from_output(sched), result.execute_time_s)
         self.oom_seat_cap.pass_succeeded(self.config.max_num_seqs)
+        # Loop invariants hoisted: this loop runs once per scheduled row (the hot path).
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_blocks = self.kv.cache_computed_blocks
+        prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
+        sampled = result.sampled_token_ids
+        max_len = model_len_limit(self.config, self.kv)
         for entry in sched.scheduled:
-            req = self.requests.get(entry.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            rid = entry.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not running:
                 continue  # aborted while the pass ran
-            req.num_computed_tokens = entry.start_pos + entry.num_tokens
-            self.kv.cache_computed_blocks(req)
-            scored = result.prompt_logprobs.get(entry.request_id)
-            if scored:
-                req.keep_prompt_logprobs(entry.start_pos, scored)
+            req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
+            cache_blocks(req)
+            if prompt_logprobs:
+                scored = prompt_logprobs.get(rid)
+                if scored:
+                    req.keep_prompt_logprobs(entry.start_pos, scored)
             if not entry.sample:
                 continue
-            token = result.sampled_token_ids[entry.request_id]
+            token = sampled[rid]
             req.output_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            update = RequestUpdate(req.request_id, [token])
-            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+            update = RequestUpdate(rid, [token])
+            if req.sampling_params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
                 update.prompt_logprobs = list(req.prompt_logprobs)
-            lp = result.logprobs.get(entry.request_id)
-            if lp is not None:
-                update.new_logprobs.append(lp)
-            status = req.stop_status(token, model_len_limit(self.config, self.kv))
+            if logprobs:
+                lp = logprobs.get(rid)
+                if lp is not None:
+                    update.new_logprobs.append(lp)
+            status = req.stop_status(token, max_len)
             if status is not None:
                 if status == RequestStatus.FINISHED_STOPPED:
                     update.stop_token_id = token

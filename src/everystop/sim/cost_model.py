@@ -137,8 +137,13 @@ class CostModel:
                 "swap_s": w.swap_bytes * c.sec_per_swap_byte}
 
     def latency(self, s: IterationShape) -> float:
-        b = self.breakdown(s)
-        return max(b["compute_s"], b["memory_s"]) + b["comm_s"] + b["overhead_s"] + b["swap_s"]
+        # The sum `breakdown` itemizes, in the same order (so the same float), without building
+        # the dict: this runs once per simulated pass.
+        w, c = self.work(s), self.coeffs
+        return (max(w.flops * c.sec_per_flop, w.bytes * c.sec_per_byte)
+                + w.num_allreduce * (c.allreduce_latency_s + w.comm_bytes * c.sec_per_link_byte)
+                + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
+                + w.swap_bytes * c.sec_per_swap_byte)
 
     def roofline_s(self, s: IterationShape) -> float:
         """Physical floor: peak FLOPs and full HBM bandwidth, no comm, no overhead. No real

@@ -13,7 +13,7 @@ from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_workload import fleet_traffic, from_workload
 from everystop.sim.node import Node
 from everystop.sim.plan import replica_price
-from everystop.sim.workload import resolve_workload
+from everystop.workload import resolve_workload
 
 TRAFFIC_HELP = ("fleet traffic spec, e.g. 'n=20000,rate=200,arrival=onoff:10:20:2,"
                 "sessions=0.5:4:30,prefix=0.3:512,tenants=4,tiers=0.2:0.6:0.2' "

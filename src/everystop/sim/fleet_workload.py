@@ -27,7 +27,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from everystop.sim.workload import Workload, prompt_token_ids, sample_dist
+from everystop.workload import LengthDist, Workload, synthetic_prompt_ids
 
 SAMPLED_TOKEN = 7  # what the simulated executor returns: a chat's history contains these
 
@@ -48,7 +48,7 @@ def from_workload(workload: Workload) -> Iterator[FleetRequest]:
                    key=lambda k: workload.requests[k].arrival_s or 0.0)
     for k in order:
         spec = workload.requests[k]
-        yield FleetRequest(spec.request_id, spec.arrival_s or 0.0, prompt_token_ids(spec, k),
+        yield FleetRequest(spec.request_id, spec.arrival_s or 0.0, synthetic_prompt_ids(spec, k),
                            spec.max_tokens, spec.priority, spec.tenant)
 
 
@@ -114,8 +114,8 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
         raise ValueError(f"unknown fleet traffic keys: {sorted(set(opts) - known)}")
     rng = random.Random(int(opts.get("seed", 0)))
     n = int(opts.get("n", 1000))
-    prompt_dist = opts.get("prompt", "uniform:128:1024")
-    output_dist = opts.get("output", "uniform:20:800")
+    prompt_dist = LengthDist.parse(opts.get("prompt", "uniform:128:1024"))
+    output_dist = LengthDist.parse(opts.get("output", "uniform:20:800"))
     num_tenants = int(opts.get("tenants", 1))
     tenant_weights = [1.0 / (k + 1) for k in range(num_tenants)]
     tiers = [float(x) for x in opts.get("tiers", "0:1:0").split(":")]
@@ -139,9 +139,9 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
             session = _Session(tenant, rng.choices([0, 1, 2], weights=tiers)[0], history,
                                int(max_turns) if rng.random() < session_frac else 1)
         # A new user message: its first token is unique, so no two requests share it by chance.
-        new = sample_dist(prompt_dist, rng)
+        new = prompt_dist.sample(rng)
         prompt = session.history + [3_000_000 + i] + list(range(10, 10 + new - 1))
-        out = sample_dist(output_dist, rng)
+        out = output_dist.sample(rng)
         if len(prompt) + out > max_model_len:  # the chat has outgrown the context: start over
             prompt = prompt[len(session.history):][:max_model_len - out]
             session.history, session.turns_left = [], 1

@@ -1,4 +1,5 @@
-"""The markdown text of docs/fleet-simulation.md, filled from fleet_report.py's numbers."""
+"""The markdown text of docs/fleet-simulation.md, filled from `everystop bench fleet-report`'s
+numbers (and `everystop bench fleet-speed`'s, when its JSON is there)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 from pathlib import Path
 
 MEAN_REPLY_TOKENS = 410  # the design's replies, uniform 20..800 tokens
-SPEED_JSON = Path(__file__).resolve().parent / "results/sim/fleet_speed.json"
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and benchmarks/ live there
+SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed.json"
 
 
 def _f(x: float | None, nd: int = 0) -> str:
@@ -91,7 +93,7 @@ def _curves(r: dict) -> list[str]:
 
 def _speed() -> list[str]:
     if not SPEED_JSON.exists():
-        return ["(run `benchmarks/fleet_sim_speed.py` for the simulator's own speed)"]
+        return ["(run `everystop bench fleet-speed` for the simulator's own speed)"]
     s = json.loads(SPEED_JSON.read_text())
     return [
         f"`{s['command']}` ({s['replicas']} replicas, {s['requests']:,} requests of the "
@@ -103,10 +105,37 @@ def _speed() -> list[str]:
         f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
         f" against the 600 s target: "
         + ("met." if s["meets_target_extrapolated"] else "**not met**."),
+        *_speed_baseline(s),
+        "",
+        "Why the target is out of reach this way: a request of the design's shape is "
+        f"~{MEAN_REPLY_TOKENS} decode rows, each built by the real scheduler (a scheduled row, "
+        "its block table, the step budget) and applied by it (a request update, the prefix "
+        "cache's books, the stop check). 600 s for "
+        f"{s['target_requests']:,} requests leaves "
+        f"{600 / s['target_requests'] / MEAN_REPLY_TOKENS * 1e6:.1f} CPU-us per row; this run "
+        f"spends {s['cpu_us_per_output_token']}. Getting there needs passes that are not "
+        "simulated one by one (e.g. fast-forwarding a replica's pure-decode stretches between "
+        "events), which the real scheduler does not offer today.",
         "",
         "Where the time goes (cProfile, share of self time): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
+    ]
+
+
+def _speed_baseline(s: dict) -> list[str]:
+    b = s.get("baseline")
+    if not b:
+        return []
+    return [
+        "",
+        f"The same run on the sources before the hot-path work (`{b['src']}`, an export of "
+        "the commit before it, timed first in the same command): "
+        f"{b['cpu_s']:,} CPU-s, {b['cpu_ms_per_request']} CPU-ms per request; "
+        f"**{b['speedup_cpu']:.2f}x** less CPU now, and "
+        + ("the same simulated summary (every percentile, pass count and token count)."
+           if b["same_summary"] else "**a different simulated summary** (a behaviour change).")
+        + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
 
 
@@ -212,6 +241,10 @@ def render(r: dict) -> str:
         "# capacity plan",
         "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
         "    --slo-ttft-p99 1.0 --slo-tpot-p50 0.05",
+        "# this page (--render-only: from the saved JSONs) and the simulator's own speed",
+        "everystop bench fleet-report",
+        "everystop bench fleet-speed --requests 20000 --baseline-src OLD_TREE/src \\",
+        "    --out benchmarks/results/sim/fleet_speed.json",
         "```",
         "",
         "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "

@@ -1,0 +1,158 @@
+"""How fast the fleet simulator runs: requests simulated per CPU-second across 64 replicas, where
+the time goes (the real scheduler vs the simulator around it), and the 1M-request extrapolation.
+
+    everystop bench fleet-speed [--requests 20000] [--replicas 64] \
+        [--out benchmarks/results/sim/fleet_speed.json]
+
+The traffic is the design's shape (prompts 128-1,024, replies 20-800 tokens) at `--load` times
+what one 4xH100/70B replica serves within a 1 s p99 TTFT (~9.25 req/s, `everystop simulate
+plan`), so batches look like a busy fleet's. A smaller profiled run splits the time by module.
+The machine is shared: CPU seconds (process time) are the figure to trust, wall is reported
+beside it, and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from everystop.results import write_result
+from everystop.routing import make_router
+from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.node import build_node
+from everystop.sim.plan import DESIGN_TRAFFIC
+
+SINGLE_REPLICA_RPS = 9.25  # `everystop simulate plan` at 1 s p99 TTFT / 50 ms p50 TPOT
+
+
+# The same timed run against another source tree (--baseline-src), in a fresh process; it uses
+# only what the fleet simulator has exposed since it was written.
+_BASELINE_DRIVER = """
+import json, sys, time
+from everystop.routing import make_router
+from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.node import build_node
+replicas, router, spec = json.loads(sys.argv[1])
+node = build_node("llama-3-70b", "h100-sxm", 4)
+cpu0, wall0 = time.process_time(), time.perf_counter()
+result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
+                        make_router(router), stats_interval_s=1.0)
+cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+print(json.dumps({"summary": summarize_fleet(result, 12.0), "cpu_s": cpu, "wall_s": wall}))
+"""
+
+
+def traffic_spec(requests: int, replicas: int, load: float) -> str:
+    rate = load * SINGLE_REPLICA_RPS * replicas
+    return f"{DESIGN_TRAFFIC},n={requests},rate={rate},seed=0"
+
+
+def baseline_run(src: str, requests: int, replicas: int, load: float, router: str) -> dict:
+    """timed_run on the sources under `src` (e.g. an export of the commit before a speed-up)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    arg = json.dumps([replicas, router, traffic_spec(requests, replicas, load)])
+    out = subprocess.run([sys.executable, "-c", _BASELINE_DRIVER, arg], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def timed_run(requests: int, replicas: int, load: float,
+              router: str) -> tuple[dict, float, float]:
+    node = build_node("llama-3-70b", "h100-sxm", 4)
+    spec = traffic_spec(requests, replicas, load)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
+                            make_router(router), stats_interval_s=1.0)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    return summarize_fleet(result, 12.0), cpu, wall
+
+
+def profile_split(requests: int, replicas: int, load: float, router: str) -> dict:
+    """Share of profiled time per part of the code (cProfile inflates everything about 3x, but
+    evenly enough to show where the time goes)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_run(requests, replicas, load, router)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    parts: dict[str, float] = {}
+    for (path, _, _), (_, _, tottime, _, _) in stats.items():
+        if "/everystop/core/" in path:
+            key = "core (Scheduler, KVCacheManager, block pool)"
+        elif "/everystop/routing/" in path:
+            key = "routing"
+        elif "/everystop/sim/" in path:
+            key = "sim (" + Path(path).name + ")"
+        else:
+            key = "python builtins and stdlib"
+        parts[key] = parts.get(key, 0.0) + tottime
+    total = sum(parts.values())
+    return {k: round(v / total, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--replicas", type=int, default=64)
+    ap.add_argument("--load", type=float, default=0.9)
+    ap.add_argument("--router", default="least-loaded")
+    ap.add_argument("--profile-requests", type=int, default=3_000)
+    ap.add_argument("--target-requests", type=int, default=1_000_000)
+    ap.add_argument("--baseline-src", default=None,
+                    help="also time the same run on the sources in this directory (an export "
+                         "of another commit's src/), first, and check it simulates the same")
+    ap.add_argument("--out", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    load_before = os.getloadavg()
+    baseline = None
+    if args.baseline_src:
+        baseline = baseline_run(args.baseline_src, args.requests, args.replicas, args.load,
+                                args.router)
+    summary, cpu, wall = timed_run(args.requests, args.replicas, args.load, args.router)
+    load_after = os.getloadavg()
+    per_req_cpu = cpu / args.requests
+    if baseline is not None:
+        baseline = {"src": args.baseline_src, "cpu_s": round(baseline["cpu_s"], 2),
+                    "wall_s": round(baseline["wall_s"], 2),
+                    "cpu_ms_per_request": round(baseline["cpu_s"] / args.requests * 1e3, 3),
+                    "speedup_cpu": round(baseline["cpu_s"] / cpu, 3),
+                    "same_summary": json.loads(json.dumps(summary)) == baseline["summary"]}
+    write_result({
+        "benchmark": "fleet_sim_speed",
+        "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
+                    f"{args.replicas} --load {args.load} --router {args.router} "
+                    f"--profile-requests {args.profile_requests}"
+                    + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")),
+        "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
+        "replicas": args.replicas, "router": args.router, "traffic": DESIGN_TRAFFIC,
+        "offered_load_fraction": args.load, "requests": args.requests,
+        "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+        "cpu_ms_per_request": round(per_req_cpu * 1e3, 3),
+        "cpu_us_per_output_token": round(cpu / summary["output_tokens"] * 1e6, 3),
+        "requests_per_cpu_s": round(args.requests / cpu, 1),
+        "extrapolated_cpu_s_for_target": round(per_req_cpu * args.target_requests, 1),
+        "target_requests": args.target_requests, "target_s": 600,
+        "meets_target_extrapolated": per_req_cpu * args.target_requests < 600,
+        "extrapolation": "linear in requests: the fleet is in steady state after the first "
+                         "seconds, so each request costs the same scheduler passes",
+        "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
+        "simulated": {k: summary[k] for k in ("num_finished", "makespan_s", "output_tokens",
+                                              "num_passes", "ttft_p99_ms", "tpot_p50_ms",
+                                              "busy_fraction_min_max")},
+        "baseline": baseline,
+        "profile_time_share": profile_split(args.profile_requests, args.replicas, args.load,
+                                            args.router),
+    }, args.out)
+    return 0
