@@ -15,8 +15,9 @@ side by side in one JSON.
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import shlex
-import threading
 import time
 from typing import Any
 
@@ -26,20 +27,38 @@ from everystop.bench.servers import SRC, everystop_server
 from everystop.results import write_result
 
 
-class Prober(threading.Thread):
-    def __init__(self, url: str, interval_s: float) -> None:
-        super().__init__(daemon=True)
-        self.url, self.interval_s = url, interval_s
-        self.samples: list[tuple[float, float]] = []  # (start, latency)
-        self.stop = False
+def _probe_loop(url: str, interval_s: float, stop: Any, out: Any) -> None:
+    """The prober's own process: GET /health every interval_s until `stop`, then send back
+    the (start, latency) samples. NOTE: a thread of the client would share its GIL with the
+    code sending 10 MB and reading the answer, and measure that as /health latency."""
+    samples = []
+    with httpx.Client(timeout=120) as http:
+        while not stop.is_set():
+            t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+            http.get(url + "/health")
+            samples.append((t0, time.monotonic() - t0))
+            time.sleep(interval_s)
+    out.send(samples)
 
-    def run(self) -> None:
-        with httpx.Client(timeout=120) as http:
-            while not self.stop:
-                t0 = time.monotonic()
-                http.get(self.url + "/health")
-                self.samples.append((t0, time.monotonic() - t0))
-                time.sleep(self.interval_s)
+
+class Prober:
+    """/health probes from a separate process; their windows are read after `finish()`."""
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_probe_loop, args=(url, interval_s, self._stop, send),
+                                 daemon=True)
+        self.samples: list[tuple[float, float]] = []  # (start, latency)
+
+    def start(self) -> None:
+        self._proc.start()
+
+    def finish(self) -> None:
+        self._stop.set()
+        self.samples = self._recv.recv()
+        self._proc.join(timeout=130)
 
     def window(self, start: float, end: float) -> dict[str, Any]:
         """Probes that overlapped [start, end] (one spanning all of it included): their worst
@@ -66,20 +85,26 @@ def measure(src: str, mb: float, interval_s: float, extra: list[str]) -> dict[st
                   "/tokenize": {"prompt": text}}
         prober = Prober(url, interval_s)
         prober.start()
+        time.sleep(2.0)  # the prober process starts (spawn) and settles
+        idle_from = time.monotonic()
         time.sleep(1.0)
-        idle = max(lat for _, lat in prober.samples)
-        rows = {}
+        idle_to = time.monotonic()
+        spans, answers = {}, {}
         for path, body in bodies.items():
+            raw = json.dumps(body).encode()  # encoded before the clock starts
             t0 = time.monotonic()
-            r = httpx.post(url + path, json=body, timeout=600)
+            r = httpx.post(url + path, content=raw, timeout=600,
+                           headers={"content-type": "application/json"})
             t1 = time.monotonic()
             time.sleep(3 * interval_s)
-            rows[path] = {"status": r.status_code, "request_s": round(t1 - t0, 3),
-                          **prober.window(t0, t1), "answer": r.text[:160]}
-        prober.stop = True
-        prober.join(timeout=130)
-        return {"src": src, "server_flags": extra, "idle_worst_health_ms": round(1e3 * idle, 1),
-                "requests": rows}
+            spans[path], answers[path] = (t0, t1), r
+        prober.finish()
+        rows = {path: {"status": answers[path].status_code, "request_s": round(t1 - t0, 3),
+                       **prober.window(t0, t1), "answer": answers[path].text[:160]}
+                for path, (t0, t1) in spans.items()}
+        idle = prober.window(idle_from, idle_to)["worst_health_ms"]
+        return {"src": src, "server_flags": extra, "idle_worst_health_ms": idle,
+                "prober": "a separate process", "requests": rows}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
