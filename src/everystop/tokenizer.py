@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence, Set
 from typing import Any, Protocol
 
@@ -54,6 +55,11 @@ class Tokenizer:
         if eos is not None:
             ids.add(eos)
         self._eos_ids = frozenset(ids)
+        # Computed here, from the vocabulary already at hand: the server reads it on its event
+        # loop, where a first lazy scan of 100k+ tokens would stall every client.
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        self._pieces_ok: bool | None = None  # long texts in pieces (_encode_long): decided once
+        self._special_wrap: tuple[list[int], list[int]] = ([], [])  # what add_special_tokens adds
 
     @property
     def eos_token_id(self) -> int | None:
@@ -77,18 +83,73 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
-    @functools.cached_property
-    def max_token_chars(self) -> int:
-        """The longest token's text, in characters (at least 1): a text of C characters is at
-        least C / max_token_chars tokens, so a server can refuse an absurdly long prompt
-        without tokenizing it. Byte-level tokens spell one byte per character, and no UTF-8
-        character is shorter than its one byte, so the bound holds for any text (it would
-        not for a normalizer that deletes characters; ours, byte-level BPE and SentencePiece,
-        do not)."""
-        return max((len(t) for t in self._tok.get_vocab()), default=1) or 1
+    # NOTE: max_token_chars (set in __init__) is the longest token's text, in characters (at
+    # least 1): a text of C characters is at least C / max_token_chars tokens, so a server can
+    # refuse an absurdly long prompt without tokenizing it. Byte-level tokens spell one byte
+    # per character, and no UTF-8 character is shorter than its one byte, so the bound holds
+    # for any text (it would not for a normalizer that deletes characters; ours, byte-level
+    # BPE and SentencePiece, do not).
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS and self._can_split():
+            ids = self._encode_long(text)
+            if add_special_tokens:
+                before, after = self._special_wrap
+                ids = [*before, *ids, *after]
+            return ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def _encode_long(self, text: str) -> list[int]:
+        """`text`'s ids, encoded as pieces cut where the pre-tokenizer cuts anyway
+        (split_points): the Rust tokenizer works on all of them in one call that releases
+        the GIL, and each piece's ids come back to Python in a conversion of milliseconds.
+        One 10 MB encode() instead holds the GIL for its whole result (2M ids, then offsets
+        and masks nobody asked for): a stall of every other thread, /health included."""
+        cuts = [0, *split_points(text, PIECE_CHARS), len(text)]
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
+        ids: list[int] = []
+        for encoding in self._tok.backend_tokenizer.encode_batch(pieces,
+                                                                 add_special_tokens=False):
+            ids.extend(encoding.ids)  # NOTE: one piece per call: threads may run in between
+        return ids
+
+    def _can_split(self) -> bool:
+        """Whether encoding in pieces gives exactly the ids of one encode(): a Rust-backed
+        byte-level BPE with no normalizer (or NFC, which never reaches across a space or a
+        newline), no prefix space, no added token that a cut could fall inside, and the same
+        ids, whole and cut at every split point, on a probe text. Decided once."""
+        if self._pieces_ok is None:
+            self._pieces_ok = self._check_split()
+        return self._pieces_ok
+
+    def _check_split(self) -> bool:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        spec = json.loads(backend.to_str())
+        pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        if not any(p.get("type") == "ByteLevel" for p in steps) or any(
+                p.get("type") not in ("ByteLevel", "Split") or p.get("add_prefix_space")
+                for p in steps):
+            return False
+        if norm is not None and norm.get("type") != "NFC":
+            return False
+        if any(_SPLIT_POINT.search(t.get("content", "")) for t in spec.get("added_tokens", [])):
+            return False
+        cuts = [0, *split_points(_PROBE, 1), len(_PROBE)]
+        whole = list(self._tok.encode(_PROBE, add_special_tokens=False))
+        pieces = [_PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
+        if len(pieces) <= 10 or whole != [
+                i for e in backend.encode_batch(pieces, add_special_tokens=False) for i in e.ids]:
+            return False
+        # The special tokens a single sequence gets (BOS, EOS), found around the probe's ids.
+        wrapped = list(self._tok.encode(_PROBE, add_special_tokens=True))
+        for k in range(len(wrapped) - len(whole) + 1):
+            if wrapped[k:k + len(whole)] == whole:
+                self._special_wrap = (wrapped[:k], wrapped[k + len(whole):])
+                return True
+        return False
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -125,6 +186,39 @@ class Tokenizer:
         """Token ids of the rendered chat. NOTE: templates write their own BOS, so no special
         tokens are added on top."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+# Longer texts are encoded in pieces of about PIECE_CHARS (Tokenizer._encode_long).
+LONG_TEXT_CHARS = 1 << 16
+PIECE_CHARS = 1 << 15
+
+# Where byte-level BPE pre-tokenizers (the GPT-2, Llama 3 and Qwen regexes) always start a new
+# pre-token, whatever came before: at a space that follows a non-space and precedes a letter
+# (" word" is one pre-token, and nothing before it can take the space), and after a lone
+# newline between non-spaces. BPE never merges across pre-tokens, so the ids of the pieces,
+# joined, are the ids of the text. NOTE: a longer whitespace run is no split point: GPT-2's
+# `\s+(?!\S)` splits "\r\n" before a word but not at the end of a piece.
+_SPLIT_POINT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
+_PROBE = ("Hello world, it's 2024: naïve café déjà vu; x=3.14*r**2 (e.g.) don't \n"
+          "\tindented\n\n  two spaces then words ½ ² 中文 字符 emoji 🙂 done.\r\nOK  <|im_end|>"
+          " <|endoftext|> trailing   \n\nword's 'quoted' ABC123 abc_def ... !!! ?\n") * 3
+
+
+def split_points(text: str, every: int) -> list[int]:
+    """Offsets, about `every` characters apart, where `text` may be cut (_SPLIT_POINT): the
+    first one at or after each target; a stretch with none makes a longer piece. NOTE: each
+    search looks at one window of `every` characters at most, so no single call holds the GIL
+    for long even on a text with no split point at all."""
+    points: list[int] = []
+    pos, window = every, max(every, 256)
+    while pos < len(text):
+        found = _SPLIT_POINT.search(text, pos, pos + window)
+        if found is None:
+            pos += window
+            continue
+        points.append(found.start())
+        pos = found.start() + every
+    return points
 
 
 _TOOLS_PROMPT = ("You can call these functions:\n{functions}\nTo call one, answer with only "

@@ -59,3 +59,65 @@ def test_import_is_light():
     code = ("import sys, everystop.tokenizer; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _long_text() -> str:
+    """Over LONG_TEXT_CHARS of varied text: this repository's sources and README (code,
+    indentation, CRLF-free newlines, punctuation) and the probe's unicode, spaces and
+    special-token strings, shuffled word by word."""
+    import random
+    from pathlib import Path
+
+    from everystop import tokenizer as module
+
+    root = Path(module.__file__).resolve().parents[2]
+    text = "".join(p.read_text() for p in sorted((root / "src/everystop/server").glob("*.py")))
+    words = (module._PROBE + (root / "README.md").read_text()).split(" ")
+    rng = random.Random(0)
+    return text + " ".join(rng.choice(words) for _ in range(40_000))
+
+
+def test_a_long_text_encoded_in_pieces_gives_the_ids_of_one_encode(tok):
+    from everystop.tokenizer import LONG_TEXT_CHARS, split_points
+
+    text = _long_text()
+    assert len(text) > 4 * LONG_TEXT_CHARS and tok._can_split()
+    assert len(split_points(text, 1 << 15)) > 4
+    whole = list(tok.hf_tokenizer.encode(text, add_special_tokens=False))
+    assert tok.encode(text) == whole
+    assert tok.encode(text, add_special_tokens=True) == list(
+        tok.hf_tokenizer.encode(text, add_special_tokens=True))
+
+
+def test_pieces_are_refused_when_a_cut_would_change_the_ids(tok, monkeypatch):
+    import re
+
+    from everystop import tokenizer as module
+    from everystop.tokenizer import Tokenizer
+
+    # Cutting after any newline splits "\r\n" apart before a word (GPT-2's `\s+(?!\S)`):
+    # the probe catches it and the tokenizer keeps encoding whole.
+    monkeypatch.setattr(module, "_SPLIT_POINT", re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\n)"))
+    fresh = Tokenizer(tok.hf_tokenizer)
+    assert not fresh._can_split()
+    text = "line one\r\nline two " * 5000
+    assert fresh.encode(text) == list(tok.hf_tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_special_tokens_wrap_a_long_text_as_one_encode_wraps_it(tok):
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from everystop.tokenizer import Tokenizer
+
+    hf = copy.deepcopy(tok.hf_tokenizer)
+    start, end = hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    hf.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>",
+        special_tokens=[("<|im_start|>", start), ("<|im_end|>", end)])
+    wrapped = Tokenizer(hf)
+    text = _long_text()
+    assert wrapped._can_split() and wrapped._special_wrap == ([start], [end])
+    assert wrapped.encode(text, add_special_tokens=True) == list(
+        hf.encode(text, add_special_tokens=True))

@@ -137,3 +137,14 @@ def test_server_still_serves_after_all_that(server: ServerProcess) -> None:
     r = post(server, "/v1/completions", json.dumps({"prompt": "fine", "max_tokens": 3}))
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_tokenize_renders_a_long_answer_in_slices_to_the_same_json(server: ServerProcess
+                                                                     ) -> None:
+    piece = "héllo wörld, "
+    short = post(server, "/tokenize", json.dumps({"prompt": piece})).json()
+    long = post(server, "/tokenize", json.dumps({"prompt": piece * 8000}))
+    assert long.headers["content-type"] == "application/json"
+    body = long.json()
+    assert body["tokens"] == short["tokens"] * 8000 and body["count"] == len(body["tokens"])
+    assert body["count"] > 2 * 32768 and body["max_model_len"] == short["max_model_len"]

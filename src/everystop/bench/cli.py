@@ -32,6 +32,11 @@ MEASUREMENTS = [
     ("startup", "everystop.bench.startup", "start-up: generate to its answer, serve to /health"),
     ("routing", "everystop.bench.routing", "routing policies side by side on 2 Ray Serve "
      "replicas (skewed and shared-prefix workloads)"),
+    ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
+    ("health-big-request", "everystop.bench.health_big_request", "worst /health latency while "
+     "one client sends a 10 MB request"),
+    ("health-under-load", "everystop.bench.health_under_load", "/health latency with every "
+     "sequence slot busy"),
 ]
 
 

@@ -66,6 +66,7 @@ class SchedulerOutput:
     # Swap operations the executor performs before the forward pass (device<->host KV copies).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    swapped_in_request_ids: list[str] = field(default_factory=list)  # whose blocks come back
     # Requests that finished or were preempted since the previous step.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)

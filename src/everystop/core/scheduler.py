@@ -30,6 +30,7 @@ from everystop.config import SchedulerConfig
 from everystop.core.intake import QueueFull, RequestRejected, check_admissible, model_len_limit
 from everystop.core.invariants import check_scheduler_integrity
 from everystop.core.kv_cache_manager import KVCacheManager
+from everystop.core.oom_backoff import SeatCap, without
 from everystop.core.outputs import (
     ModelOutput,
     RequestUpdate,
@@ -74,6 +75,8 @@ class Scheduler:
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
         self.num_steps = 0
+        # Lowered after a pass runs out of memory (shrink_after_oom), regrown as passes succeed.
+        self.oom_seat_cap = SeatCap()
         # What a forward pass costs here, learnt from every result (update_from_output), and
         # the TPOT target used where none is configured, derived from it once, at start-up.
         self.step_cost = step_cost or StepCostModel.from_prefill_rate(
@@ -138,7 +141,7 @@ class Scheduler:
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
             self._release_padding()
-        while len(self.running) > cfg.max_num_seqs:  # max_num_seqs lowered at runtime
+        while len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
             self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
         if cfg.scheduling == "static":
             self._schedule_static(step)
@@ -203,7 +206,7 @@ class Scheduler:
         oldest = min(r.arrival_time for q in (self.preempted, self.waiting) for r in q)
         if queued < cfg.max_batch_size and now - oldest < cfg.static_batch_timeout_s:
             return  # keep the doors shut until the batch is full or the timeout expires
-        limit = min(cfg.max_batch_size, cfg.max_num_seqs)
+        limit = min(cfg.max_batch_size, self.num_seats)
         for queue in (self.preempted, self.waiting):
             while queue and len(self.running) < limit:
                 req = queue.peek()
@@ -225,20 +228,21 @@ class Scheduler:
         self._padding.clear()
 
     def _admit_swapped(self, step: PassBuilder) -> None:
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and len(self.running) < self.num_seats:
             req = self.swapped.peek()
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if not n or not self.kv.can_swap_in(req, n):
                 return
             self.swapped.pop()
             step.out.blocks_to_swap_in.extend(self.kv.swap_in(req, n))
+            step.out.swapped_in_request_ids.append(req.request_id)
             self._set_running(req, step)
             self._emit(step, req, n)
 
     def _admit(self, queue: RequestQueue, step: PassBuilder) -> None:
         while queue:
             req = queue.peek()
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_worse_tier(
+            if len(self.running) >= self.num_seats and not self._preempt_worse_tier(
                     req, step):
                 return
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
@@ -319,15 +323,58 @@ class Scheduler:
             victim.num_preemptions_swap += 1
             self.swapped.push(victim)
         else:
-            self.kv.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_preemptions_recompute += 1
-            self.preempted.push(victim)
+            self._recompute_later(victim)
         victim.preemption_count += 1
         victim.preemption_times.append(now)
         self.num_preemptions[strategy] += 1
         out.preempted_request_ids.append(victim.request_id)
+
+    def _recompute_later(self, victim: Request) -> None:
+        """Free the victim's blocks (host copy too) and queue it to run again from token 0."""
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions_recompute += 1
+        self.preempted.push(victim)
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences a pass may hold now: max_num_seqs, or less after an out-of-memory pass."""
+        return self.oom_seat_cap.seats(self.config.max_num_seqs)
+
+    def shrink_after_oom(self, failed: SchedulerOutput) -> SchedulerOutput | None:
+        """The pass `failed` ran out of memory: the pass to run again instead, or None when it
+        held one sequence (that one cannot run even alone; the caller fails it).
+
+        The lower-ranked half of its sequences (victim_rank, the policy of every preemption)
+        is recompute-preempted, blocks freed, and the sequences per pass are capped at the rest
+        (oom_backoff.SeatCap). Requests whose blocks this pass swapped in or out are recomputed
+        too: the failed pass may have left their copies half done."""
+        now = self.clock()
+        live = [self.requests[e.request_id] for e in failed.scheduled
+                if e.request_id in self.requests
+                and self.requests[e.request_id].status == RequestStatus.RUNNING]
+        if len(live) <= 1 and not failed.swapped_in_request_ids:
+            return None
+        swapped_in = set(failed.swapped_in_request_ids)
+        ranked = sorted((r for r in live if r.request_id not in swapped_in),
+                        key=lambda r: victim_rank(r, self.config, now), reverse=True)
+        keep = ranked[:(len(ranked) + 1) // 2]
+        kept_ids = {r.request_id for r in keep}
+        victims = [r for r in live if r.request_id not in kept_ids]
+        for victim in victims:
+            self._leave_running(victim)
+            self._recompute_later(victim)
+            victim.preemption_count += 1
+            victim.preemption_times.append(now)
+            self.num_preemptions["recompute"] += 1
+        for rid in failed.preempted_request_ids:  # swapped out by this pass: recompute instead
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self._recompute_later(req)
+        self.oom_seat_cap.lower_to(len(keep))
+        return without(failed, [r.request_id for r in victims])
 
     # -- results --------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
@@ -336,6 +383,7 @@ class Scheduler:
         now = self.clock()
         # Learn what this pass cost (an executor that does not time itself reports 0).
         self.step_cost.observe(StepShape.from_output(sched), result.execute_time_s)
+        self.oom_seat_cap.pass_succeeded(self.config.max_num_seqs)
         # Loop invariants hoisted: this loop runs once per scheduled row (the hot path).
         requests, running = self.requests, RequestStatus.RUNNING
         cache_blocks = self.kv.cache_computed_blocks

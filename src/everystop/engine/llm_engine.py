@@ -155,19 +155,30 @@ class LLMEngine:
             start = self.clock()
             sched = self.scheduler.schedule()
             self.structured.fill_bitmasks(sched, self._live)
-        if sched.is_empty:
-            return outputs
-        try:
-            result = self.executor.execute(sched)
-        except Exception as exc:
-            self.check_health()  # a dead executor (TP worker gone) is fatal: raises here
-            logger.exception("forward pass failed; failing the %d sequences in it",
-                             len(sched.scheduled))
-            reason = f"engine error in the forward pass: {type(exc).__name__}: {exc}"
-            with lock:
-                victims = self._step_victims(sched)
-                outputs.extend(self.fail_requests(dict.fromkeys(victims, reason)))
-            return outputs
+        while True:
+            if sched.is_empty:
+                return outputs
+            try:
+                result = self.executor.execute(sched)
+                break
+            except Exception as exc:
+                self.check_health()  # a dead executor (TP worker gone) is fatal: raises here
+                if is_out_of_memory(exc):
+                    with lock:
+                        retry = self.scheduler.shrink_after_oom(sched)
+                    if retry is not None:
+                        logger.warning("forward pass of %d sequences ran out of memory (%s); "
+                                       "running %d of them again", len(sched.scheduled), exc,
+                                       len(retry.scheduled))
+                        sched = retry
+                        continue
+                logger.exception("forward pass failed; failing the %d sequences in it",
+                                 len(sched.scheduled))
+                reason = f"engine error in the forward pass: {type(exc).__name__}: {exc}"
+                with lock:
+                    victims = self._step_victims(sched)
+                    outputs.extend(self.fail_requests(dict.fromkeys(victims, reason)))
+                return outputs
         with lock:
             if result.failed:
                 outputs.extend(self.fail_requests(result.failed))
@@ -372,3 +383,15 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
     return Request(request_id or uuid.uuid4().hex, token_ids, params,
                    eos_token_id=tokenizer.eos_token_id, arrival_time=arrival_time,
                    priority=priority, tenant=tenant)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether a forward pass failed for want of memory (host MemoryError, torch's
+    OutOfMemoryError for CUDA, or a backend's RuntimeError saying "out of memory"): a smaller
+    batch may fit, so the engine preempts and retries instead of failing the batch.
+    NOTE: by name, not by class: the engine does not import torch."""
+    if isinstance(exc, MemoryError):
+        return True
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

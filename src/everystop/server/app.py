@@ -20,7 +20,7 @@ from everystop.server.errors import APIError, RequestIdMiddleware, install_error
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.limits import LimitsMiddleware, RequestLimits, check_fan_out
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.offload import check_text_fits, off_loop
+from everystop.server.offload import check_text_fits, json_with_ids, off_loop
 from everystop.server.openapi import install_openapi
 from everystop.server.protocol import (
     ChatCompletionRequest,
@@ -124,14 +124,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         return JSONResponse(model_info(model_id, max_model_len))
 
     @app.post("/tokenize")
-    async def tokenize(http: Request) -> JSONResponse:
+    async def tokenize(http: Request) -> Response:
         """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
         check_auth(http)
         body = await parse(http, TokenizeRequest)
         check_model(body.model)
         ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt),
                              add_special_tokens=bool(body.add_special_tokens))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+        fields = {"count": len(ids), "max_model_len": max_model_len}
+        return Response(await off_loop(json_with_ids, ids, fields, size=len(ids)),
+                        media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(http: Request) -> JSONResponse:

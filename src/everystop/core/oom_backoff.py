@@ -1,0 +1,57 @@
+"""After a forward pass ran out of memory: the pass without the sequences taken out of it, and a
+cap on sequences per pass so the victims do not come straight back into a pass that cannot fit.
+
+The cap is multiplicative decrease, additive increase: an out-of-memory pass sets it to the
+sequences left in the pass that is retried; every `regrow_after_passes` passes that succeed
+give one seat back, until max_num_seqs is reached and the cap is lifted. Memory that was short
+once because of fragmentation or a transient allocation comes back to full use by itself; a
+batch that really does not fit is retried at most log2(batch) times, then runs at its size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from everystop.core.outputs import SchedulerOutput
+
+
+@dataclass
+class SeatCap:
+    """Sequences a pass may hold after an out-of-memory pass (None: no cap beyond config)."""
+
+    regrow_after_passes: int = 32
+    limit: int | None = None
+    _passes_since_change: int = 0
+
+    def seats(self, max_num_seqs: int) -> int:
+        return max_num_seqs if self.limit is None else min(self.limit, max_num_seqs)
+
+    def lower_to(self, num_seqs: int) -> None:
+        self.limit = max(1, num_seqs)
+        self._passes_since_change = 0
+
+    def pass_succeeded(self, max_num_seqs: int) -> None:
+        if self.limit is None:
+            return
+        self._passes_since_change += 1
+        if self._passes_since_change >= self.regrow_after_passes:
+            self._passes_since_change = 0
+            self.limit += 1
+            if self.limit >= max_num_seqs:
+                self.limit = None
+
+
+def without(sched: SchedulerOutput, removed: Collection[str]) -> SchedulerOutput:
+    """The pass `sched` with the rows of `removed` dropped (they join preempted_request_ids)
+    and no swap copies: whatever a failed pass's copies did is not trusted, so every request a
+    copy touched is recomputed instead (Scheduler.shrink_after_oom)."""
+    rows = [e for e in sched.scheduled if e.request_id not in removed]
+    # Decode-shaped rows as PassBuilder counts them: one token, the last one, or padding.
+    decodes = [e for e in rows if e.padding or (e.sample and e.num_tokens == 1)]
+    return dataclasses.replace(
+        sched, scheduled=rows, blocks_to_swap_out=[], blocks_to_swap_in=[],
+        preempted_request_ids=list(dict.fromkeys([*sched.preempted_request_ids, *removed])),
+        num_decode_tokens=len(decodes), num_padding_tokens=sum(e.padding for e in decodes),
+        num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes))
