@@ -9,6 +9,7 @@ import pytest
 
 from everystop.bench.client import ServeOptions
 from everystop.bench.sweep import (
+    _plot_lines,
     merge_sweeps,
     parse_tier_mix,
     plot_sweep,
@@ -61,7 +62,7 @@ def test_sweep_runs_every_target_at_every_load_with_the_same_tokens(tmp_path: Pa
     assert plot.stat().st_size > 10_000
 
 
-def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results() -> None:
+def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results(tmp_path: Path) -> None:
     reqs = [WorkloadRequest(f"r{i}", f"prompt {i}", 2, 3, None, 1) for i in range(6)]
     full = Workload("t", 0, {}, reqs)
     measured = full.head(4)
@@ -74,7 +75,8 @@ def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results() -> Non
         await server.start()
         try:
             return await run_sweep(measured, {"a": server.base_url}, [1.0],
-                                   ServeOptions(progress=False, timeout_s=30),
+                                   ServeOptions(progress=False, timeout_s=30,
+                                                send_priority=True),
                                    capacity_rps=50.0, warmup=warm)
         finally:
             await server.stop()
@@ -86,6 +88,9 @@ def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results() -> Non
     assert len(data["runs"]["a"]["1"]["load_average_before"]) == 3
     first_two = [body["prompt"] for body in server.received[:2]]
     assert sorted(first_two) == ["prompt 4", "prompt 5"]  # the warm-up went first
+    assert all(body["priority"] == 1 for body in server.received)
+    assert _plot_lines(data).keys() == {"a", "a tier 1"}  # a line per tier when sent
+    assert plot_sweep(data, tmp_path / "tiers.png").stat().st_size > 10_000
 
 
 def test_tier_mix_assigns_exact_shares_and_pieces_merge() -> None:
