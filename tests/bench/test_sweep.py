@@ -70,14 +70,16 @@ def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results(tmp_path
     assert [r.id for r in warm.requests] == ["r4", "r5"]  # not the measured prompts
     assert [r.id for r in warmup_workload(full, 6, 2).requests] == ["r0", "r1"]
     server = FakeServer(ttft_s=0.01, itl_s=0.002)
+    saved: list[list[str]] = []  # the loads done at each save, as a cut-short sweep keeps them
 
     async def main() -> dict:
         await server.start()
         try:
-            return await run_sweep(measured, {"a": server.base_url}, [1.0],
+            return await run_sweep(measured, {"a": server.base_url}, [1.0, 2.0],
                                    ServeOptions(progress=False, timeout_s=30,
                                                 send_priority=True),
-                                   capacity_rps=50.0, warmup=warm)
+                                   capacity_rps=50.0, warmup=warm,
+                                   on_progress=lambda r: saved.append(list(r["runs"]["a"])))
         finally:
             await server.stop()
 
@@ -85,6 +87,7 @@ def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results(tmp_path
     assert data["warmup"]["by_target"]["a"]["completed"] == 2
     assert data["warmup"]["excluded_from_results"] is True
     assert data["runs"]["a"]["1"]["summary"]["completed"] == 4
+    assert saved == [["1"], ["1", "2"]]
     assert len(data["runs"]["a"]["1"]["load_average_before"]) == 3
     first_two = [body["prompt"] for body in server.received[:2]]
     assert sorted(first_two) == ["prompt 4", "prompt 5"]  # the warm-up went first

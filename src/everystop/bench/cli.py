@@ -237,15 +237,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     base = ServeOptions(seed=args.seed, send_priority=send_priority, progress=False,
                         timeout_s=args.timeout, prompt_token_ids=ids)
     loads = [float(x) for x in args.loads.split(",") if x]
-    data = asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
-                                 capacity_from=args.capacity_from, warmup=warm))
-    data["meta"]["notes"] = args.notes
-    data = _finite(data)
     out = Path(args.out)
-    if args.append and out.exists():
-        previous = json.loads(out.read_text())
-        data = merge_sweeps(previous, write_result(data, None, quiet=True))
-    data = write_result(data, str(out), quiet=True)
+    previous = json.loads(out.read_text()) if args.append and out.exists() else None
+
+    def save(result: dict[str, Any]) -> dict[str, Any]:
+        """Write the sweep as it stands (merged into --out's with --append)."""
+        data = _finite({**result, "meta": {**result["meta"], "notes": args.notes}})
+        if previous is not None:
+            data = merge_sweeps(previous, write_result(data, None, quiet=True))
+        return write_result(data, str(out), quiet=True)
+
+    data = save(asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
+                                      capacity_from=args.capacity_from, warmup=warm,
+                                      on_progress=save)))
     plot = plot_sweep(data, out.with_suffix(".png"))
     for name, by_load in data["runs"].items():
         for load, run in by_load.items():

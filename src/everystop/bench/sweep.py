@@ -21,6 +21,7 @@ import dataclasses
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,13 @@ def _load_average() -> list[float]:
 async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[float],
                     base: ServeOptions, *, capacity_rps: float | None = None,
                     capacity_from: str | None = None,
-                    warmup: Workload | None = None) -> dict[str, Any]:
+                    warmup: Workload | None = None,
+                    on_progress: Callable[[dict[str, Any]], None] | None = None
+                    ) -> dict[str, Any]:
     """Run every target at every load (fractions of capacity_rps, or of capacity_from's
     measured saturated request rate), each target warmed up first with `warmup` (all at once;
-    excluded from the results). Returns the sweep's JSON-ready result."""
+    excluded from the results). Returns the sweep's JSON-ready result; `on_progress` gets it
+    as it stands after every finished run (so a sweep cut short keeps what it measured)."""
     meta: dict[str, Any] = {"kind": "sweep", "machine": machine_description(),
                             "workload": workload.name, "num_requests": len(workload.requests),
                             "targets": targets, "loads": loads,
@@ -98,6 +102,7 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
         result["saturated"] = {"target": capacity_from, "summary": saturated["summary"]}
     meta.update(capacity_rps=capacity_rps, capacity_from=capacity_from)
     runs: dict[str, dict[str, Any]] = {name: {} for name in targets}
+    result["runs"] = runs
     for load in loads:
         for name, url in targets.items():
             opts = dataclasses.replace(base, base_url=url, rate=load * capacity_rps)
@@ -108,7 +113,8 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
                                        "by_priority": report["by_priority"],
                                        "load_average_before": before,
                                        "load_average_after": _load_average()}
-    result["runs"] = runs
+            if on_progress is not None:
+                on_progress(result)
     return result
 
 
