@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 from everystop.bench.client import ServeOptions
-from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
+from everystop.bench.sweep import (
+    _plot_lines,
+    merge_sweeps,
+    parse_tier_mix,
+    plot_sweep,
+    run_sweep,
+    tokenize_prompts,
+    warmup_workload,
+    with_tier_mix,
+)
 from everystop.workload import Workload, WorkloadRequest
 
 from .fake_sse_server import FakeServer
@@ -51,3 +60,57 @@ def test_sweep_runs_every_target_at_every_load_with_the_same_tokens(tmp_path: Pa
                                                 [106, 106, 103]) for p in prompts)
     plot = plot_sweep(data, tmp_path / "sweep.png")
     assert plot.stat().st_size > 10_000
+
+
+def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results(tmp_path: Path) -> None:
+    reqs = [WorkloadRequest(f"r{i}", f"prompt {i}", 2, 3, None, 1) for i in range(6)]
+    full = Workload("t", 0, {}, reqs)
+    measured = full.head(4)
+    warm = warmup_workload(full, 4, 2)
+    assert [r.id for r in warm.requests] == ["r4", "r5"]  # not the measured prompts
+    assert [r.id for r in warmup_workload(full, 6, 2).requests] == ["r0", "r1"]
+    server = FakeServer(ttft_s=0.01, itl_s=0.002)
+    saved: list[list[str]] = []  # the loads done at each save, as a cut-short sweep keeps them
+
+    async def main() -> dict:
+        await server.start()
+        try:
+            return await run_sweep(measured, {"a": server.base_url}, [1.0, 2.0],
+                                   ServeOptions(progress=False, timeout_s=30,
+                                                send_priority=True),
+                                   capacity_rps=50.0, warmup=warm,
+                                   on_progress=lambda r: saved.append(list(r["runs"]["a"])))
+        finally:
+            await server.stop()
+
+    data = asyncio.run(asyncio.wait_for(main(), 60))
+    assert data["warmup"]["by_target"]["a"]["completed"] == 2
+    assert data["warmup"]["excluded_from_results"] is True
+    assert data["runs"]["a"]["1"]["summary"]["completed"] == 4
+    assert saved == [["1"], ["1", "2"]]
+    assert len(data["runs"]["a"]["1"]["load_average_before"]) == 3
+    first_two = [body["prompt"] for body in server.received[:2]]
+    assert sorted(first_two) == ["prompt 4", "prompt 5"]  # the warm-up went first
+    assert all(body["priority"] == 1 for body in server.received)
+    assert _plot_lines(data).keys() == {"a", "a tier 1"}  # a line per tier when sent
+    assert plot_sweep(data, tmp_path / "tiers.png").stat().st_size > 10_000
+
+
+def test_tier_mix_assigns_exact_shares_and_pieces_merge() -> None:
+    reqs = [WorkloadRequest(f"r{i}", "p", 2, 3, None, 1) for i in range(10)]
+    mixed = with_tier_mix(Workload("t", 0, {}, reqs), parse_tier_mix("0.2:0:0.8"), seed=3)
+    assert sorted(r.priority for r in mixed.requests) == [0, 0] + [2] * 8
+    assert mixed.requests[0].id == "r0"  # order and ids kept
+    with pytest.raises(ValueError):
+        parse_tier_mix("1:2")
+
+    def piece(load: str, capacity: float) -> dict:
+        return {"meta": {"workload": "w", "num_requests": 10, "capacity_rps": capacity,
+                         "targets": {"a": "u"}, "loads": [float(load)], "started": load},
+                "runs": {"a": {load: {"offered_rps": float(load)}}}}
+
+    merged = merge_sweeps(piece("0.5", 2.0), piece("0.25", 2.0))
+    assert set(merged["runs"]["a"]) == {"0.5", "0.25"} and merged["meta"]["loads"] == [0.25, 0.5]
+    assert [p["started"] for p in merged["pieces"]] == ["0.5", "0.25"]
+    with pytest.raises(ValueError, match="capacity_rps"):
+        merge_sweeps(piece("0.5", 2.0), piece("0.25", 3.0))

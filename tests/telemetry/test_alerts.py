@@ -134,12 +134,12 @@ def test_blocks_held_without_progress_are_a_suspected_leak(store: Store) -> None
 
 
 def _record(step: int, execute_s: float, target_s: float | None, prefill: int,
-            decode: int = 4) -> IterationRecord:
+            decode: int = 4, predicted_s: float = 0.05) -> IterationRecord:
     return IterationRecord(step=step, time=float(step), num_seqs=decode + 1,
                            num_decode_tokens=decode, num_prefill_tokens=prefill,
                            context_tokens=100, num_free_blocks=10, num_running=decode + 1,
                            num_waiting=0, num_preempted=0, latency_s=execute_s,
-                           execute_s=execute_s, predicted_s=0.05, tpot_target_s=target_s)
+                           execute_s=execute_s, predicted_s=predicted_s, tpot_target_s=target_s)
 
 
 def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
@@ -157,7 +157,10 @@ def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
     for i in range(8, 12):  # decode-only overruns: a smaller budget cannot help, no clamp
         g.on_iteration(_record(i, 0.2, 0.1, 0), 2048)
     assert [a.kind for a in g.drain()] == ["tpot_overrun"] and g.drain_clamps() == []
-    for i in range(12, 30):  # no target: nothing to overrun
+    for i in range(12, 16):  # prefill the budget knew was over target (the anti-starvation
+        g.on_iteration(_record(i, 0.2, 0.1, 60, predicted_s=0.15), 2048)  # floor): no clamp
+    assert [a.kind for a in g.drain()] == ["tpot_overrun"] and g.drain_clamps() == []
+    for i in range(16, 30):  # no target: nothing to overrun
         g.on_iteration(_record(i, 5.0, None, 60), 2048)
     assert g.drain() == []
 

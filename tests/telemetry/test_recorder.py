@@ -6,11 +6,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from everystop.core.step_cost import StepShape
 from everystop.telemetry.recorder import TelemetryRecorder
 from everystop.telemetry.rows import IterationRow, SequenceRow
 from everystop.telemetry.store import Store
 from tests.core.helpers import FakeClock
-from tests.core.toy_executor import reference_output
+from tests.core.toy_executor import ToyExecutor, reference_output
 
 from .helpers import make_engine, params, run
 
@@ -42,6 +43,43 @@ def test_rows_match_what_the_engine_did(store: Store) -> None:
         # The toy engine decodes each running request every step: 10 ms per output token.
         assert abs(row.tpot_p50_ms - 10.0) < 1e-6
         assert row.num_kv_blocks == -(-(len(prompt) + n - 1) // 4)
+    rec.writer.close()
+
+
+def _known_cost(shape: StepShape) -> float:
+    return (0.005 + 1e-4 * shape.num_prefill_tokens + 5e-4 * shape.num_decode_rows
+            + 1e-6 * shape.context_tokens)
+
+
+def test_iteration_rows_carry_the_step_budget(store: Store) -> None:
+    """Each iteration row says what the step-cost fit predicted and what the pass measured, the
+    target and prefill budget the step was held to, and the fitted terms after it."""
+    clock = FakeClock()
+    eng = make_engine(clock, executor=ToyExecutor(256, 4, cost_fn=_known_cost),
+                      tpot_target_ms=20.0)
+    rec = TelemetryRecorder(store, block_size=4, clock=clock).attach(eng)
+    for i in range(12):  # prompts keep arriving while others decode
+        eng.add_request(chr(97 + i) * (20 + 5 * i), params(8))
+        for _ in range(3):
+            eng.step()
+            clock.now += 0.01
+    run(eng, clock)
+    assert rec.writer.flush()
+    iters = store.fetch(IterationRow)
+    assert len(iters) == eng.num_steps
+    for row in iters:
+        shape = StepShape(row.num_prefill_tokens, row.num_decode_tokens, row.context_tokens)
+        assert abs(row.execute_ms - 1000.0 * _known_cost(shape)) < 1e-6
+        assert row.predicted_step_ms > 0 and 0 <= row.prefill_budget_tokens <= 64
+        # A step with decodes is held to the target; one with none has no target.
+        assert row.tpot_target_ms == (20.0 if row.num_decode_tokens else None)
+    last = iters[-1]
+    fitted = eng.scheduler.step_cost.coefficients
+    assert (last.step_cost_fixed_s, last.step_cost_prefill_token_s, last.step_cost_decode_row_s,
+            last.step_cost_context_token_s) == fitted.as_tuple()
+    # By the end the fit predicts the known cost closely.
+    late = iters[len(iters) // 2:]
+    assert max(abs(r.predicted_step_ms - r.execute_ms) / r.execute_ms for r in late) < 0.05
     rec.writer.close()
 
 

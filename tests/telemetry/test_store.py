@@ -29,7 +29,11 @@ def seq_row(i: int, **kw: object) -> SequenceRow:
 def iteration_row(i: int) -> IterationRow:
     return IterationRow(recorded_at=T0 + i, step=i, num_decode_tokens=3, num_prefill_tokens=16,
                         batch_size=4, free_kv_blocks=100 - i, iteration_latency_ms=1.5,
-                        num_running=4, num_waiting=2, num_preempted=0, context_tokens=80)
+                        num_running=4, num_waiting=2, num_preempted=0, context_tokens=80,
+                        execute_ms=1.25, predicted_step_ms=1.5,
+                        tpot_target_ms=None if i % 2 else 100.0, prefill_budget_tokens=12 + i,
+                        step_cost_fixed_s=0.004, step_cost_prefill_token_s=2.5e-4,
+                        step_cost_decode_row_s=1e-4, step_cost_context_token_s=3e-7)
 
 
 def assert_rows_equal(got: list, want: list) -> None:
@@ -70,6 +74,7 @@ def test_v1_database_migrates_keeping_its_rows(store_target: str) -> None:
         [row] = store.fetch(IterationRow)
         assert (row.num_decode_tokens, row.num_prefill_tokens, row.batch_size) == (5, 7, 6)
         assert row.step == 0 and row.context_tokens == 0  # v2 columns take their defaults
+        assert row.predicted_step_ms == 0 and row.tpot_target_ms is None  # and v3's
         store.insert([iteration_row(1)])
         assert store.count(IterationRow) == 2
     finally:

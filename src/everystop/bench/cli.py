@@ -198,6 +198,18 @@ def _sweep_parser(sub: Any) -> None:
                    help="send prompts as token ids (the default model's tokenizer), so every "
                         "server sees the same tokens")
     p.add_argument("--send-priority", action="store_true")
+    p.add_argument("--tier-mix", default=None, metavar="T0:T1:T2",
+                   help="re-assign priority tiers in these fractions (seeded) and send them, "
+                        "e.g. 0.2:0:0.8 (20%% premium, the rest best-effort)")
+    p.add_argument("--warmup-requests", type=int, default=8,
+                   help="per target, before anything is measured: this many requests from "
+                        "after the measured ones, all at once; recorded, not in the results "
+                        "(0: none)")
+    p.add_argument("--append", action="store_true",
+                   help="merge into the JSON at --out (one piece of a long sweep; same "
+                        "workload and --capacity-rps)")
+    p.add_argument("--notes", default=None, help="free text kept in the JSON's meta (e.g. "
+                                                 "the servers' flags)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--out", default="benchmarks/results/sweep.json",
@@ -207,26 +219,49 @@ def _sweep_parser(sub: Any) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions
-    from everystop.bench.sweep import plot_sweep, run_sweep, tokenize_prompts
+    from everystop.bench.compare import _finite
+    from everystop.bench.sweep import (
+        merge_sweeps,
+        parse_tier_mix,
+        plot_sweep,
+        run_sweep,
+        tokenize_prompts,
+        warmup_workload,
+        with_tier_mix,
+    )
+    from everystop.results import write_result
     from everystop.workload import load_workload
     targets = dict(t.split("=", 1) for t in args.target)
-    wl = load_workload(args.workload)
-    if args.num_requests:
-        wl = wl.head(args.num_requests)
+    full = load_workload(args.workload)
+    wl = full.head(args.num_requests) if args.num_requests else full
+    warm = warmup_workload(full, len(wl.requests), args.warmup_requests)
+    send_priority = args.send_priority
+    if args.tier_mix:
+        wl = with_tier_mix(wl, parse_tier_mix(args.tier_mix), args.seed)
+        send_priority = True
     ids = None
     if args.token_ids:
         tokenizer = default_tokenizer()
         if tokenizer is None:
             print("everystop: --token-ids needs the default model's tokenizer", file=sys.stderr)
             return 2
-        ids = tokenize_prompts(wl, tokenizer)
-    base = ServeOptions(seed=args.seed, send_priority=args.send_priority, progress=False,
+        ids = tokenize_prompts(wl, tokenizer) | tokenize_prompts(warm, tokenizer)
+    base = ServeOptions(seed=args.seed, send_priority=send_priority, progress=False,
                         timeout_s=args.timeout, prompt_token_ids=ids)
     loads = [float(x) for x in args.loads.split(",") if x]
-    data = asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
-                                 capacity_from=args.capacity_from))
     out = Path(args.out)
-    _write_json(str(out), data)
+    previous = json.loads(out.read_text()) if args.append and out.exists() else None
+
+    def save(result: dict[str, Any]) -> dict[str, Any]:
+        """Write the sweep as it stands (merged into --out's with --append)."""
+        data = _finite({**result, "meta": {**result["meta"], "notes": args.notes}})
+        if previous is not None:
+            data = merge_sweeps(previous, write_result(data, None, quiet=True))
+        return write_result(data, str(out), quiet=True)
+
+    data = save(asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
+                                      capacity_from=args.capacity_from, warmup=warm,
+                                      on_progress=save)))
     plot = plot_sweep(data, out.with_suffix(".png"))
     for name, by_load in data["runs"].items():
         for load, run in by_load.items():

@@ -4,13 +4,24 @@ Each target (a name and the base URL of an OpenAI-compatible server: everystop's
 `llama-server`, vLLM ...) gets the same workload at each offered load, as Poisson arrivals,
 through the same streaming client (`client.run_serve`). Loads are fractions of a capacity in
 requests/s: given, or measured first by sending the whole workload at once to one target.
-Writes one JSON (per target and load: the client's summary and per-tier breakdown) and a plot.
+
+Before anything is measured every target gets a warm-up: a few requests not in the measured
+workload, all at once (first-call costs - thread pools spinning up, allocator growth, kernel
+selection - would otherwise land in whichever load runs first). Its summary is kept in the JSON
+under "warmup", apart from the results. A tier mix (`--tier-mix 0.2:0:0.8`) re-assigns the
+requests' priority tiers, seeded, and sends them, for a per-tier TPOT-target run. A sweep too
+long for one sitting runs in pieces (`--append`: one load per call), merged into one JSON.
+Writes one JSON (per target and load: the client's summary, per-tier breakdown and the load
+average around the run) and a plot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +40,110 @@ def tokenize_prompts(workload: Workload, tokenizer: Any) -> dict[str, list[int]]
     return {r.id: list(tokenizer.encode(r.prompt)) for r in workload.requests}
 
 
+def parse_tier_mix(text: str) -> tuple[float, float, float]:
+    """'0.2:0:0.8' -> fractions of tiers 0, 1, 2 (normalized)."""
+    parts = [float(x) for x in text.split(":")]
+    if len(parts) != 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError(f"a tier mix is three non-negative fractions a:b:c, not {text!r}")
+    total = sum(parts)
+    return (parts[0] / total, parts[1] / total, parts[2] / total)
+
+
+def with_tier_mix(workload: Workload, mix: tuple[float, float, float], seed: int = 0) -> Workload:
+    """The same requests with priority tiers re-assigned: round(fraction * n) of each tier
+    (tier 2 takes the rounding rest), on requests picked by a seeded shuffle."""
+    n = len(workload.requests)
+    counts = [round(mix[0] * n), round(mix[1] * n)]
+    counts.append(n - counts[0] - counts[1])
+    tiers = [t for t, c in enumerate(counts) for _ in range(c)]
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    tier_of = {i: tiers[k] for k, i in enumerate(order)}
+    reqs = [dataclasses.replace(r, priority=tier_of[i]) for i, r in enumerate(workload.requests)]
+    name = f"{workload.name}+tiers{mix[0]:g}:{mix[1]:g}:{mix[2]:g}"
+    return Workload(name, workload.seed, workload.spec, reqs)
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[float],
                     base: ServeOptions, *, capacity_rps: float | None = None,
-                    capacity_from: str | None = None) -> dict[str, Any]:
+                    capacity_from: str | None = None,
+                    warmup: Workload | None = None,
+                    on_progress: Callable[[dict[str, Any]], None] | None = None
+                    ) -> dict[str, Any]:
     """Run every target at every load (fractions of capacity_rps, or of capacity_from's
-    measured saturated request rate). Returns the sweep's JSON-ready result."""
+    measured saturated request rate), each target warmed up first with `warmup` (all at once;
+    excluded from the results). Returns the sweep's JSON-ready result; `on_progress` gets it
+    as it stands after every finished run (so a sweep cut short keeps what it measured)."""
     meta: dict[str, Any] = {"kind": "sweep", "machine": machine_description(),
                             "workload": workload.name, "num_requests": len(workload.requests),
                             "targets": targets, "loads": loads,
                             "token_id_prompts": base.prompt_token_ids is not None,
+                            "send_priority": base.send_priority,
                             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    saturated = None
+    result: dict[str, Any] = {"meta": meta}
+    if warmup is not None and warmup.requests:
+        result["warmup"] = {"workload": warmup.name, "num_requests": len(warmup.requests),
+                            "rate": "all at once", "excluded_from_results": True,
+                            "by_target": {}}
+        for name, url in targets.items():
+            report = await run_serve(warmup, dataclasses.replace(base, base_url=url,
+                                                                 rate=float("inf")))
+            result["warmup"]["by_target"][name] = report["summary"]
     if capacity_rps is None:
         if capacity_from not in targets:
             raise ValueError("give capacity_rps, or capacity_from naming one of the targets")
         opts = dataclasses.replace(base, base_url=targets[capacity_from], rate=float("inf"))
         saturated = await run_serve(workload, opts)
         capacity_rps = saturated["summary"]["request_throughput"]
+        result["saturated"] = {"target": capacity_from, "summary": saturated["summary"]}
     meta.update(capacity_rps=capacity_rps, capacity_from=capacity_from)
     runs: dict[str, dict[str, Any]] = {name: {} for name in targets}
+    result["runs"] = runs
     for load in loads:
         for name, url in targets.items():
             opts = dataclasses.replace(base, base_url=url, rate=load * capacity_rps)
+            before = _load_average()
             report = await run_serve(workload, opts)
             runs[name][f"{load:g}"] = {"offered_rps": load * capacity_rps,
                                        "summary": report["summary"],
-                                       "by_priority": report["by_priority"]}
-    result: dict[str, Any] = {"meta": meta, "runs": runs}
-    if saturated is not None:
-        result["saturated"] = {"target": capacity_from, "summary": saturated["summary"]}
+                                       "by_priority": report["by_priority"],
+                                       "load_average_before": before,
+                                       "load_average_after": _load_average()}
+            if on_progress is not None:
+                on_progress(result)
     return result
+
+
+def merge_sweeps(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """One sweep from two pieces of it (`--append`): the same workload and capacity, the new
+    piece's runs added (a load run again replaces the old one). Each piece's meta, warm-up and
+    saturated run are kept under "pieces"."""
+    for key in ("workload", "num_requests", "capacity_rps"):
+        if old["meta"].get(key) != new["meta"].get(key):
+            raise ValueError(f"cannot append: {key} differs ({old['meta'].get(key)!r} vs "
+                             f"{new['meta'].get(key)!r}); pass --capacity-rps to keep it")
+    pieces = old.get("pieces") or [_piece(old)]
+    merged = {k: v for k, v in old.items() if k not in ("runs", "pieces")}
+    merged["meta"] = dict(old["meta"])
+    merged["meta"]["targets"] = {**old["meta"]["targets"], **new["meta"]["targets"]}
+    merged["meta"]["loads"] = sorted({*old["meta"]["loads"], *new["meta"]["loads"]})
+    runs = {name: dict(by_load) for name, by_load in old["runs"].items()}
+    for name, by_load in new["runs"].items():
+        runs.setdefault(name, {}).update(by_load)
+    merged["runs"] = runs
+    merged["pieces"] = [*pieces, _piece(new)]
+    return merged
+
+
+def _piece(data: dict[str, Any]) -> dict[str, Any]:
+    return {"started": data["meta"].get("started"), "loads": data["meta"]["loads"],
+            "command": data.get("command"), "git_commit": data.get("git_commit"),
+            "load_average": (data.get("machine") or {}).get("load_avg"),
+            "warmup": data.get("warmup"), "saturated": data.get("saturated")}
 
 
 def plot_sweep(data: dict[str, Any], path: Path) -> Path:
@@ -67,10 +152,11 @@ def plot_sweep(data: dict[str, Any], path: Path) -> Path:
 
     plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    lines = _plot_lines(data)
     for ax, (label, key, field) in zip(axes.flat, METRICS):
-        for name, by_load in data["runs"].items():
-            pts = sorted((run["offered_rps"], run["summary"][key] if field is None
-                          else run["summary"][key][field]) for run in by_load.values())
+        for name, pts_by_load in lines.items():
+            pts = sorted((rps, s[key] if field is None else s[key][field])
+                         for rps, s in pts_by_load if s.get(key) is not None)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
         ax.set_xlabel("offered load (requests/s, Poisson)")
         ax.set_ylabel(label)
@@ -80,3 +166,26 @@ def plot_sweep(data: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"{meta['workload']} ({meta['num_requests']} requests) on {meta['machine']}",
                  fontsize=10)
     return save(fig, path)
+
+
+def _plot_lines(data: dict[str, Any]) -> dict[str, list[tuple[float, dict[str, Any]]]]:
+    """Line label -> (offered req/s, summary) points: one line per target, and with priorities
+    sent, one per target and tier as well."""
+    lines: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    for name, by_load in data["runs"].items():
+        for run in by_load.values():
+            lines.setdefault(name, []).append((run["offered_rps"], run["summary"]))
+            if data["meta"].get("send_priority"):
+                for tier, summary in run["by_priority"].items():
+                    lines.setdefault(f"{name} tier {tier}", []).append(
+                        (run["offered_rps"], summary))
+    return lines
+
+
+def warmup_workload(full: Workload, num_measured: int, num_warmup: int) -> Workload:
+    """`num_warmup` requests from after the first `num_measured` (so the warm-up leaves no
+    measured prompt in a prefix cache); from the start when the workload has no more."""
+    reqs = full.requests[num_measured:num_measured + num_warmup]
+    if len(reqs) < num_warmup:
+        reqs = full.requests[:num_warmup]
+    return Workload(f"{full.name}[warmup]", full.seed, full.spec, list(reqs))

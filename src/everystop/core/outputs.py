@@ -242,3 +242,5 @@ class IterationRecord:
     predicted_s: float = 0.0  # what the step-cost model predicted for it
     tpot_target_s: float | None = None
     prefill_budget_tokens: int = 0
+    # The fitted step-cost terms after this step (core/step_cost.py FEATURES -> s per unit).
+    step_cost: dict[str, float] = field(default_factory=dict)

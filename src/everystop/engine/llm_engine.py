@@ -238,7 +238,8 @@ class LLMEngine:
             num_waiting=stats.num_waiting, num_preempted=len(sched.preempted_request_ids),
             latency_s=self.clock() - start, num_padding_tokens=sched.num_padding_tokens,
             execute_s=execute_s, predicted_s=sched.predicted_time_s,
-            tpot_target_s=sched.tpot_target_s, prefill_budget_tokens=sched.prefill_budget_tokens)
+            tpot_target_s=sched.tpot_target_s, prefill_budget_tokens=sched.prefill_budget_tokens,
+            step_cost=stats.step_cost)
         for listener in self.iteration_listeners:
             try:
                 listener(record, sched)

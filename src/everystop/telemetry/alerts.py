@@ -10,7 +10,8 @@
   tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance)
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
-run of overruns in steps that carried prefill, also proposes a lower max_num_batched_tokens:
+run of overruns in steps that carried prefill the budget predicted within the target, also
+proposes a lower max_num_batched_tokens:
 the ceiling, or the overrunning steps' mean token count scaled by target / measured time.
 Whoever drains the proposals applies them (`clamp_change`), logs them and records them in the
 config history; a clamp only ever lowers the cap, and an operator lifts it with a PATCH.
@@ -126,7 +127,14 @@ class Guardrails:
                               f"{len(run)} steps in a row overran the TPOT target of "
                               f"{1e3 * target:.0f} ms (mean {1e3 * mean_s:.0f} ms, predicted "
                               f"{1e3 * run[-1].predicted_s:.0f} ms)"))
-            if self.config.auto_clamp and any(r.num_prefill_tokens for r in run):
+            # NOTE: only steps whose prefill the budget admitted believing the step fit its
+            # target (predicted <= target) say the cap is too high. A step predicted over its
+            # target got its prefill from the anti-starvation floor, or carried decodes that
+            # alone overrun (a machine slower than the target, a loaded neighbour): a lower cap
+            # cannot speed up decodes and would only slow the starving prompts the floor
+            # protects - and a clamp stays until an operator lifts it.
+            if self.config.auto_clamp and any(r.num_prefill_tokens and r.predicted_s <= target
+                                              for r in run):
                 tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in run) / len(run)
                 self._clamps.append((int(tokens * target / mean_s),
                                      f"{len(run)} steps in a row overran {1e3 * target:.0f} ms"))

@@ -137,13 +137,21 @@ class TelemetryRecorder:
 
     def _iteration_row(self, ev: IterationEvent) -> IterationRow:
         rec = ev.record
+        cost = rec.step_cost
         return IterationRow(
             recorded_at=rec.time + self.wall_offset, step=rec.step,
             num_decode_tokens=rec.num_decode_tokens, num_prefill_tokens=rec.num_prefill_tokens,
             batch_size=rec.num_seqs, free_kv_blocks=rec.num_free_blocks,
             iteration_latency_ms=rec.latency_s * 1000.0, num_running=rec.num_running,
             num_waiting=rec.num_waiting, num_preempted=rec.num_preempted,
-            context_tokens=rec.context_tokens)
+            context_tokens=rec.context_tokens, execute_ms=rec.execute_s * 1000.0,
+            predicted_step_ms=rec.predicted_s * 1000.0,
+            tpot_target_ms=None if rec.tpot_target_s is None else rec.tpot_target_s * 1000.0,
+            prefill_budget_tokens=rec.prefill_budget_tokens,
+            step_cost_fixed_s=cost.get("fixed", 0.0),
+            step_cost_prefill_token_s=cost.get("prefill_token", 0.0),
+            step_cost_decode_row_s=cost.get("decode_row", 0.0),
+            step_cost_context_token_s=cost.get("context_token", 0.0))
 
     def _sequence_row(self, ev: FinishEvent) -> SequenceRow:
         times = ev.token_times

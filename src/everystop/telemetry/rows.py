@@ -60,6 +60,19 @@ class IterationRow:
     num_waiting: int
     num_preempted: int
     context_tokens: int
+    # The step budget (core/step_budget.py): the forward pass as the executor timed it (what
+    # the step-cost fit observes), the fit's prediction for this step's shape when it was
+    # scheduled, the TPOT target the step was held to (None: none, e.g. no decodes), the
+    # prefill tokens that target left after the decodes, and the fitted cost terms after this
+    # step (seconds per unit: per step, prefill token, decode row, context token read).
+    execute_ms: float = 0.0
+    predicted_step_ms: float = 0.0
+    tpot_target_ms: float | None = None
+    prefill_budget_tokens: int = 0
+    step_cost_fixed_s: float = 0.0
+    step_cost_prefill_token_s: float = 0.0
+    step_cost_decode_row_s: float = 0.0
+    step_cost_context_token_s: float = 0.0
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Version 1 is the design's data model (sequences, scheduler_iterations, scheduler_config;
 kv_block_table is left out: block tables change every step and live only in memory). Version 2
-adds what the guardrails and `everystop report` need. Append migrations, never edit a shipped
+adds what the guardrails and `everystop report` need; version 3 the step budget of each
+iteration (core/step_cost.py, core/step_budget.py). Append migrations, never edit a shipped
 one: a database records the versions it has applied in `schema_version`.
 """
 
@@ -100,6 +101,22 @@ MIGRATIONS: tuple[Migration, ...] = (
             threshold  {float} NOT NULL,
             message    TEXT NOT NULL)""",
         "CREATE INDEX ix_alerts_raised_at ON alerts (raised_at)",
+    )),
+    Migration(3, "the step budget per iteration: fitted step cost, prediction, target, budget", (
+        "ALTER TABLE scheduler_iterations ADD COLUMN execute_ms {float} NOT NULL DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN predicted_step_ms {float} NOT NULL "
+        "DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN tpot_target_ms {float}",
+        "ALTER TABLE scheduler_iterations ADD COLUMN prefill_budget_tokens INTEGER NOT NULL "
+        "DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN step_cost_fixed_s {float} NOT NULL "
+        "DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN step_cost_prefill_token_s {float} NOT NULL "
+        "DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN step_cost_decode_row_s {float} NOT NULL "
+        "DEFAULT 0",
+        "ALTER TABLE scheduler_iterations ADD COLUMN step_cost_context_token_s {float} NOT NULL "
+        "DEFAULT 0",
     )),
 )
 
