@@ -12,7 +12,12 @@ from everystop.config import SchedulerConfig
 from everystop.core.outputs import IterationRecord
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.admin import install_admin_routes
-from everystop.telemetry.alerts import GuardrailConfig, Guardrails, clamp_change
+from everystop.telemetry.alerts import (
+    MIN_PREFILL_ROOM,
+    GuardrailConfig,
+    Guardrails,
+    clamp_change,
+)
 from everystop.telemetry.rows import AlertRow, ConfigRow
 from everystop.telemetry.service import Telemetry
 from everystop.telemetry.store import Store
@@ -32,7 +37,8 @@ def scrape(registry: CollectorRegistry) -> dict[str, float]:
 
 def test_prefill_ceiling_counts_every_breach_and_reports_once(caplog) -> None:
     clock = FakeClock()
-    eng = make_engine(clock, chunk_size=32, max_num_batched_tokens=64)
+    # max_num_seqs 4: a cap of 20 still leaves a full decode batch and a KV block of prefill
+    eng = make_engine(clock, chunk_size=32, max_num_batched_tokens=64, max_num_seqs=4)
     tel = Telemetry(None, eng, guardrail_config=GuardrailConfig(prefill_ceiling=20))
     registry = CollectorRegistry()
     tel.register_metrics(registry)
@@ -165,11 +171,13 @@ def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
     assert g.drain() == []
 
 
-def test_clamp_change_never_raises_the_cap_or_goes_below_max_num_seqs() -> None:
+def test_clamp_change_never_raises_the_cap_or_starves_prefill() -> None:
     cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
     assert clamp_change(cfg, 100) == {"max_num_batched_tokens": 100}
-    assert clamp_change(cfg, 3) == {"max_num_batched_tokens": 16}
+    # a full decode batch plus a KV block of prefill always fit
+    assert clamp_change(cfg, 3) == {"max_num_batched_tokens": 16 + MIN_PREFILL_ROOM}
     assert clamp_change(cfg, 300) is None
+    assert clamp_change(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24), 6) is None
 
 
 def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: Store,
@@ -198,7 +206,8 @@ def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: 
 
 def test_prefill_ceiling_breach_clamps_the_budget_without_an_admin_api() -> None:
     clock = FakeClock()
-    eng = make_engine(clock, chunk_size=32, max_num_batched_tokens=64)
+    # max_num_seqs 4: a cap of 20 still leaves a full decode batch and a KV block of prefill
+    eng = make_engine(clock, chunk_size=32, max_num_batched_tokens=64, max_num_seqs=4)
     tel = Telemetry(None, eng, guardrail_config=GuardrailConfig(prefill_ceiling=20))
     eng.add_request("x" * 90, params(2))
     run(eng, clock, dt=0.01)

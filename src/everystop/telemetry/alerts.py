@@ -236,10 +236,16 @@ class Guardrails:
         return alerts
 
 
+# Prefill tokens a clamped cap always leaves beside a full decode batch: prompts keep moving.
+MIN_PREFILL_ROOM = 16  # one KV block at the default block size
+
+
 def clamp_change(config: Any, proposed_cap: int) -> dict[str, int] | None:
-    """The config change that applies a proposed cap to a SchedulerConfig: never below
-    max_num_seqs (a full decode batch must fit), never a raise; None when nothing changes."""
-    cap = max(int(proposed_cap), config.max_num_seqs)
+    """The config change that applies a proposed cap to a SchedulerConfig: never below a full
+    decode batch plus MIN_PREFILL_ROOM prefill tokens (a cap of max_num_seqs alone
+    starved every prompt in a soak: 6 tokens a step, 200 requests queued), never a raise;
+    None when nothing changes."""
+    cap = max(int(proposed_cap), config.max_num_seqs + MIN_PREFILL_ROOM)
     if cap >= config.max_num_batched_tokens:
         return None
     return {"max_num_batched_tokens": cap}
