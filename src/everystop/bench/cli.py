@@ -1,5 +1,5 @@
 """`everystop bench {workload,serve,compare,gate,sweep,report}` and the measurements
-`everystop bench {throughput,profile,roofline,vs-llamacpp,sim-calibrate}`."""
+(`everystop bench throughput`, ... : the MEASUREMENTS list)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,22 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("gemm-backends", "everystop.bench.gemm_backends", "fp32 GEMM: MKL vs oneDNN on the "
+     "model's projection shapes"),
+    ("attention", "everystop.bench.attention_kernels", "paged attention: torch vs each CPU "
+     "kernel build, per KV dtype"),
+    ("preemption", "everystop.bench.preemption_modes", "KV-starved workload: recompute vs swap "
+     "vs the cost model"),
+    ("scheduler", "everystop.bench.scheduler_cost", "scheduler cost per iteration; decode "
+     "tok/s by batch size"),
+    ("grammar-mask", "everystop.bench.grammar_mask", "structured-output token masks: xgrammar "
+     "vs llguidance"),
+    ("structured-output", "everystop.bench.json_schema_outputs", "JSON-schema outputs: valid "
+     "share and the masks' cost"),
+    ("tp-check", "everystop.bench.tp_check", "tensor parallel: TP=N vs TP=1 equality and "
+     "overhead"),
+    ("cuda-check", "everystop.bench.cuda_check", "on a CUDA machine: correctness core and "
+     "decode tok/s"),
 ]
 
 
