@@ -24,6 +24,7 @@ from typing import Any
 
 from everystop.results import write_result
 from everystop.stats import percentile
+from everystop.workload import Workload
 
 
 def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
@@ -105,17 +106,16 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
             "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
 
 
-def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
+def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     from everystop import LLM
-    from everystop.bench.throughput import run_workload
+    from everystop.bench.throughput import run_workload, warm_up_workload
 
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
               kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
               tpot_target_ms=args.tpot_target_ms, quantization=args.quantization)
     startup = time.perf_counter() - start
-    warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
-    run_workload(llm, {"requests": warm}, 0.0)
+    run_workload(llm, warm_up_workload(workload), 0.0)
     res = run_workload(llm, workload, 0.0)
     import torch
 
@@ -153,14 +153,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from everystop.bench.throughput import load_perf_workload
 
-    if args.workload:
-        with open(args.workload) as f:
-            workload = json.load(f)
-    else:
-        from everystop.workload import perf_workload
-        workload = perf_workload(args.num_requests).to_dict()
-    reqs = workload["requests"]
+    workload = load_perf_workload(args)
+    reqs = workload.to_dict()["requests"]  # llama.cpp's client sends their token ids
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
                            "llamacpp_slots": args.slots,
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),
