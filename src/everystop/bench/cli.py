@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
+from everystop.results import write_result
 from everystop.workload import TextTokenizer
 
 # Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
@@ -179,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"  {title} {name:<10} {s['completed']:4d} req  TTFT p99 "
                   f"{s['ttft_ms']['p99']:9.1f} ms  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms")
     if args.result_json:
-        _write_json(args.result_json, report)
+        write_result(report, args.result_json, quiet=True)
         print(f"wrote {args.result_json}")
     return 0 if report["summary"]["completed"] else 1
 
@@ -230,7 +231,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     data = asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
                                  capacity_from=args.capacity_from))
     out = Path(args.out)
-    _write_json(str(out), data)
+    write_result(data, out, quiet=True)
     plot = plot_sweep(data, out.with_suffix(".png"))
     for name, by_load in data["runs"].items():
         for load, run in by_load.items():
@@ -359,10 +360,3 @@ def cmd_gate(args: argparse.Namespace) -> int:
                   args.ttft_p99_pct, args.tpot_p50_pct)
     print(verdict_line(result))
     return 0 if result["passed"] else 1
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    from everystop.bench.compare import _finite
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(_finite(data), indent=1))
-
