@@ -1,9 +1,14 @@
-"""Waiting for a server a benchmark started: its /health answers 200, or it failed."""
+"""Servers a benchmark starts and stops itself: wait until /health answers 200 (or the server
+failed), and llama.cpp's `llama-server` launched with given flags, its exact command recorded."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import httpx
 
@@ -22,3 +27,46 @@ def wait_healthy(proc: subprocess.Popen, url: str, failure: str, timeout_s: floa
         except httpx.HTTPError:
             pass
         time.sleep(poll_s)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LlamaServer:
+    """A running llama-server: the exact command that started it, where it answers, its
+    process (for its pid, e.g. to read its memory)."""
+
+    command: list[str]
+    url: str
+    proc: subprocess.Popen
+
+
+@contextmanager
+def llama_server(binary: str, gguf: str, flags: Sequence[str] = (), *, port: int = 0,
+                 log_path: str | None = None,
+                 timeout_s: float = 300.0) -> Iterator[LlamaServer]:
+    """`binary -m gguf --host 127.0.0.1 --port PORT --no-webui *flags` (port 0: a free one),
+    healthy when entered (SystemExit naming the command if it exits or stays unhealthy for
+    `timeout_s`), terminated on leaving. Its output goes to `log_path`, or nowhere."""
+    port = port or free_port()
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+               *flags]
+    url = f"http://127.0.0.1:{port}"
+    with (open(log_path, "w") if log_path else nullcontext(subprocess.DEVNULL)) as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(proc, url, f"llama-server exited or was not healthy in {timeout_s:g} "
+                                    f"s: {' '.join(command)}", timeout_s=timeout_s)
+            yield LlamaServer(command, url, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
