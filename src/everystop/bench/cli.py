@@ -14,6 +14,7 @@ from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
 from everystop.results import write_result
+from everystop.subcommands import add_module_commands
 from everystop.workload import TextTokenizer
 
 # Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
@@ -72,12 +73,7 @@ def register(subparsers: Any) -> None:
     _compare_parser(sub)
     _gate_parser(sub)
     _sweep_parser(sub)
-    for name, module_name, help_text in MEASUREMENTS:
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    add_module_commands(sub, MEASUREMENTS)
     rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
     rep.add_argument("compare_json")
     rep.add_argument("--out-dir", default=None, help="default: next to the JSON")

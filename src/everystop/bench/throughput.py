@@ -23,17 +23,33 @@ from everystop.stats import percentile
 from everystop.workload import Workload
 
 
+def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The engine flags the in-process measurements (throughput, profile) share."""
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
+                    help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
+                    "3 GiB at fp32")
+
+
+def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """LLM(...) options from add_engine_arguments' flags, plus `more`."""
+    options: dict[str, Any] = {"dtype": args.dtype, "cpu_kernels": args.cpu_kernels,
+                               "kv_cache_dtype": args.kv_cache_dtype,
+                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
+    return options
+
+
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     from everystop import LLM
 
     start = time.perf_counter()
-    options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                               "max_num_batched_tokens": args.max_num_batched_tokens,
-                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
-    if args.threads is not None:
-        options["num_threads"] = args.threads
-    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
-    llm = LLM(**options)
+    llm = LLM(**engine_options(args, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens))
     return llm, time.perf_counter() - start
 
 
@@ -96,16 +112,11 @@ def load_perf_workload(args: argparse.Namespace) -> Workload:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=("workload", "single"), default="workload")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_engine_arguments(ap)
     ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
-                    help="KV pool size: the whole workload (~47k tokens) fits in 3 GiB at fp32")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs (min is reported)")
     ap.add_argument("--peaks", help="a roofline JSON (everystop bench roofline): place the "
