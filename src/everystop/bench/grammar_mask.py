@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from everystop.results import write_result
+from everystop.stats import percentile
 
 SCHEMA = {
     "type": "object",
@@ -145,7 +147,7 @@ def time_masks(engine: Any, docs_ids: list[list[int]], eos: int,
     times.sort()
     return {"compile_ms": compile_s * 1e3, "steps": steps,
             "mask_ms_per_step_median": statistics.median(times) * 1e3,
-            "mask_ms_per_step_p90": times[int(0.9 * (len(times) - 1))] * 1e3,
+            "mask_ms_per_step_p90": percentile(times, 90, empty=math.nan) * 1e3,
             "mask_us_per_row_median": statistics.median(times) * 1e6 / len(docs_ids)}
 
 

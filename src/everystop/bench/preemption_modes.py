@@ -22,6 +22,7 @@ from typing import Any
 
 from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
+from everystop.stats import percentile
 
 MODES = ("recompute", "swap", "auto")
 
@@ -57,7 +58,7 @@ def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int,
     return {
         "mode": mode, "wall_s": wall,
         "output_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
-        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
+        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 99),
         "preemptions_recompute": sched.num_preemptions["recompute"],
         "preemptions_swap": sched.num_preemptions["swap"],
         "swap_out_bytes": sched.num_swap_out_blocks * bytes_per_block,

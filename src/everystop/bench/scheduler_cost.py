@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -25,6 +26,7 @@ from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler
 from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
+from everystop.stats import percentile
 
 
 def bench_scheduler(num_running: int = 128, num_waiting: int = 1000,
@@ -60,7 +62,7 @@ def bench_scheduler(num_running: int = 128, num_waiting: int = 1000,
             "schedule_ms_median": statistics.median(times_schedule) * 1e3,
             "update_ms_median": statistics.median(times_update) * 1e3,
             "total_ms_median": statistics.median(total) * 1e3,
-            "total_ms_p99": sorted(total)[int(0.99 * len(total))] * 1e3,
+            "total_ms_p99": percentile(total, 99, empty=math.nan) * 1e3,
             "goal_ms": 1.0}
 
 
