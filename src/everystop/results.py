@@ -11,6 +11,7 @@ result sits under (None when the command measured none).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -73,21 +74,40 @@ def envelope(roofline: dict[str, Any] | None = None) -> dict[str, Any]:
             "git_commit": git_commit(), "machine": cpu_info(), "roofline": roofline}
 
 
+def finite(x: Any) -> Any:
+    """JSON has no NaN or infinity: they are written as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [finite(v) for v in x]
+    return x
+
+
 def write_result(result: dict[str, Any], out: str | Path | None,
-                 roofline: dict[str, Any] | None = None, quiet: bool = False) -> dict[str, Any]:
+                 roofline: dict[str, Any] | None = None, quiet: bool = False,
+                 compact: bool = False) -> dict[str, Any]:
     """The envelope's fields first, then the result's own (a result's own `machine` dict is
-    merged over the envelope's; its own non-null `roofline` wins). Printed unless quiet; written to
-    `out` when given. Returns what was written."""
+    merged over the envelope's; its own non-null `roofline` wins). NaN and infinity become
+    null. Printed unless quiet; written to `out` when given, whole or not at all (a result
+    rewritten after every run survives a kill), on one line when compact (long per-step
+    lists). Returns what was written."""
     env = envelope(roofline)
     full = {**env, **result}
     if isinstance(result.get("machine"), dict):
         full["machine"] = {**env["machine"], **result["machine"]}
     if result.get("roofline") is None:
         full["roofline"] = roofline
-    text = json.dumps(full, indent=2, default=str)
+    full = finite(full)
+    text = json.dumps(full, default=str, **({"separators": (",", ":")} if compact
+                                            else {"indent": 2}))
     if not quiet:
         print(text)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
     return full

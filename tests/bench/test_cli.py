@@ -36,6 +36,7 @@ def test_workload_then_serve_writes_a_result_json(tmp_path, capsys) -> None:  # 
         thread.join(10)
     assert code == 0
     rep = json.loads(out.read_text())
+    assert {"command", "git_commit", "machine", "roofline"} <= set(rep)  # write_result's
     assert rep["summary"]["completed"] == 5
     assert rep["summary"]["goodput"]["fraction"] == 1.0
     assert rep["meta"]["rate"] == 50.0 and rep["meta"]["max_concurrency"] == 2

@@ -82,6 +82,7 @@ def test_compare_writes_json_table_and_plots(tmp_path) -> None:  # type: ignore[
     data = run_compare(_workload(n=8), _toy_factory, opts, out_json=out,
                        meta={"machine": "toy"}, log=lambda s: None)
     on_disk = json.loads(out.read_text())
+    assert {"command", "git_commit", "machine", "roofline"} <= set(on_disk)  # write_result's
     assert set(on_disk["runs"]) == {f"{p}/{m}" for p in ("offline", "online0.5")
                                     for m in ("static", "continuous", "chunked", "prefix")} | {
         "gate/baseline", "gate/rerun", "gate/delay2ms"}

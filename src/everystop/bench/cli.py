@@ -1,5 +1,5 @@
 """`everystop bench {workload,serve,compare,gate,sweep,report}` and the measurements
-`everystop bench {throughput,profile,roofline,vs-llamacpp,sim-calibrate}`."""
+(`everystop bench throughput`, ... : the MEASUREMENTS list)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from everystop.bench.metrics import SLO, format_summary
+from everystop.results import write_result
+from everystop.subcommands import add_module_commands
 from everystop.workload import TextTokenizer
 
 # Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
@@ -37,6 +39,22 @@ MEASUREMENTS = [
      "one client sends a 10 MB request"),
     ("health-under-load", "everystop.bench.health_under_load", "/health latency with every "
      "sequence slot busy"),
+    ("gemm-backends", "everystop.bench.gemm_backends", "fp32 GEMM: MKL vs oneDNN on the "
+     "model's projection shapes"),
+    ("attention", "everystop.bench.attention_kernels", "paged attention: torch vs each CPU "
+     "kernel build, per KV dtype"),
+    ("preemption", "everystop.bench.preemption_modes", "KV-starved workload: recompute vs swap "
+     "vs the cost model"),
+    ("scheduler", "everystop.bench.scheduler_cost", "scheduler cost per iteration; decode "
+     "tok/s by batch size"),
+    ("grammar-mask", "everystop.bench.grammar_mask", "structured-output token masks: xgrammar "
+     "vs llguidance"),
+    ("structured-output", "everystop.bench.json_schema_outputs", "JSON-schema outputs: valid "
+     "share and the masks' cost"),
+    ("tp-check", "everystop.bench.tp_check", "tensor parallel: TP=N vs TP=1 equality and "
+     "overhead"),
+    ("cuda-check", "everystop.bench.cuda_check", "on a CUDA machine: correctness core and "
+     "decode tok/s"),
 ]
 
 
@@ -67,12 +85,7 @@ def register(subparsers: Any) -> None:
     _compare_parser(sub)
     _gate_parser(sub)
     _sweep_parser(sub)
-    for name, module_name, help_text in MEASUREMENTS:
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    add_module_commands(sub, MEASUREMENTS)
     rep = sub.add_parser("report", help="re-render the table and plots of a compare JSON")
     rep.add_argument("compare_json")
     rep.add_argument("--out-dir", default=None, help="default: next to the JSON")
@@ -175,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"  {title} {name:<10} {s['completed']:4d} req  TTFT p99 "
                   f"{s['ttft_ms']['p99']:9.1f} ms  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms")
     if args.result_json:
-        _write_json(args.result_json, report)
+        write_result(report, args.result_json, quiet=True)
         print(f"wrote {args.result_json}")
     return 0 if report["summary"]["completed"] else 1
 
@@ -219,7 +232,6 @@ def _sweep_parser(sub: Any) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from everystop.bench.client import ServeOptions
-    from everystop.bench.compare import _finite
     from everystop.bench.sweep import (
         merge_sweeps,
         parse_tier_mix,
@@ -254,7 +266,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     def save(result: dict[str, Any]) -> dict[str, Any]:
         """Write the sweep as it stands (merged into --out's with --append)."""
-        data = _finite({**result, "meta": {**result["meta"], "notes": args.notes}})
+        data = {**result, "meta": {**result["meta"], "notes": args.notes}}
         if previous is not None:
             data = merge_sweeps(previous, write_result(data, None, quiet=True))
         return write_result(data, str(out), quiet=True)
@@ -390,10 +402,3 @@ def cmd_gate(args: argparse.Namespace) -> int:
                   args.ttft_p99_pct, args.tpot_p50_pct)
     print(verdict_line(result))
     return 0 if result["passed"] else 1
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    from everystop.bench.compare import _finite
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(_finite(data), indent=1))
-

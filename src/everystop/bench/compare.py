@@ -16,8 +16,6 @@ comparison can be watched and a killed one keeps what it finished.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from typing import Any
 
 from everystop.bench.metrics import SLO, full_report
 from everystop.bench.offline import EngineRun, run_engine, straggler_stats, warm_up
+from everystop.results import write_result
 from everystop.workload import Workload, arrival_offsets
 
 ENGINE_MODES = ("static", "continuous", "chunked", "prefix")
@@ -71,7 +70,8 @@ def mode_options(mode: str, opts: CompareOptions, max_model_len: int) -> dict[st
 
 
 class CompareRecorder:
-    """Accumulates runs and rewrites the result JSON after each one."""
+    """Accumulates runs and rewrites the result JSON (results.write_result's envelope around
+    meta, runs, capacity and gate) after each one."""
 
     def __init__(self, path: Path | None, meta: dict[str, Any]) -> None:
         self.path = path
@@ -88,12 +88,8 @@ class CompareRecorder:
         self.save()
 
     def save(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(_finite(self.data), indent=None, separators=(",", ":")))
-        tmp.replace(self.path)
+        if self.path is not None:
+            write_result(self.data, self.path, quiet=True, compact=True)
 
 
 def run_compare(workload: Workload, factory: EngineFactory, opts: CompareOptions,
@@ -191,17 +187,6 @@ def _options_json(opts: CompareOptions) -> dict[str, Any]:
     d = asdict(opts)
     d.pop("progress", None)
     return d
-
-
-def _finite(x: Any) -> Any:
-    """JSON has no NaN/inf: write them as null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
 
 
 def shared_model_factory(base_options: dict[str, Any], max_budget: int) -> EngineFactory:

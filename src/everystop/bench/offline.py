@@ -43,11 +43,14 @@ class EngineRun:
 
 
 def run_engine(engine: Any, workload: Workload, arrivals: list[float] | None = None, *,
-               step_delay_s: float = 0.0, progress: bool = False, desc: str = "") -> EngineRun:
-    """Drive `engine` (an LLMEngine) until every workload request finishes.
+               step_delay_s: float = 0.0, temperature: float = 0.0, progress: bool = False,
+               desc: str = "") -> EngineRun:
+    """Drive `engine` (an LLMEngine) until every workload request finishes. A request with
+    `prompt_token_ids` is sent those ids (every engine under test gets the same), else its text.
 
     arrivals: due time of each request in seconds from the start (None: all at t=0).
     step_delay_s: sleep this long before every step (a synthetic regression for the gate).
+    temperature: 0 is greedy; above it, request i samples with seed i (repeatable runs).
     """
     clock = engine.clock
     due = arrivals if arrivals is not None else [0.0] * len(workload.requests)
@@ -72,9 +75,10 @@ def run_engine(engine: Any, workload: Workload, arrivals: list[float] | None = N
                 i = order[next_i]
                 next_i += 1
                 wr = workload.requests[i]
-                params = SamplingParams(max_tokens=wr.max_tokens, temperature=0.0,
-                                        ignore_eos=True)
-                req = engine.add_request(wr.prompt, params, request_id=wr.id,
+                params = SamplingParams(max_tokens=wr.max_tokens, temperature=temperature,
+                                        seed=i if temperature else None, ignore_eos=True)
+                prompt = wr.prompt if wr.prompt_token_ids is None else wr.prompt_token_ids
+                req = engine.add_request(prompt, params, request_id=wr.id,
                                          priority=wr.priority, tenant=wr.tenant,
                                          arrival_time=t0 + due[i])
                 results[wr.id] = RequestResult(wr.id, req.num_prompt_tokens, wr.max_tokens,

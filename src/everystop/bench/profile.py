@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from everystop.bench.throughput import add_engine_arguments, engine_options
 from everystop.results import write_result
 
 # Our kernels' ops live in one namespace per ISA build (everystop_avx2::..., ...): they are
@@ -92,15 +93,10 @@ def _categorize(events: Any) -> dict[str, float]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    add_engine_arguments(ap)
     ap.add_argument("--tpot-target-ms", type=float, default=0.0,
                     help="0 = the fixed token budget (as the committed profiles ran)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
-                    help="KV pool size: the whole workload (~47k tokens) must fit to run 128")
     ap.add_argument("--max-steps", type=int, default=60, help="stop the run after this many")
     ap.add_argument("--single", action="store_true",
                     help="one request alone (a ~280-token prompt): profile its 32nd decode step")
@@ -118,13 +114,8 @@ def run(args: argparse.Namespace) -> int:
     from everystop import LLM, SamplingParams
     from everystop.workload import perf_workload
 
-    options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": 128,
-                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
-    if args.threads is not None:
-        options["num_threads"] = args.threads
-    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype,
-                   tpot_target_ms=args.tpot_target_ms, decoder_stack=args.decoder_stack)
-    llm = LLM(**options)
+    llm = LLM(**engine_options(args, max_num_seqs=128, tpot_target_ms=args.tpot_target_ms,
+                               decoder_stack=args.decoder_stack))
     engine = llm.engine
     runner = engine.executor.runner
     workload = perf_workload().to_dict()

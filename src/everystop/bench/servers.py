@@ -1,5 +1,6 @@
-"""Servers a benchmark starts: launching one on a free loopback port, waiting until its /health
-answers 200 (or it failed), stopping it."""
+"""Servers a benchmark starts and stops itself: launching everystop on a free loopback port,
+llama.cpp's `llama-server` with given flags (its exact command recorded), waiting until /health
+answers 200 (or the server failed), stopping them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -66,3 +68,39 @@ def everystop_server(flags: Sequence[str], *, src: str | Path = SRC,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@dataclass
+class LlamaServer:
+    """A running llama-server: the exact command that started it, where it answers, its
+    process (for its pid, e.g. to read its memory)."""
+
+    command: list[str]
+    url: str
+    proc: subprocess.Popen
+
+
+@contextmanager
+def llama_server(binary: str, gguf: str, flags: Sequence[str] = (), *, port: int = 0,
+                 log_path: str | None = None,
+                 timeout_s: float = 300.0) -> Iterator[LlamaServer]:
+    """`binary -m gguf --host 127.0.0.1 --port PORT --no-webui *flags` (port 0: a free one),
+    healthy when entered (SystemExit naming the command if it exits or stays unhealthy for
+    `timeout_s`), terminated on leaving. Its output goes to `log_path`, or nowhere."""
+    port = port or free_port()
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+               *flags]
+    url = f"http://127.0.0.1:{port}"
+    with (open(log_path, "w") if log_path else nullcontext(subprocess.DEVNULL)) as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(proc, url, f"llama-server exited or was not healthy in {timeout_s:g} "
+                                    f"s: {' '.join(command)}", timeout_s=timeout_s)
+            yield LlamaServer(command, url, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -12,53 +12,72 @@ With `--peaks` (a roofline JSON), the result's place under this machine's roofli
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from everystop.results import write_result
 from everystop.stats import percentile
+from everystop.workload import Workload
+
+
+def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The engine flags the in-process measurements (throughput, profile) share."""
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
+                    help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
+                    "3 GiB at fp32")
+
+
+def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """LLM(...) options from add_engine_arguments' flags, plus `more`."""
+    options: dict[str, Any] = {"dtype": args.dtype, "cpu_kernels": args.cpu_kernels,
+                               "kv_cache_dtype": args.kv_cache_dtype,
+                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
+    if args.threads is not None:
+        options["num_threads"] = args.threads
+    return options
 
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     from everystop import LLM
 
     start = time.perf_counter()
-    options: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                               "max_num_batched_tokens": args.max_num_batched_tokens,
-                               "kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
-    if args.threads is not None:
-        options["num_threads"] = args.threads
-    options.update(cpu_kernels=args.cpu_kernels, kv_cache_dtype=args.kv_cache_dtype)
-    llm = LLM(**options)
+    llm = LLM(**engine_options(args, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens))
     return llm, time.perf_counter() - start
 
 
-def run_workload(llm: Any, workload: dict[str, Any], temperature: float) -> dict[str, Any]:
-    from everystop import SamplingParams
+def run_workload(llm: Any, workload: Workload, temperature: float) -> dict[str, Any]:
+    """Every request at t=0 through the engine's own loop (bench.offline.run_engine): output
+    and total tok/s, steps, TTFT percentiles."""
+    from everystop.bench.offline import run_engine
 
-    reqs = workload["requests"]
-    prompts = [r["prompt_token_ids"] for r in reqs]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=temperature, seed=i,
-                             ignore_eos=True) for i, r in enumerate(reqs)]
     engine = llm.engine
     steps0 = engine.num_steps
-    start = time.perf_counter()
-    mono0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    n_out = sum(len(o.token_ids) for o in outs)
-    ttft = [o.metrics.first_token_time - mono0 for o in outs
-            if o.metrics is not None and o.metrics.first_token_time is not None]
-    return {"elapsed_s": elapsed, "num_requests": len(outs),
-            "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": n_out,
-            "output_tok_s": n_out / elapsed,
-            "total_tok_s": (n_out + sum(len(p) for p in prompts)) / elapsed,
+    run = run_engine(engine, workload, temperature=temperature)
+    n_out = sum(r.output_tokens for r in run.results)
+    n_prompt = sum(r.prompt_len for r in run.results)
+    ttft = [r.ttft_s for r in run.results if r.output_tokens]
+    return {"elapsed_s": run.duration_s, "num_requests": len(run.results),
+            "prompt_tokens": n_prompt, "output_tokens": n_out,
+            "output_tok_s": n_out / run.duration_s,
+            "total_tok_s": (n_out + n_prompt) / run.duration_s,
             "num_steps": engine.num_steps - steps0,
             "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
             "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
+
+
+def warm_up_workload(workload: Workload, n: int = 8, max_tokens: int = 4) -> Workload:
+    """The first `n` requests cut to `max_tokens`: a short run before the timed ones, so
+    one-time costs stay out of the numbers."""
+    return Workload(f"{workload.name}-warm-up", workload.seed, workload.spec,
+                    [replace(r, max_tokens=max_tokens) for r in workload.requests[:n]])
 
 
 def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[str, Any]:
@@ -83,18 +102,21 @@ def run_single(llm: Any, prompt_len: int = 128, new_tokens: int = 128) -> dict[s
             "decode_ms_per_token_min": 1000 * min(decode)}
 
 
+def load_perf_workload(args: argparse.Namespace) -> Workload:
+    """`--workload` (a workload JSON), else the committed perf-mixed-128 cut to
+    `--num-requests`."""
+    from everystop.workload import load_workload, perf_workload
+
+    return load_workload(args.workload) if args.workload else perf_workload(args.num_requests)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=("workload", "single"), default="workload")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_engine_arguments(ap)
     ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--kv-cache-gib", type=float, default=3.0,
-                    help="KV pool size: the whole workload (~47k tokens) fits in 3 GiB at fp32")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs (min is reported)")
     ap.add_argument("--peaks", help="a roofline JSON (everystop bench roofline): place the "
@@ -116,17 +138,11 @@ def run(args: argparse.Namespace) -> int:
         result["runs"] = runs
         result.update(min(runs, key=lambda r: r["decode_ms_per_token_mean"]))
     else:
-        if args.workload:
-            with open(args.workload) as f:
-                workload = json.load(f)
-        else:
-            from everystop.workload import perf_workload
-            workload = perf_workload(args.num_requests).to_dict()
-        warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
-        run_workload(llm, {"requests": warm}, args.temperature)
+        workload = load_perf_workload(args)
+        run_workload(llm, warm_up_workload(workload), args.temperature)
         runs = [run_workload(llm, workload, args.temperature) for _ in range(args.repeats)]
         result["runs"] = runs
-        result["workload"] = {"name": workload.get("name"), "seed": workload.get("seed")}
+        result["workload"] = {"name": workload.name, "seed": workload.seed}
         result.update(max(runs, key=lambda r: r["output_tok_s"]))
     result["load_avg_after"] = os.getloadavg()
     roofline = None

@@ -24,13 +24,7 @@ from typing import Any
 
 from everystop.results import write_result
 from everystop.stats import percentile
-
-
-def _server_cmd(args: argparse.Namespace, n_slots: int, ctx: int) -> list[str]:
-    return [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port),
-            "-np", str(n_slots), "-c", str(ctx), "-t", str(args.threads),
-            "-tb", str(args.threads), "-b", str(args.batch), "-ub", str(args.ubatch),
-            "--no-webui", *args.extra.split()]
+from everystop.workload import Workload
 
 
 def _version(binary: str) -> str:
@@ -59,10 +53,11 @@ async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[st
             "tokens": predicted if predicted is not None else n_events}
 
 
-async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
+async def _drive(base_url: str,
+                 reqs: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
     import httpx
 
-    url = f"http://127.0.0.1:{port}/completion"
+    url = f"{base_url}/completion"
     limits = httpx.Limits(max_connections=len(reqs) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         await _one(client, url, dict(reqs[0], max_tokens=4), time.perf_counter())  # warm-up
@@ -72,50 +67,35 @@ async def _drive(port: int, reqs: list[dict[str, Any]]) -> tuple[float, list[dic
 
 
 def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    from everystop.bench.servers import llama_server
+
     # Per-slot caches split -c evenly: each slot must hold the longest request.
     longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64
-    cmd = _server_cmd(args, args.slots, args.slots * longest)
-    # The log stays open for the server's whole life (this script ends soon after it).
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        import httpx
-
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("llama-server did not become healthy in 300 s")
-            time.sleep(1)
-        elapsed, results = asyncio.run(_drive(args.port, reqs))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    flags = ["-np", str(args.slots), "-c", str(args.slots * longest), "-t", str(args.threads),
+             "-tb", str(args.threads), "-b", str(args.batch), "-ub", str(args.ubatch),
+             *args.extra.split()]
+    with llama_server(args.llama_server, args.gguf, flags, port=args.port,
+                      log_path=args.server_log) as server:
+        elapsed, results = asyncio.run(_drive(server.url, reqs))
     n_out = sum(r["tokens"] for r in results)
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"engine": "llama.cpp server", "version": _version(args.llama_server),
-            "command": cmd, "gguf": args.gguf, "elapsed_s": elapsed, "output_tokens": n_out,
-            "output_tok_s": n_out / elapsed, "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
+            "command": server.command, "gguf": args.gguf, "elapsed_s": elapsed,
+            "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
             "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
 
 
-def run_everystop(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
+def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     from everystop import LLM
-    from everystop.bench.throughput import run_workload
+    from everystop.bench.throughput import run_workload, warm_up_workload
 
     start = time.perf_counter()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
               kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
               tpot_target_ms=args.tpot_target_ms, quantization=args.quantization)
     startup = time.perf_counter() - start
-    warm = [dict(r, max_tokens=4) for r in workload["requests"][:8]]
-    run_workload(llm, {"requests": warm}, 0.0)
+    run_workload(llm, warm_up_workload(workload), 0.0)
     res = run_workload(llm, workload, 0.0)
     import torch
 
@@ -145,7 +125,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--extra", default="", help="extra llama-server flags")
-    ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--port", type=int, default=0, help="llama-server's port (0: a free one)")
     ap.add_argument("--kv-cache-gib", type=float, default=3.0)
     ap.add_argument("--order", default="llamacpp,everystop")
     ap.add_argument("--server-log")
@@ -153,14 +133,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from everystop.bench.throughput import load_perf_workload
 
-    if args.workload:
-        with open(args.workload) as f:
-            workload = json.load(f)
-    else:
-        from everystop.workload import perf_workload
-        workload = perf_workload(args.num_requests).to_dict()
-    reqs = workload["requests"]
+    workload = load_perf_workload(args)
+    reqs = workload.to_dict()["requests"]  # llama.cpp's client sends their token ids
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
                            "llamacpp_slots": args.slots,
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),

@@ -5,7 +5,6 @@ cost model to measured iterations)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from everystop.sim.node import SCHEDULING_MODES, build_node
 from everystop.sim.report import write_run
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import hardware_keys, model_keys
+from everystop.subcommands import add_module_commands
 from everystop.workload import resolve_workload
 
 WORKLOAD_HELP = ("workload JSON file, or a synthetic spec such as "
@@ -61,12 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_fleet_args(p)
     p.set_defaults(func=run)
     sub = p.add_subparsers(dest="simulate_command", metavar="{report,calibrate,plan}")
-    for name, module_name, help_text in SUBCOMMANDS:
-        module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=help_text, description=module.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sp)
-        sp.set_defaults(func=module.run)
+    add_module_commands(sub, SUBCOMMANDS)
 
 
 # (subcommand, module with add_arguments(parser) and run(args), help)

@@ -1,8 +1,8 @@
 """Tensor-parallel equality check and overhead measurement; writes JSON.
 
-    python benchmarks/tp_check.py --tp 2                  # CPU, gloo (any machine)
-    python benchmarks/tp_check.py --tp 2 --device cuda    # NCCL: needs 2 GPUs (one per rank)
-    python benchmarks/tp_check.py --tp 1 --device cuda    # 1 GPU: NCCL group smoke test only
+    everystop bench tp-check --tp 2                  # CPU, gloo (any machine)
+    everystop bench tp-check --tp 2 --device cuda    # NCCL: needs 2 GPUs (one per rank)
+    everystop bench tp-check --tp 1 --device cuda    # 1 GPU: NCCL group smoke test only
 
 For tp >= 2 it runs the same mixed greedy batch through the continuous-batching engine at TP=1
 and TP=N and compares tokens (must be equal) and first-step logits (max |diff|), then times
@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
+from typing import Any
 
-import torch
-
-from everystop import LLM, SamplingParams
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
-from everystop.executor.tp_executor import TensorParallelExecutor
-from everystop.executor.tp_group import create_store, encode_plan, send_message
 from everystop.results import write_result
+from everystop.sampling_params import SamplingParams
 
 WORDS = ("every station the train stops and a few careful passengers step onto the platform "
          "while the small model writes notes about the weather").split()
@@ -35,7 +31,10 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def first_step_logits(llm: LLM, ids: list[list[int]]) -> torch.Tensor:
+def first_step_logits(llm: Any, ids: list[list[int]]) -> Any:
+    """The logits of one prefill pass over `ids` (a torch tensor on the CPU)."""
+    from everystop.executor.tp_executor import TensorParallelExecutor
+
     per, top = 8, llm.engine.executor.num_gpu_blocks
     seqs = [ScheduledSequence(str(i), p[:100], 0, list(range(top - per * (i + 1), top - per * i)),
                               True, SamplingParams(temperature=0.0)) for i, p in enumerate(ids)]
@@ -45,10 +44,13 @@ def first_step_logits(llm: LLM, ids: list[list[int]]) -> torch.Tensor:
     return ex.runner.forward_logits(seqs)[1].cpu()
 
 
-def run(tp: int, args: argparse.Namespace) -> dict:
-    options = dict(tensor_parallel_size=tp, device=args.device, dtype=args.dtype,
-                   max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=512,
-                   chunk_size=128, swap_space_gib=0.05)
+def run_tp(tp: int, args: argparse.Namespace) -> dict[str, Any]:
+    from everystop import LLM
+    from everystop.executor.tp_executor import TensorParallelExecutor
+
+    options: dict[str, Any] = dict(
+        tensor_parallel_size=tp, device=args.device, dtype=args.dtype, max_num_seqs=16,
+        max_model_len=1024, max_num_batched_tokens=512, chunk_size=128, swap_space_gib=0.05)
     if args.device == "cpu":
         options["kv_cache_memory"] = 64 << 20
     start = time.perf_counter()
@@ -73,10 +75,12 @@ def run(tp: int, args: argparse.Namespace) -> dict:
         llm.engine.shutdown()
 
 
-def time_broadcast(ex: TensorParallelExecutor) -> dict:
+def time_broadcast(ex: Any) -> dict[str, Any]:
     """Cost of shipping one plan to the workers (pickle + two gloo broadcasts, then a 1-int
     all-reduce so the time covers delivery) for a decode step of 64 sequences with 128-block
     tables (2,048-token contexts), a 512-token prefill chunk, and an empty plan."""
+    from everystop.executor.tp_group import encode_plan, send_message
+
     decode = SchedulerOutput(scheduled=[
         ScheduledSequence(str(i), [5], 2047, list(range(i * 128, (i + 1) * 128)), True,
                           SamplingParams()) for i in range(64)])
@@ -97,9 +101,11 @@ def time_broadcast(ex: TensorParallelExecutor) -> dict:
     return out
 
 
-def nccl_smoke(device: str) -> dict:
+def nccl_smoke(device: str) -> dict[str, Any]:
     """One rank on one GPU through the same group construction as the engine."""
-    from everystop.executor.tp_group import connect
+    import torch
+
+    from everystop.executor.tp_group import connect, create_store
 
     store = create_store(1, 30.0)
     ctx = connect(0, 1, store, 0, torch.device(device), 30.0)
@@ -114,8 +120,7 @@ def nccl_smoke(device: str) -> dict:
     return {"nccl_group_ok": bool(parts[0].eq(1).all().item()), "backend": ctx.group.name()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -124,16 +129,21 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     ap.add_argument("--out", default="benchmarks/results/tp_check.json")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 1 when TP=N's greedy tokens differ from TP=1's."""
+    import torch
+
     torch.set_num_threads(args.threads)
-    report: dict = {"device": args.device, "tp": args.tp, "dtype": args.dtype}
+    report: dict[str, Any] = {"device": args.device, "tp": args.tp, "dtype": args.dtype}
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     if args.device.startswith("cuda") and gpus < max(args.tp, 2):
         report["checked"] = (f"{gpus} GPU(s): NCCL cannot host two ranks on one GPU, so TP=N vs "
                              f"TP=1 equality was NOT checked here; NCCL group smoke test only")
         report["smoke"] = nccl_smoke(args.device)
     else:
-        base, sharded = run(1, args), run(args.tp, args)
+        base, sharded = run_tp(1, args), run_tp(args.tp, args)
         diff = (base["logits"] - sharded["logits"]).abs().max().item()
         report.update({
             "checked": f"TP={args.tp} vs TP=1 greedy tokens and first-step logits",
@@ -148,7 +158,3 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_result(report, args.out)
     return 0 if report.get("tokens_equal", True) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Scheduler cost per iteration, and the engine's decode throughput by batch size.
 
-    python benchmarks/scheduler_bench.py [--no-model] \
+    everystop bench scheduler [--no-model] \
         [--out benchmarks/results/scheduler_bench.json]
 
 Part 1 (no model): 128 running sequences and 1,000 waiting, block size 16, prefix caching on;
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
 import time
+from typing import Any
 
 from everystop.config import SchedulerConfig
 from everystop.core.kv_cache_manager import KVCacheManager
@@ -24,9 +26,11 @@ from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler
 from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
+from everystop.stats import percentile
 
 
-def bench_scheduler(num_running: int = 128, num_waiting: int = 1000, steps: int = 400) -> dict:
+def bench_scheduler(num_running: int = 128, num_waiting: int = 1000,
+                    steps: int = 400) -> dict[str, Any]:
     config = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=2048,
                              max_model_len=4096)
     kv = KVCacheManager(100_000, 16, enable_prefix_caching=True)
@@ -58,12 +62,12 @@ def bench_scheduler(num_running: int = 128, num_waiting: int = 1000, steps: int 
             "schedule_ms_median": statistics.median(times_schedule) * 1e3,
             "update_ms_median": statistics.median(times_update) * 1e3,
             "total_ms_median": statistics.median(total) * 1e3,
-            "total_ms_p99": sorted(total)[int(0.99 * len(total))] * 1e3,
+            "total_ms_p99": percentile(total, 99, empty=math.nan) * 1e3,
             "goal_ms": 1.0}
 
 
 def bench_decode(batch_sizes: tuple[int, ...] = (1, 32, 128), steps: int = 12,
-                 dtype: str = "float32") -> list[dict]:
+                 dtype: str = "float32") -> list[dict[str, Any]]:
     from everystop import LLM
 
     llm = LLM(max_num_seqs=max(batch_sizes), max_num_batched_tokens=4096, dtype=dtype)
@@ -88,13 +92,14 @@ def bench_decode(batch_sizes: tuple[int, ...] = (1, 32, 128), steps: int = 12,
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="benchmarks/results/scheduler_bench.json")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
-    result: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+
+
+def run(args: argparse.Namespace) -> int:
+    result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                     "scheduler": bench_scheduler()}
     print(json.dumps(result["scheduler"], indent=2))
     if not args.no_model:
@@ -102,7 +107,4 @@ def main() -> None:
         print(json.dumps(result["decode"], indent=2))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_result(result, args.out, quiet=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

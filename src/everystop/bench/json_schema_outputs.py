@@ -1,7 +1,7 @@
 """Structured output on the default model: 50 chat prompts, each with a JSON schema (objects,
 enums, arrays, nesting), all in one batch; every output must parse and validate.
 
-    python benchmarks/structured_output_bench.py [--prompts 50] [--temperature 0]
+    everystop bench structured-output [--prompts 50] [--temperature 0]
         [--out benchmarks/results/structured_output.json]
 
 The cost of structured output is timed where it is paid: the engine filling the bitmasks
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
-from everystop import LLM, SamplingParams
 from everystop.results import write_result
-from everystop.sampling_params import StructuredOutput
+from everystop.sampling_params import SamplingParams, StructuredOutput
 
 NAME = {"type": "string", "maxLength": 24}
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
@@ -64,7 +62,7 @@ def prompts(n: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _time_calls(llm: LLM, spent: dict[str, Any]) -> None:
+def _time_calls(llm: Any, spent: dict[str, Any]) -> None:
     """Accumulate the time spent filling (engine) and applying (sampler) the masks."""
     import everystop.executor.sampler as sampler
 
@@ -86,14 +84,18 @@ def _time_calls(llm: LLM, spent: dict[str, Any]) -> None:
     sampler.apply_token_bitmasks = timed_apply
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 1 when an output fails to parse or validate."""
     import jsonschema
+
+    from everystop import LLM
 
     llm = LLM(max_num_seqs=max(args.prompts, 8))
     spent = {"fill_bitmasks_s": 0.0, "apply_bitmasks_s": 0.0, "steps_with_masks": 0}
@@ -121,9 +123,4 @@ def main() -> None:
           "mask_share_of_wall": masks_s / wall,
           "mask_ms_per_step": 1e3 * masks_s / max(1, spent["steps_with_masks"]),
           "load_avg": os.getloadavg()}, args.out)
-    if failures:
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()
+    return 1 if failures else 0

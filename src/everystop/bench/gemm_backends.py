@@ -6,9 +6,9 @@ machine a compute-bound single-thread GEMM's CPU time barely moves with the othe
 while its wall time does. Run it again under the AVX2 narrowing (the environment variables
 below must be set before torch starts) to see the AVX2 machine's choice:
 
-    python benchmarks/gemm_backends.py --out benchmarks/results/gemm_backends_native.json
+    everystop bench gemm-backends --out benchmarks/results/gemm_backends_native.json
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        python benchmarks/gemm_backends.py --out benchmarks/results/gemm_backends_avx2.json
+        everystop bench gemm-backends --out benchmarks/results/gemm_backends_avx2.json
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from everystop.results import write_result
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 512])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out")
-    args = ap.parse_args()
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -76,7 +76,4 @@ def main() -> None:
           "isa_env": {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
           "results": results}, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -9,7 +9,7 @@ a pool 4x larger than the sequences need, as after a while of serving, so the K/
 memory, not from the last-level cache. Effective bandwidth = bytes of K/V the step must read /
 time, reported beside the read bandwidth measured in the same run.
 
-    PYTHONPATH=src python benchmarks/attention_bench.py [--threads N] [--repeats R]
+    everystop bench attention [--threads N] [--repeats R]
 
 Writes benchmarks/results/attention_bench.json and prints it.
 """
@@ -19,19 +19,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
+from typing import Any
 
-import torch
-
-from everystop.bench.roofline import read_bandwidth_gb_s
-from everystop.executor.layers.attention import AttentionMetadata, paged_attention
-from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.results import write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SPREAD = 9, 3, 64, 16, 8, 4
 
 
-def build(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+def build(seqs: list[tuple[int, int]], dtype: Any, seed: int = 0) -> tuple[Any, ...]:
+    import torch
+
+    from everystop.executor.layers.attention import AttentionMetadata
+
     rng = random.Random(seed)
     need = [(n + BLOCK - 1) // BLOCK for n, _ in seqs]
     pool_blocks = SPREAD * sum(need)
@@ -59,10 +58,13 @@ def build(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     return q, layers, meta, kv_bytes
 
 
-def time_impls(impls: dict[str, dict], q, layers, meta, repeats: int) -> dict[str, float]:
+def time_impls(impls: dict[str, dict[str, Any]], q: Any, layers: list[tuple[Any, Any]],
+               meta: Any, repeats: int) -> dict[str, float]:
     """Min seconds per implementation for all layers. Rounds interleave the implementations,
     and the min is kept, because the machine is shared and interference only adds time."""
-    def call(opts: dict) -> None:
+    from everystop.executor.layers.attention import paged_attention
+
+    def call(opts: dict[str, Any]) -> None:
         for kc, vc in layers:
             paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, **opts)
 
@@ -78,15 +80,22 @@ def time_impls(impls: dict[str, dict], q, layers, meta, repeats: int) -> dict[st
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results/attention_bench.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    ap.add_argument("--out", default="benchmarks/results/attention_bench.json")
 
-    impls: dict[str, dict] = {"torch": {"backend": "torch"}}
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from everystop.bench.roofline import read_bandwidth_gb_s
+    from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    impls: dict[str, dict[str, Any]] = {"torch": {"backend": "torch"}}
     for isa in runnable_isas():
         impls[f"kernel-{isa}"] = {"kernels": load_cpu_kernels(isa), "backend": "kernel"}
     read_gb_s = read_bandwidth_gb_s()
@@ -106,11 +115,8 @@ def main() -> None:
                 "share_of_read_bandwidth": {k: v / read_gb_s for k, v in gb_s.items()}})
     report = {
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
-        "threads": args.threads, "torch": torch.__version__,
+        "threads": threads, "torch": torch.__version__,
         "read_bandwidth_gb_s": read_gb_s, "timing": "min over repeats", "results": results,
     }
     write_result(report, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

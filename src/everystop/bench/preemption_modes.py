@@ -1,6 +1,6 @@
 """Throughput and TTFT under a KV-starved workload: recompute-only vs swap-only vs cost model.
 
-    python benchmarks/preemption_bench.py [--requests 48] [--blocks 48] [--rounds 2]
+    everystop bench preemption [--requests 48] [--blocks 48] [--rounds 2]
         [--out benchmarks/results/preemption_bench.json]
 
 All requests arrive at t=0 into a KV pool far smaller than they need together, so the engine
@@ -18,9 +18,11 @@ import os
 import platform
 import statistics
 import time
+from typing import Any
 
-from everystop import LLM, SamplingParams
 from everystop.results import write_result
+from everystop.sampling_params import SamplingParams
+from everystop.stats import percentile
 
 MODES = ("recompute", "swap", "auto")
 
@@ -34,7 +36,10 @@ def workload(n: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int, dtype: str) -> dict:
+def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int,
+             dtype: str) -> dict[str, Any]:
+    from everystop import LLM
+
     llm = LLM(max_num_seqs=64, max_num_batched_tokens=1024, block_size=16,
               num_gpu_blocks_override=blocks, swap_space_gib=0.5, preemption_mode=mode,
               enable_prefix_caching=False, dtype=dtype)
@@ -53,7 +58,7 @@ def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int, dtype: s
     return {
         "mode": mode, "wall_s": wall,
         "output_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
-        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
+        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 99),
         "preemptions_recompute": sched.num_preemptions["recompute"],
         "preemptions_swap": sched.num_preemptions["swap"],
         "swap_out_bytes": sched.num_swap_out_blocks * bytes_per_block,
@@ -64,14 +69,15 @@ def run_mode(mode: str, reqs: list[tuple[list[int], int]], blocks: int, dtype: s
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="benchmarks/results/preemption_bench.json")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     reqs = workload(args.requests)
     rounds = []
     for r in range(args.rounds):
@@ -98,7 +104,4 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_result(result, args.out, quiet=True)
     print(json.dumps(summary, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
