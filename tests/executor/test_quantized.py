@@ -115,3 +115,20 @@ def test_metrics_expose_rss_and_weight_bytes():
     gauges = {m.name: m.samples[0].value for m in _memory_metrics(front)}  # type: ignore[arg-type]
     assert gauges["everystop:model_weight_bytes"] == 1234
     assert gauges["everystop:process_resident_memory_bytes"] > 10 << 20
+
+
+@pytest.mark.parametrize("fmt", ["dense", "q8_0"])
+def test_large_weights_are_widened_tile_by_tile(kernels, fmt):
+    # Over 16 MiB as fp32 (csrc/quant_linear.cpp kWholeWidenBytes): this weight takes the
+    # tile-by-tile path, the small ones above are widened whole; both must give the product.
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(7000, 640, generator=g)  # 7000: not a multiple of any tile
+    x = torch.randn(40, 640, generator=g)
+    if fmt == "dense":
+        held, code, exact_w = w.bfloat16(), 0, w.bfloat16().float()
+    else:
+        q = quantize(w, fmt)
+        held, code, exact_w = q.data, FORMATS[fmt][0], q.dequantize()
+    assert 7000 * 640 * 4 > 16 << 20
+    torch.testing.assert_close(kernels.linear_q_tiled(x, held, code, 640), x @ exact_w.T,
+                               rtol=1e-4, atol=1e-3)

@@ -33,6 +33,8 @@ struct WorkItem {
 };
 
 constexpr int64_t kMaxTile = ES_W;
+// Rows of one work item held on the stack by run_item_grouped (rows_per_item is capped there).
+constexpr int64_t kMaxItemRows = 64;
 
 // src_t: what the inner loops read, the cache's own dtype (in place) or float (a converted
 // copy of the block).
@@ -171,6 +173,128 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
   }
 }
 
+// The heads of one kv group (G of them, adjacent in a token's rows) read the same K/V slots:
+// each K/V vector is loaded (and widened, for a 16-bit cache) once and multiplied into all G
+// rows, straight from the cache, instead of once per row. Per row the arithmetic is the same,
+// in the same order, as run_item_src's, so both give bit-identical results.
+// Needs head_dim == kNV * kW (kNV > 0) and num_heads == G * num_kv_heads.
+template <typename cache_t, int kNV, int G>
+void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
+                      const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
+                      int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale) {
+  constexpr int64_t D = kNV * kW;
+  // V is accumulated JC vectors of the head at a time so that G x JC accumulators stay in
+  // registers (16 on AVX2, 32 on AVX-512).
+  constexpr int JC = kNV % 4 == 0 ? 4 : (kNV % 2 == 0 ? 2 : 1);
+  const int64_t rows = w.q_count * num_heads;
+  const int64_t T = block_size;
+  const int64_t slot_elems = num_kv_heads * D;
+  alignas(64) vf qbuf[kMaxItemRows * kNV];
+  alignas(64) vf acc[kMaxItemRows * kNV];
+  float m[kMaxItemRows], l[kMaxItemRows];
+  const int64_t first_pos = seq_len - qlen;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_token0 + w.q_begin + r / num_heads;
+    const int64_t h = r % num_heads;
+    const float* src = q + (tok * num_heads + h) * D;
+    for (int64_t j = 0; j < kNV; ++j) {
+      qbuf[r * kNV + j] = loadv(src + j * kW) * scale;
+      acc[r * kNV + j] = vf{};
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  const int64_t ctx = first_pos + w.q_begin + w.q_count;
+  const int64_t n_blocks = (ctx + T - 1) / T;
+  vi lane;
+  for (int64_t i = 0; i < kW; ++i) lane[i] = static_cast<int32_t>(i);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t pos0 = b * T;
+    const int64_t n_tok = std::min(T, ctx - pos0);
+    const int64_t base = block_table[b] * T * slot_elems;
+    if (b + 1 < n_blocks) {
+      const int64_t n_next = std::min(T, ctx - pos0 - T);
+      const char* k_next = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * T *
+                                                                      slot_elems);
+      const char* v_next = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * T *
+                                                                      slot_elems);
+      for (int64_t byte = 0; byte < n_next * slot_elems * (int64_t)sizeof(cache_t); byte += 64) {
+        __builtin_prefetch(k_next + byte);
+        __builtin_prefetch(v_next + byte);
+      }
+    }
+    const cache_t* kb = k_cache + base;
+    const cache_t* vb = v_cache + base;
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTile) {
+      const int64_t tile = std::min(kMaxTile, n_tok - t0);
+      for (int64_t i = 0; i < w.q_count; ++i) {
+        const int64_t visible = std::min(tile, first_pos + w.q_begin + i - pos0 - t0 + 1);
+        if (visible <= 0) continue;
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          const int64_t r0 = i * num_heads + g * G;
+          const vf* qr = qbuf + r0 * kNV;
+          const cache_t* kr = kb + t0 * slot_elems + g * D;
+          const cache_t* vr = vb + t0 * slot_elems + g * D;
+          vf dots[G][ES_W];
+          for (int64_t t = 0; t < kW; ++t) {
+            if (t >= visible) {
+              for (int gg = 0; gg < G; ++gg) dots[gg][t] = vf{};
+              continue;
+            }
+            const cache_t* kt = kr + t * slot_elems;
+            vf a[G];
+            const vf k0 = loadv(kt);
+            for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * k0;
+            for (int64_t j = 1; j < kNV; ++j) {
+              const vf kj = loadv(kt + j * kW);
+              for (int gg = 0; gg < G; ++gg) a[gg] += qr[gg * kNV + j] * kj;
+            }
+            for (int gg = 0; gg < G; ++gg) dots[gg][t] = a[gg];
+          }
+          float ev[G][ES_W];
+          float corr[G];
+          for (int gg = 0; gg < G; ++gg) {
+            const int64_t r = r0 + gg;
+            vf sc = reduce_lanes(dots[gg]);
+            sc = lane < (int)visible ? sc : vf{} - INFINITY;
+            const float m_new = std::max(m[r], hmax(sc));
+            corr[gg] = m[r] == -INFINITY ? 0.f : exp_v(vf{} + (m[r] - m_new))[0];
+            const vf e = exp_v(sc - m_new);
+            l[r] = l[r] * corr[gg] + hsum(e);
+            m[r] = m_new;
+            std::memcpy(ev[gg], &e, sizeof(e));
+          }
+          for (int64_t jc = 0; jc < kNV; jc += JC) {
+            vf ar[G][JC];
+            for (int gg = 0; gg < G; ++gg)
+              for (int j = 0; j < JC; ++j) ar[gg][j] = acc[(r0 + gg) * kNV + jc + j] * corr[gg];
+            for (int64_t t = 0; t < visible; ++t) {
+              const cache_t* vt = vr + t * slot_elems + jc * kW;
+              for (int j = 0; j < JC; ++j) {
+                const vf v = loadv(vt + j * kW);
+                for (int gg = 0; gg < G; ++gg) ar[gg][j] += ev[gg][t] * v;
+              }
+            }
+            for (int gg = 0; gg < G; ++gg)
+              for (int j = 0; j < JC; ++j) acc[(r0 + gg) * kNV + jc + j] = ar[gg][j];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_token0 + w.q_begin + r / num_heads;
+    const int64_t h = r % num_heads;
+    float* dst = out + (tok * num_heads + h) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t j = 0; j < kNV; ++j) {
+      const vf o = acc[r * kNV + j] * inv;
+      std::memcpy(dst + j * kW, &o, sizeof(o));
+    }
+  }
+}
+
 // kNV: head_dim / kW fixed at compile time (e.g. 4 or 8 for head_dim 64) so the per-row
 // vectors live in registers; 0 means "read it at run time" for other head sizes.
 //
@@ -185,6 +309,18 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
               int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, float scale) {
   const int64_t D = head_dim;
+  if constexpr (kNV > 0) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (w.q_count * num_heads <= kMaxItemRows && group <= 4) {
+      auto fn = group == 1 ? &run_item_grouped<cache_t, kNV, 1>
+              : group == 2 ? &run_item_grouped<cache_t, kNV, 2>
+              : group == 3 ? &run_item_grouped<cache_t, kNV, 3>
+                           : &run_item_grouped<cache_t, kNV, 4>;
+      fn(w, q, out, k_cache, v_cache, block_table, q_token0, seq_len, qlen, num_heads,
+         num_kv_heads, D, block_size, scale);
+      return;
+    }
+  }
   // A 16-bit cache read in place is widened once per row; with several rows per kv head one
   // widening into the block copy, shared by all rows, is cheaper (measured both ways).
   const bool one_row = w.q_count * (num_heads / num_kv_heads) == 1;
@@ -233,8 +369,10 @@ void run_all(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Head sizes with a fixed vector count per row; others read it at run time.
-  auto item_fn = D == 4 * kW ? &run_item<cache_t, 4> : D == 8 * kW ? &run_item<cache_t, 8>
-                                                                    : &run_item<cache_t, 0>;
+  auto item_fn = D == 4 * kW    ? &run_item<cache_t, 4>
+                 : D == 8 * kW  ? &run_item<cache_t, 8>
+                 : D == 16 * kW ? &run_item<cache_t, 16>  // head_dim 128 on AVX2
+                                : &run_item<cache_t, 0>;
   const int n_threads = std::max(1, std::min<int>(at::get_num_threads(), (int)n_items));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
   for (int64_t j = 0; j < n_items; ++j) {
