@@ -57,11 +57,46 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
     exact = x @ q.dequantize().T
     torch.testing.assert_close(kernels.dequantize(q.data, FORMATS[fmt][0], 320),
                                q.dequantize(), rtol=0, atol=0)
-    torch.testing.assert_close(linear(x, q.data, kernels, fmt, 320), exact, rtol=1e-4, atol=1e-4)
+    # Decode-sized inputs take an integer dot path where the build has one (x rounded to int8
+    # per block first; test_every_decode_dot_path_computes_the_same_product checks each).
+    int_decode = rows <= 8 and list(kernels.ops.int_dot_paths()) != [0]
+    seen = (_q8_rows(x) @ q.dequantize().T) if int_decode else exact
+    torch.testing.assert_close(linear(x, q.data, kernels, fmt, 320), seen, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear(x, q.data, None, fmt, 320), exact, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
-    torch.testing.assert_close(linear(xb, q.data, kernels, fmt, 320).float(),
-                               xb.float() @ q.dequantize().T, rtol=1e-2, atol=5e-2)
+    seen_b = (_q8_rows(xb.float()) if int_decode else xb.float()) @ q.dequantize().T
+    torch.testing.assert_close(linear(xb, q.data, kernels, fmt, 320).float(), seen_b,
+                               rtol=1e-2, atol=5e-2)
+
+
+def _q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer decode paths see it: each 32-value block rounded to int8 steps of
+    max|block| / 127 (fp32 scale)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, b * (127 / amax), torch.zeros_like(b)).round()
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_decode_dot_path_computes_the_same_product(kernels, fmt, rows):
+    """Each dot path this build runs on this CPU (0: fp32 widening; 1: AVX2 maddubs; 2:
+    AVX-VNNI; 3: AVX512-VNNI) against a plain matmul of the same weights: the integer paths
+    with x rounded per block to int8 first, as they do."""
+    g = torch.Generator().manual_seed(10 + rows)
+    w = torch.randn(200, 320, generator=g)
+    q = quantize(w, fmt)
+    x = torch.randn(rows, 320, generator=g)
+    x[0, :32] = 0.0  # an all-zero block of x: scale 0
+    paths = list(kernels.ops.int_dot_paths())
+    assert paths[0] == 0 and (kernels.isa == "generic" or 1 in paths), paths
+    for path in paths:
+        xin = x if path == 0 else _q8_rows(x)
+        out = kernels.ops.linear_q_small_path(x, q.data, FORMATS[fmt][0], 320, path)
+        torch.testing.assert_close(out, xin @ q.dequantize().T, rtol=1e-4, atol=1e-4,
+                                   msg=f"path {path}")
+    print(f"\n{kernels.isa}: dot paths {paths}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
