@@ -1,25 +1,19 @@
 """Weights held as GGUF blocks: the formats match the gguf package's reference, every kernel
 build this CPU runs computes with exactly the weights the blocks hold, the loader keeps a
 file's blocks byte for byte, and the default model held quantized follows fp32 (rates printed;
-the full 32 x 64 measurement is benchmarks/quant_accuracy.py)."""
+the full 32 x 64 measurement is `everystop bench quant-accuracy`)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from everystop.bench.quant_accuracy import measure, prompts
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import linear
 from everystop.executor.layers.quant import FORMATS, dequantize, quantize
 from everystop.executor.models.loader import default_model_path, weight_memory
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from quant_accuracy import measure, prompts
 
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -125,18 +119,23 @@ def test_gguf_blocks_are_held_as_the_file_stores_them(default_runner):
 
 
 def test_quantized_model_follows_fp32():
-    """A small sample (CI time), asserting regression guards at the measured level less the
-    sample's noise, far above what a wrong kernel or layout gives (~0). NOTE: the issue's
-    bounds (Q8_0 top-1 >= 99%, Q4 top-1 >= 95%) are NOT met here: the fp32 reference is the
-    file's own Q4_1 values, so Q8_0 and Q4_0 are a second rounding of them (measured on 4 x 24
-    tokens: Q8_0 top-1 0.979, Q4_0 0.771); benchmarks/quant_accuracy.py measures 32 x 64."""
-    variants = {"q8_0": "q8_0", "q4_0": "q4_0"}
+    """A small sample (CI time) through the decode path (4 prompts: the integer-dot GEMV),
+    against fp32 and against the same model run in bf16, the floor of this model's own
+    sensitivity. NOTE: the issue's bounds (Q8_0 top-1 >= 99%, Q4 >= 95%) are NOT met, and are
+    out of reach on this reference: the default model ships only as Q4_1, so "fp32" is those
+    values and Q8_0/Q4_0 round them a second time; its logits have many near ties, so even bf16
+    agrees on only ~98% (`everystop bench quant-accuracy`, 32 x 64: bf16 0.979, Q8_0 0.982).
+    Guarded: Q8_0 follows fp32 about as well as bf16 does (two tokens of the sample's slack),
+    and both 8- and 4-bit stay at their measured level, far above a wrong kernel (~0)."""
+    variants = {"bf16": {"quantization": "none", "dtype": "bfloat16"},
+                "q8_0": {"quantization": "q8_0"}, "q4_0": {"quantization": "q4_0"}}
     result = measure(variants, prompts(4), 24)
     for name in variants:
         print(f"\n{name}: greedy equal {result[name]['greedy_equal']:.2f}, "
               f"top-1 {result[name]['top1_agreement']:.3f}, "
               f"{result[name]['bytes_per_param']} B/param")
-    assert result["q8_0"]["top1_agreement"] >= 0.95
+    q8, bf16 = result["q8_0"]["top1_agreement"], result["bf16"]["top1_agreement"]
+    assert q8 >= bf16 - 2 / 96 and q8 >= 0.95
     assert result["q4_0"]["top1_agreement"] >= 0.70
     assert result["q8_0"]["bytes_per_param"] < 1.1 and result["q4_0"]["bytes_per_param"] < 0.8
 

@@ -25,6 +25,10 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
+    ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
+    ("quant-kernels", "everystop.bench.quant_kernels", "quantized linear kernels vs torch's"),
+    ("quant-vs-llamacpp", "everystop.bench.quant_vs_llamacpp", "memory and decode speed vs "
+     "llama.cpp on the same GGUF files"),
 ]
 
 
