@@ -14,8 +14,8 @@ that tells this model's own sensitivity apart from the formats' error. Per varia
 - disagreement_margins: fp32's top-1 minus top-2 logit where they disagree (a near tie flips
   under any perturbation).
 
-Prompts decode `--batch` at a time (default 8: the decode GEMV's rows, so the integer-dot
-decode path is what is measured; more rows go through the prefill GEMM instead).
+Prompts decode `--batch` at a time (default 1: single-stream decode, where the GEMV takes
+integer dots; 2-8 rows widen blocks to fp32, more go through the prefill GEMM).
 
     everystop bench quant-accuracy --out benchmarks/results/quant_accuracy.json
 """
@@ -99,7 +99,7 @@ def decode(runner: ModelRunner, prompt_ids: list[list[int]], num_new: int, per_s
 
 
 def measure(variants: dict[str, dict[str, str]], prompt_ids: list[list[int]], num_new: int,
-            batch: int = 8) -> dict[str, Any]:
+            batch: int = 1) -> dict[str, Any]:
     """Rates of each variant (name -> ModelConfig fields) against fp32 on these prompts."""
     per_seq = -(-(max(map(len, prompt_ids)) + num_new) // 16)
     n = len(prompt_ids)
@@ -143,8 +143,8 @@ def measure(variants: dict[str, dict[str, str]], prompt_ids: list[list[int]], nu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8,
-                        help="prompts decoded together (<= 8: the decode GEMV path)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="prompts decoded together (1: the integer-dot decode path)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--out", default=None)
