@@ -1,25 +1,19 @@
 """Weights held as GGUF blocks: the formats match the gguf package's reference, every kernel
 build this CPU runs computes with exactly the weights the blocks hold, the loader keeps a
 file's blocks byte for byte, and the default model held quantized follows fp32 (rates printed;
-the full 32 x 64 measurement is benchmarks/quant_accuracy.py)."""
+the full 32 x 64 measurement is `everystop bench quant-accuracy`)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from everystop.bench.quant_accuracy import measure, prompts
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import linear
 from everystop.executor.layers.quant import FORMATS, dequantize, quantize
 from everystop.executor.models.loader import default_model_path, weight_memory
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from quant_accuracy import measure, prompts
 
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -57,11 +51,46 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
     exact = x @ q.dequantize().T
     torch.testing.assert_close(kernels.dequantize(q.data, FORMATS[fmt][0], 320),
                                q.dequantize(), rtol=0, atol=0)
-    torch.testing.assert_close(linear(x, q.data, kernels, fmt, 320), exact, rtol=1e-4, atol=1e-4)
+    # A single row takes an integer dot path where the build has one (x rounded to int8 per
+    # block first; test_every_decode_dot_path_computes_the_same_product checks each).
+    int_decode = rows == 1 and list(kernels.ops.int_dot_paths()) != [0]
+    seen = (_q8_rows(x) @ q.dequantize().T) if int_decode else exact
+    torch.testing.assert_close(linear(x, q.data, kernels, fmt, 320), seen, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear(x, q.data, None, fmt, 320), exact, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
-    torch.testing.assert_close(linear(xb, q.data, kernels, fmt, 320).float(),
-                               xb.float() @ q.dequantize().T, rtol=1e-2, atol=5e-2)
+    seen_b = (_q8_rows(xb.float()) if int_decode else xb.float()) @ q.dequantize().T
+    torch.testing.assert_close(linear(xb, q.data, kernels, fmt, 320).float(), seen_b,
+                               rtol=1e-2, atol=5e-2)
+
+
+def _q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer decode paths see it: each 32-value block rounded to int8 steps of
+    max|block| / 127 (fp32 scale)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, b * (127 / amax), torch.zeros_like(b)).round()
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_decode_dot_path_computes_the_same_product(kernels, fmt, rows):
+    """Each dot path this build runs on this CPU (0: fp32 widening; 1: AVX2 maddubs; 2:
+    AVX-VNNI; 3: AVX512-VNNI) against a plain matmul of the same weights: the integer paths
+    with x rounded per block to int8 first, as they do."""
+    g = torch.Generator().manual_seed(10 + rows)
+    w = torch.randn(200, 320, generator=g)
+    q = quantize(w, fmt)
+    x = torch.randn(rows, 320, generator=g)
+    x[0, :32] = 0.0  # an all-zero block of x: scale 0
+    paths = list(kernels.ops.int_dot_paths())
+    assert paths[0] == 0 and (kernels.isa == "generic" or 1 in paths), paths
+    for path in paths:
+        xin = x if path == 0 else _q8_rows(x)
+        out = kernels.ops.linear_q_small_path(x, q.data, FORMATS[fmt][0], 320, path)
+        torch.testing.assert_close(out, xin @ q.dequantize().T, rtol=1e-4, atol=1e-4,
+                                   msg=f"path {path}")
+    print(f"\n{kernels.isa}: dot paths {paths}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -90,18 +119,24 @@ def test_gguf_blocks_are_held_as_the_file_stores_them(default_runner):
 
 
 def test_quantized_model_follows_fp32():
-    """A small sample (CI time), asserting regression guards at the measured level less the
-    sample's noise, far above what a wrong kernel or layout gives (~0). NOTE: the issue's
-    bounds (Q8_0 top-1 >= 99%, Q4 top-1 >= 95%) are NOT met here: the fp32 reference is the
-    file's own Q4_1 values, so Q8_0 and Q4_0 are a second rounding of them (measured on 4 x 24
-    tokens: Q8_0 top-1 0.979, Q4_0 0.771); benchmarks/quant_accuracy.py measures 32 x 64."""
-    variants = {"q8_0": "q8_0", "q4_0": "q4_0"}
-    result = measure(variants, prompts(4), 24)
+    """A small sample (CI time: 4 prompts decoded together; one at a time, through the
+    integer-dot GEMV, gave the same rates and took 4x longer), against fp32 and against the
+    same model run in bf16, the floor of this model's own sensitivity. NOTE: the issue's bounds
+    (Q8_0 top-1 >= 99%, Q4 >= 95%) are NOT met, and are out of reach on this reference: the
+    default model ships only as Q4_1, so "fp32" is those values and Q8_0/Q4_0 round them a
+    second time; its logits have many near ties, so even bf16 agrees on only ~98%
+    (`everystop bench quant-accuracy`, 16 x 32: bf16 0.979, Q8_0 0.982). Guarded: Q8_0 follows
+    fp32 about as well as bf16 does (two tokens of the sample's slack), and both 8- and 4-bit
+    stay at their measured level, far above a wrong kernel (~0)"""
+    variants = {"bf16": {"quantization": "none", "dtype": "bfloat16"},
+                "q8_0": {"quantization": "q8_0"}, "q4_0": {"quantization": "q4_0"}}
+    result = measure(variants, prompts(4), 24, batch=4)
     for name in variants:
         print(f"\n{name}: greedy equal {result[name]['greedy_equal']:.2f}, "
               f"top-1 {result[name]['top1_agreement']:.3f}, "
               f"{result[name]['bytes_per_param']} B/param")
-    assert result["q8_0"]["top1_agreement"] >= 0.95
+    q8, bf16 = result["q8_0"]["top1_agreement"], result["bf16"]["top1_agreement"]
+    assert q8 >= bf16 - 2 / 96 and q8 >= 0.95
     assert result["q4_0"]["top1_agreement"] >= 0.70
     assert result["q8_0"]["bytes_per_param"] < 1.1 and result["q4_0"]["bytes_per_param"] < 0.8
 

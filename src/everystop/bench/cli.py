@@ -55,6 +55,10 @@ MEASUREMENTS = [
      "overhead"),
     ("cuda-check", "everystop.bench.cuda_check", "on a CUDA machine: correctness core and "
      "decode tok/s"),
+    ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
+    ("quant-kernels", "everystop.bench.quant_kernels", "quantized linear kernels vs torch's"),
+    ("quant-vs-llamacpp", "everystop.bench.quant_vs_llamacpp", "memory and decode speed vs "
+     "llama.cpp on the same GGUF files"),
 ]
 
 

@@ -66,6 +66,7 @@ ROWS_PER_ITEM = 24
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "rope_write_kv_",
         "argmax_rows", "linear_small", "decoder_stack")
 _OPS += ("linear_q_small", "linear_q_tiled", "dequantize")
+_OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -23,8 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -189,29 +191,253 @@ void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, 
   });
 }
 
-at::Tensor linear_q_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+// --- decode with integer dot products -------------------------------------------------------
+//
+// As llama.cpp does: each 32-value block of x is quantized to int8 with its own scale (q8_0's
+// rounding), and a block of weights meets it as 32 byte products summed in int32; one float
+// multiply-add per block applies both scales. Weights enter the dot as unsigned bytes (nibbles
+// 0..15, or |w| for q8_0 with w's sign moved onto x), the form vpdpbusd and vpmaddubsw take;
+// the zero point (q4_0's 8, q4_1's m) is applied per block from the block's sum of x:
+//
+//   q8_0  sum d q * dx qx                = d dx sum(|q| * sign(q) qx)
+//   q4_0  sum d (q - 8) * dx qx          = d dx sum(q qx) - 8 d * dx sum(qx)
+//   q4_1  sum (d q + m) * dx qx          = d dx sum(q qx) + m * dx sum(qx)
+//
+// Three ways to take the 32-byte dot, chosen at run time from the CPU's flags (or by the
+// caller, for tests and benchmarks): AVX2 vpmaddubsw + vpmaddwd, AVX-VNNI vpdpbusd, and
+// AVX512-VNNI vpdpbusd on 256-bit registers (a block is 32 bytes: one register).
+enum DotPath { kFloatPath = 0, kMaddubs = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+#if defined(__AVX2__)
+
+struct QuantizedRows {
+  std::vector<int8_t> q;   // [rows, k]
+  std::vector<float> d;    // [rows, k / 32] scale
+  std::vector<float> s;    // [rows, k / 32] dx * sum(qx): the block's sum as the dot sees it
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / kBlock;
+  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
+                    std::vector<float>(rows * nb)};
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(xb[j]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+      out.q[i * kBlock + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    out.d[i] = d;
+    out.s[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+inline float half_scalar(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i nibbles_u8(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+struct DotMaddubs {
+  static inline __m256i dot(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+};
+
+// NOTE: the VNNI instructions are written as inline assembly, not intrinsics: an intrinsic
+// needs its target enabled in every function it is inlined into, so the shared loop body could
+// not be inlined into per-path entry points. The caller checks the CPU flag first (path_runs).
+struct DotAvxVnni {
+  static inline __m256i dot(__m256i u, __m256i s) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+  }
+};
+
+struct DotAvx512Vnni {
+  static inline __m256i dot(__m256i u, __m256i s) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+  }
+};
+
+// Output columns per step for R rows: R x C float accumulators and C weight registers.
+template <int R>
+constexpr int kICols = R <= 1 ? 4 : (R <= 4 ? 2 : 1);
+
+template <typename Dot, int F, int R, int C>
+void igemv_columns(
+    const QuantizedRows& xq, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+    int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int64_t B = Block<F>::kBytes;
+  const int64_t nb = k / kBlock;
+  int64_t n = n_begin;
+  for (; n + C <= n_end; n += C) {
+    __m256 acc[R][C];
+    float corr[R][C];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) acc[m][j] = _mm256_setzero_ps(), corr[m][j] = 0.f;
+    const uint8_t* w0 = w + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i wq[C];
+      float dw[C], zw[C];
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* blk = w0 + j * row_bytes + b * B;
+        __builtin_prefetch(w0 + (C + j) * row_bytes + b * B);
+        dw[j] = half_scalar(blk);
+        if constexpr (F == kQ8_0) {
+          wq[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        } else if constexpr (F == kQ4_0) {
+          wq[j] = nibbles_u8(blk + 2);
+          zw[j] = -8.f * dw[j];
+        } else {
+          wq[j] = nibbles_u8(blk + 4);
+          zw[j] = half_scalar(blk + 2);
+        }
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + m * k + b * kBlock));
+        const float dx = xq.d[m * nb + b];
+        for (int j = 0; j < C; ++j) {
+          __m256i p;
+          if constexpr (F == kQ8_0)
+            p = Dot::dot(_mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));
+          else
+            p = Dot::dot(wq[j], xv);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[j] * dx),
+                                      acc[m][j]);
+          if constexpr (F != kQ8_0) corr[m][j] += zw[j] * xq.s[m * nb + b];
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < C; ++j) out[m * out_stride + n + j] = hsum8(acc[m][j]) + corr[m][j];
+  }
+  if constexpr (C > 1) {
+    if (n < n_end)
+      igemv_columns<Dot, F, R, 1>(xq, k, w, row_bytes, n, n_end, out, out_stride);
+  }
+}
+
+bool path_runs(int64_t path) {
+  switch (path) {
+    case kFloatPath:
+    case kMaddubs: return true;
+    case kAvxVnni: return __builtin_cpu_supports("avxvnni") != 0;
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512vl") != 0;
+    default: return false;
+  }
+}
+
+template <int F>
+void linear_q_int_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, int64_t path,
+                       at::Tensor& out) {
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  const QuantizedRows xq = quantize_rows(x32.data_ptr<float>(), x32.size(0), k);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_rows(x32.size(0), [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    auto body = [&](int64_t b, int64_t e) {
+      constexpr int C = kICols<R>;
+      if (path == kAvx512Vnni)
+        igemv_columns<DotAvx512Vnni, F, R, C>(xq, k, wp, row_bytes, b, e, op, n);
+      else if (path == kAvxVnni)
+        igemv_columns<DotAvxVnni, F, R, C>(xq, k, wp, row_bytes, b, e, op, n);
+      else
+        igemv_columns<DotMaddubs, F, R, C>(xq, k, wp, row_bytes, b, e, op, n);
+    };
+    if (n * row_bytes < (int64_t{1} << 16)) {
+      body(0, n);
+    } else {
+      at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b, int64_t e) {
+        body(b * 32, std::min(e * 32, n));
+      });
+    }
+  });
+}
+
+#else  // no AVX2 in this build: only the float path
+
+bool path_runs(int64_t path) { return path == kFloatPath; }
+
+#endif
+
+// The fastest path this build and CPU run.
+int64_t best_path() {
+  static const int64_t best = [] {
+    for (int64_t p : {kAvx512Vnni, kAvxVnni, kMaddubs})
+      if (path_runs(p)) return p;
+    return int64_t{kFloatPath};
+  }();
+  return best;
+}
+
+at::Tensor linear_q_small_path(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k,
+                               int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) >= 1 && x.size(0) <= kMaxSmallRows,
               "linear_q_small: x must be [1..8, k]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && k % kBlock == 0,
               "linear_q_small: w must be contiguous uint8 blocks [n, k / 32 * block bytes]");
+  TORCH_CHECK(path_runs(path), "linear_q_small: dot path ", path, " does not run here");
+  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1, "linear_q_small: unknown format ", fmt);
+  const int64_t bytes = fmt == kQ8_0 ? 34 : (fmt == kQ4_0 ? 18 : 20);
+  TORCH_CHECK(w.size(1) == k / kBlock * bytes, "linear_q_small: row size");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  switch (fmt) {
-    case kQ8_0:
-      TORCH_CHECK(w.size(1) == k / kBlock * 34, "linear_q_small: q8_0 row size");
-      linear_q_small_impl<kQ8_0>(x32, w, k, out);
-      break;
-    case kQ4_0:
-      TORCH_CHECK(w.size(1) == k / kBlock * 18, "linear_q_small: q4_0 row size");
-      linear_q_small_impl<kQ4_0>(x32, w, k, out);
-      break;
-    case kQ4_1:
-      TORCH_CHECK(w.size(1) == k / kBlock * 20, "linear_q_small: q4_1 row size");
-      linear_q_small_impl<kQ4_1>(x32, w, k, out);
-      break;
-    default: TORCH_CHECK(false, "linear_q_small: unknown format ", fmt);
+  if (path == kFloatPath) {
+    switch (fmt) {
+      case kQ8_0: linear_q_small_impl<kQ8_0>(x32, w, k, out); break;
+      case kQ4_0: linear_q_small_impl<kQ4_0>(x32, w, k, out); break;
+      default: linear_q_small_impl<kQ4_1>(x32, w, k, out); break;
+    }
+  } else {
+#if defined(__AVX2__)
+    switch (fmt) {
+      case kQ8_0: linear_q_int_impl<kQ8_0>(x32, w, k, path, out); break;
+      case kQ4_0: linear_q_int_impl<kQ4_0>(x32, w, k, path, out); break;
+      default: linear_q_int_impl<kQ4_1>(x32, w, k, path, out); break;
+    }
+#endif
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The decode GEMV: one row (single-stream decode) on the fastest integer path here, more rows
+// widened to fp32. Measured on the Llama-3.2-1B projections (bench quant-kernels, Zen 4): at
+// 1 row the integer dots take 0.70x the time of the fp32 widening (q4_0) and 0.83x (q8_0); at
+// 4 rows they take 1.1-1.3x, the per-block int-to-float conversion and scaling repeated per row.
+at::Tensor linear_q_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+  return linear_q_small_path(x, w, fmt, k, x.size(0) == 1 ? best_path() : int64_t{kFloatPath});
+}
+
+// The dot paths this build runs on this CPU, best last (tests run each).
+std::vector<int64_t> int_dot_paths() {
+  std::vector<int64_t> out;
+  for (int64_t p : {kFloatPath, kMaddubs, kAvxVnni, kAvx512Vnni})
+    if (path_runs(p)) out.push_back(p);
+  return out;
 }
 
 // --- prefill: dequantized tiles into a library GEMM ----------------------------------------
@@ -353,10 +579,13 @@ ES_LIBRARY_FRAGMENT(m) {
   m.def("linear_q_small(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
   m.def("linear_q_tiled(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
   m.def("dequantize(Tensor weight, int fmt, int k) -> Tensor");
+  m.def("linear_q_small_path(Tensor x, Tensor weight, int fmt, int k, int path) -> Tensor");
+  m.def("int_dot_paths() -> int[]", &int_dot_paths);  // no tensor: a catch-all kernel
 }
 
 ES_LIBRARY_IMPL(m) {
   m.impl("linear_q_small", &linear_q_small);
   m.impl("linear_q_tiled", &linear_q_tiled);
   m.impl("dequantize", &dequantize);
+  m.impl("linear_q_small_path", &linear_q_small_path);
 }

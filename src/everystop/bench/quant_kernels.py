@@ -7,23 +7,21 @@ bandwidth; torch's `_weight_int8pack_mm` (per-channel int8) and `_weight_int4pac
 (group-32 int4) on the same shapes. Prefill (rows >= 64): our dequantize-a-tile-then-GEMM
 against the same torch ops and an fp32 GEMM on a resident fp32 copy (the old path).
 
-    PYTHONPATH=src python benchmarks/quant_kernels_bench.py \
-        --out benchmarks/results/quant_kernels.json
+Decode is also timed on each integer dot path this build runs (`ours.<fmt>.path<N>`: 0 fp32
+widening, 1 AVX2 maddubs, 2 AVX-VNNI, 3 AVX512-VNNI; `ours.<fmt>` is the one chosen).
+
+    everystop bench quant-kernels --out benchmarks/results/quant_kernels.json
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from everystop.bench.roofline import read_bandwidth_gb_s
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
@@ -67,12 +65,16 @@ def torch_int4(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None
         return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES),
+                        help="comma-separated subset of " + ",".join(n for n, _, _ in SHAPES))
+    parser.add_argument("--rows", default="1,4,8,64,256")
+
+
+def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels("auto")
@@ -80,7 +82,9 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s()
     rows_out: list[dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
-    for name, n, k in SHAPES:
+    paths = [int(p) for p in kernels.ops.int_dot_paths()]
+    wanted = set(args.shapes.split(","))
+    for name, n, k in [s for s in SHAPES if s[0] in wanted]:
         w = torch.randn(n, k, generator=g) * 0.02
         variants: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {}
         for fmt, (code, _) in FORMATS.items():
@@ -88,6 +92,10 @@ def main() -> None:
             variants[f"ours.{fmt}"] = (q.numel(), lambda x, q=q, c=code, k=k: (
                 kernels.linear_q_small(x, q, c, k) if x.shape[0] <= 8
                 else kernels.linear_q_tiled(x, q, c, k)))
+            for path in paths:
+                variants[f"ours.{fmt}.path{path}"] = (
+                    q.numel(), lambda x, q=q, c=code, k=k, p=path: (
+                        kernels.ops.linear_q_small_path(x, q, c, k, p)))
         for dt in (torch.float16, torch.bfloat16):
             wd = w.to(dt)
             variants[f"ours.{str(dt)[6:]}"] = (wd.numel() * 2, lambda x, wd=wd, k=k: (
@@ -98,9 +106,11 @@ def main() -> None:
         int4 = torch_int4(w)
         if int4 is not None:
             variants["torch.int4pack_g32"] = (w.numel() // 2 + 8 * n * k // 32, int4)
-        for rows in (1, 4, 8, 64, 256):
+        for rows in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(rows, k, generator=g)
             for vname, (nbytes, fn) in variants.items():
+                if ".path" in vname and rows > 8:
+                    continue
                 ms = best_ms(lambda fn=fn, x=x: fn(x), args.repeats)
                 entry = {"shape": name, "n": n, "k": k, "rows": rows, "kernel": vname,
                          "weight_bytes": nbytes, "ms": round(ms, 4),
@@ -112,10 +122,7 @@ def main() -> None:
                 rows_out.append(entry)
                 print(name, rows, vname, entry.get("weight_gb_s", ""), f"{ms:.3f} ms",
                       flush=True)
-    write_result({"benchmark": "quant_kernels", "isa": kernels.isa,
+    write_result({"benchmark": "quant_kernels", "isa": kernels.isa, "dot_paths": paths,
                   "threads": torch.get_num_threads(),
           "read_bandwidth_gb_s": round(bandwidth, 2), "results": rows_out}, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

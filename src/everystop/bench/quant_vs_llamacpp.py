@@ -1,0 +1,165 @@
+"""Memory and single-stream decode speed on the SAME GGUF files, everystop's server against
+llama.cpp's, side by side in one run; writes JSON.
+
+For each file, each server is started alone (one slot / one sequence, a small context), and:
+- RSS after load (/proc/<pid>/status VmRSS), minus the KV pool's bytes, per parameter;
+- `--requests` requests one at a time (random prompt ids, greedy, ignore_eos), streamed;
+  TPOT = (last token - first token) / (tokens - 1); p50 over requests, and the weight bytes
+  read per token / TPOT as a share of the machine's read bandwidth.
+
+    everystop bench quant-vs-llamacpp --llama-server /path/to/llama-server \\
+        --gguf /tmp/llama1b-q4_0.gguf --gguf /tmp/llama1b-q8_0.gguf --out results.json
+
+llama.cpp is not built here: pass its binary (built outside this tree). The servers are
+launched here (bench/servers.py has no shared llama.cpp launcher yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from everystop.bench.roofline import read_bandwidth_gb_s
+from everystop.bench.servers import wait_healthy
+from everystop.results import cpu_info, write_result
+from everystop.stats import percentile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def gguf_facts(path: str) -> dict[str, Any]:
+    """Parameters, tensor bytes, and the KV bytes per token (fp16 K and V) of a GGUF."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("llama.")}
+    layers, heads = meta["llama.block_count"], meta["llama.attention.head_count"]
+    kv = meta.get("llama.attention.head_count_kv", heads)
+    head_dim = meta["llama.embedding_length"] // heads
+    return {"params": sum(int(t.n_elements) for t in r.tensors),
+            "tensor_bytes": sum(int(t.n_bytes) for t in r.tensors),
+            "kv_bytes_per_token_fp16": 2 * layers * kv * head_dim * 2,
+            "vocab": int(r.tensors[0].shape[-1]) if r.tensors else 0}
+
+
+def stream_one(port: int, prompt: list[int], n: int, llama: bool) -> list[float]:
+    """Arrival times of the streamed chunks of one request."""
+    import httpx
+
+    if llama:
+        url, body = f"http://127.0.0.1:{port}/completion", {
+            "prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "cache_prompt": False}
+    else:
+        url, body = f"http://127.0.0.1:{port}/v1/completions", {
+            "model": "default", "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+            "temperature": 0.0, "stream": True}
+    times = []
+    with httpx.stream("POST", url, json=body, timeout=None) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if llama and event.get("stop") and not event.get("content"):
+                    continue
+                times.append(time.perf_counter())
+    return times
+
+
+def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str, Any],
+               prompts: list[list[int]]) -> dict[str, Any]:
+    port = free_port()
+    ctx = args.prompt_len + args.new_tokens + 64
+    if engine == "llama.cpp":
+        cmd = [args.llama_server, "-m", path, "--host", "127.0.0.1", "--port", str(port),
+               "-np", "1", "-c", str(ctx), "-t", str(args.threads), "--no-webui"]
+        kv_bytes = facts["kv_bytes_per_token_fp16"] * ctx  # its default f16 cache
+    else:
+        kv_bytes = facts["kv_bytes_per_token_fp16"] * 16 * (-(-ctx // 16))
+        cmd = [sys.executable, "-m", "everystop", "serve", "--model", path, "--host",
+               "127.0.0.1", "--port", str(port), "--max-num-seqs", "1", "--max-model-len",
+               str(ctx), "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", "float16",
+               "--served-model-name", "default", "--log-level", "warning",
+               "--quantization", args.quantization, "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.perf_counter()
+        wait_healthy(proc, f"http://127.0.0.1:{port}", f"{engine} did not start on {path}",
+                     timeout_s=600)
+        load_s = time.perf_counter() - t0
+        stream_one(port, prompts[0], 4, engine == "llama.cpp")  # warm-up
+        rss = rss_bytes(proc.pid)
+        tpots = []
+        for p in prompts:
+            times = stream_one(port, p, args.new_tokens, engine == "llama.cpp")
+            if len(times) > 1:
+                tpots.append((times[-1] - times[0]) / (len(times) - 1))
+        rss_after = rss_bytes(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    p50 = percentile(tpots, 50)
+    return {"engine": engine, "command": cmd, "load_s": round(load_s, 1),
+            "rss_after_load_bytes": rss, "rss_after_run_bytes": rss_after,
+            "kv_pool_bytes": kv_bytes,
+            "rss_minus_kv_per_param": round((rss - kv_bytes) / facts["params"], 3),
+            "tpot_p50_ms": round(p50 * 1e3, 2), "tpot_ms": [round(t * 1e3, 1) for t in tpots],
+            "weight_read_gb_s": round(facts["tensor_bytes"] / p50 / 1e9, 2)}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--gguf", action="append", required=True)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--out", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    bandwidth = read_bandwidth_gb_s()
+    rng = random.Random(0)
+    files = []
+    for path in args.gguf:
+        facts = gguf_facts(path)
+        prompts = [[rng.randrange(100, min(facts["vocab"], 49152)) for _ in range(args.prompt_len)]
+                   for _ in range(args.requests)]
+        entry: dict[str, Any] = {"gguf": path, **facts, "load_before": os.getloadavg()}
+        for engine in ("llama.cpp", "everystop"):
+            res = run_server(engine, args, path, facts, prompts)
+            res["of_read_bandwidth"] = round(res["weight_read_gb_s"] / bandwidth, 3)
+            entry[engine] = res
+            print(path, engine, {k: v for k, v in res.items() if k not in ("command", "tpot_ms")},
+                  flush=True)
+        e, ll = entry["everystop"], entry["llama.cpp"]
+        entry["rss_per_param_ratio"] = round(e["rss_minus_kv_per_param"]
+                                             / ll["rss_minus_kv_per_param"], 3)
+        entry["tpot_p50_ratio"] = round(e["tpot_p50_ms"] / ll["tpot_p50_ms"], 3)
+        entry["load_after"] = os.getloadavg()
+        files.append(entry)
+    write_result({"benchmark": "quant_vs_llamacpp", "cpu": cpu_info(),
+          "read_bandwidth_gb_s": round(bandwidth, 2), "requests": args.requests,
+          "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+          "threads": args.threads, "files": files}, args.out)
+    return 0
