@@ -28,8 +28,10 @@ lint: $(STAMP)
 	$(VPY) -m ruff check src tests benchmarks scripts
 	$(VPY) -m mypy
 
+# Two workers, a test module each at a time (module-scoped servers stay in one worker): most
+# tests wait on a server or a subprocess, so the two cores overlap them.
 test: lint
-	$(VPY) -m pytest -x --durations=15
+	$(VPY) -m pytest -x -n 2 --dist loadfile --durations=15
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not model and not server"
