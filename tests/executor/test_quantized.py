@@ -5,6 +5,8 @@ the full 32 x 64 measurement is `everystop bench quant-accuracy`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -51,16 +53,18 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
     exact = x @ q.dequantize().T
     torch.testing.assert_close(kernels.dequantize(q.data, FORMATS[fmt][0], 320),
                                q.dequantize(), rtol=0, atol=0)
-    # A single row takes an integer dot path where the build has one (x rounded to int8 per
-    # block first; test_every_decode_dot_path_computes_the_same_product checks each).
-    int_decode = rows == 1 and list(kernels.ops.int_dot_paths()) != [0]
-    seen = (_q8_rows(x) @ q.dequantize().T) if int_decode else exact
-    torch.testing.assert_close(linear(x, q.data, kernels, fmt, 320), seen, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear(x, q.data, None, fmt, 320), exact, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
-    seen_b = (_q8_rows(xb.float()) if int_decode else xb.float()) @ q.dequantize().T
-    torch.testing.assert_close(linear(xb, q.data, kernels, fmt, 320).float(), seen_b,
-                               rtol=1e-2, atol=5e-2)
+    # With int8_decode_dot a single row takes an integer dot path where the build has one (x
+    # rounded to int8 per block first; test_every_decode_dot_path_computes_the_same_product
+    # checks each); by default every row is widened to fp32.
+    for k8 in (kernels, dataclasses.replace(kernels, int8_decode_dot=True)):
+        int_decode = k8.int8_decode_dot and rows == 1 and list(k8.ops.int_dot_paths()) != [0]
+        seen = (_q8_rows(x) @ q.dequantize().T) if int_decode else exact
+        torch.testing.assert_close(linear(x, q.data, k8, fmt, 320), seen, rtol=1e-4, atol=1e-4)
+        seen_b = (_q8_rows(xb.float()) if int_decode else xb.float()) @ q.dequantize().T
+        torch.testing.assert_close(linear(xb, q.data, k8, fmt, 320).float(), seen_b,
+                                   rtol=1e-2, atol=5e-2)
 
 
 def _q8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,8 @@ def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str
                "127.0.0.1", "--port", str(port), "--max-num-seqs", "1", "--max-model-len",
                str(ctx), "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", "float16",
                "--served-model-name", "default", "--log-level", "warning",
-               "--quantization", args.quantization, "--threads", str(args.threads)]
+               "--quantization", args.quantization, "--threads", str(args.threads),
+               *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         t0 = time.perf_counter()
@@ -134,6 +135,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--int8-decode-dot", action="store_true",
+                    help="everystop's single-row decodes with integer dot products (as "
+                    "llama.cpp's quantized GEMV)")
     ap.add_argument("--out", default=None)
 
 

@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="weights in memory: auto (as the file holds them: GGUF Q8_0/Q4_0/Q4_1 "
                    "blocks as they are, K-quants requantized to the nearest), none (all "
                    "converted to --dtype), or q8_0/q4_0 (float weights quantized at load)")
+    g.add_argument("--int8-decode-dot", action="store_true", default=None,
+                   help="single-row decodes on block weights with int8 activations and integer "
+                   "dot products (faster; greedy outputs then depend on what the prefix cache "
+                   "held)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -132,7 +136,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
     "model", "tokenizer", "dtype", "device", "seed", "num_threads", "cpu_kernels",
-    "attention_backend", "cpu_16bit_gemm", "decoder_stack", "kv_cache_dtype", "max_num_seqs",
+    "attention_backend", "cpu_16bit_gemm", "decoder_stack", "int8_decode_dot", "kv_cache_dtype",
+    "max_num_seqs",
     "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
     "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",

@@ -66,7 +66,7 @@ def select_backends(config: ModelConfig) -> Backends:
         fp32_gemm = config.cpu_16bit_gemm == "fp32"
         if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
             fp32_gemm = fp32_gemm_is_faster(DTYPES[config.dtype])
-        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm)
+        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm, config.int8_decode_dot)
     return Backends(kernels, config.attention_backend, config.decoder_stack)
 
 

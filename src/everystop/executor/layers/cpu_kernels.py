@@ -167,6 +167,7 @@ class CpuKernels:
 
     isa: str
     fp32_gemm_for_16bit: bool = True
+    int8_decode_dot: bool = False  # ModelConfig.int8_decode_dot
 
     @functools.cached_property
     def ops(self) -> SimpleNamespace:
@@ -244,8 +245,11 @@ class CpuKernels:
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
         """x [rows <= 8, k] @ W.T for W held as blocks of format code `fmt` (layers/quant.py),
-        streaming the blocks once; fp32 accumulation, x's dtype out."""
-        return self.ops.linear_q_small(x, weight, fmt, k)
+        streaming the blocks once; fp32 accumulation, x's dtype out. With int8_decode_dot a
+        single row takes the integer-dot path (x rounded to int8 per block)."""
+        if self.int8_decode_dot:
+            return self.ops.linear_q_small(x, weight, fmt, k)
+        return self.ops.linear_q_small_path(x, weight, fmt, k, 0)  # 0: widen to fp32
 
     def linear_q_tiled(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
@@ -258,8 +262,8 @@ class CpuKernels:
         return self.ops.dequantize(weight, fmt, k)
 
 
-def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True
-                     ) -> CpuKernels | None:
+def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
+                     int8_decode_dot: bool = False) -> CpuKernels | None:
     """The kernels for `choice`: "auto" = the best build this CPU runs that compiles, "off" =
     None (plain torch), or an ISA name (an error if this CPU cannot run it or it fails to
     build)."""
@@ -268,7 +272,7 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True
     if choice == "auto":
         for name in runnable_isas():
             if library_available(name):
-                return CpuKernels(name, fp32_gemm_for_16bit)
+                return CpuKernels(name, fp32_gemm_for_16bit, int8_decode_dot)
         return None
     _isa(choice)  # an unknown name is a ValueError
     if choice not in runnable_isas():
@@ -276,4 +280,4 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True
                          f"(it runs: {', '.join(runnable_isas())})")
     if not library_available(choice):
         raise RuntimeError(f"CPU kernels {choice!r} failed to build (see the warning above)")
-    return CpuKernels(choice, fp32_gemm_for_16bit)
+    return CpuKernels(choice, fp32_gemm_for_16bit, int8_decode_dot)
