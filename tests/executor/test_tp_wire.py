@@ -29,6 +29,7 @@ def test_plan_round_trip_keeps_every_field() -> None:
     sched = SchedulerOutput(scheduled=[seq, dataclasses.replace(seq, request_id="r2")],
                             blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4)],
                             finished_request_ids=["f"], preempted_request_ids=["p"],
+                            swapped_in_request_ids=["s"],
                             num_decode_tokens=1, num_prefill_tokens=5, num_padding_tokens=1,
                             predicted_time_s=0.05, tpot_target_s=0.1, prefill_budget_tokens=64)
     _all_set(seq)
