@@ -36,6 +36,19 @@ constexpr int64_t kMaxTile = ES_W;
 // Rows of one work item held on the stack by run_item_grouped (rows_per_item is capped there).
 constexpr int64_t kMaxItemRows = 64;
 
+// The next block is a random jump in the pool, which the hardware prefetcher cannot guess:
+// ask for its first n_tok slots of K and V while the current block is computed.
+template <typename cache_t>
+inline void prefetch_block(const cache_t* k_cache, const cache_t* v_cache, int64_t block,
+                           int64_t n_tok, int64_t T, int64_t slot_elems) {
+  const char* k = reinterpret_cast<const char*>(k_cache + block * T * slot_elems);
+  const char* v = reinterpret_cast<const char*>(v_cache + block * T * slot_elems);
+  for (int64_t byte = 0; byte < n_tok * slot_elems * (int64_t)sizeof(cache_t); byte += 64) {
+    __builtin_prefetch(k + byte);
+    __builtin_prefetch(v + byte);
+  }
+}
+
 // src_t: what the inner loops read, the cache's own dtype (in place) or float (a converted
 // copy of the block).
 //
@@ -82,19 +95,9 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
     const int64_t base = block_table[b] * T * slot_elems;
-    // The next block is a random jump in the pool, which the hardware prefetcher cannot guess:
-    // ask for it now so its lines arrive while this block is computed.
-    if (b + 1 < n_blocks) {
-      const int64_t n_next = std::min(T, ctx - pos0 - T);
-      const char* k_next = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * T *
-                                                                      slot_elems);
-      const char* v_next = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * T *
-                                                                      slot_elems);
-      for (int64_t byte = 0; byte < n_next * slot_elems * (int64_t)sizeof(cache_t); byte += 64) {
-        __builtin_prefetch(k_next + byte);
-        __builtin_prefetch(v_next + byte);
-      }
-    }
+    if (b + 1 < n_blocks)
+      prefetch_block(k_cache, v_cache, block_table[b + 1], std::min(T, ctx - pos0 - T), T,
+                     slot_elems);
     const src_t* kb;
     const src_t* vb;
     if constexpr (in_place) {
@@ -213,17 +216,9 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
     const int64_t base = block_table[b] * T * slot_elems;
-    if (b + 1 < n_blocks) {
-      const int64_t n_next = std::min(T, ctx - pos0 - T);
-      const char* k_next = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * T *
-                                                                      slot_elems);
-      const char* v_next = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * T *
-                                                                      slot_elems);
-      for (int64_t byte = 0; byte < n_next * slot_elems * (int64_t)sizeof(cache_t); byte += 64) {
-        __builtin_prefetch(k_next + byte);
-        __builtin_prefetch(v_next + byte);
-      }
-    }
+    if (b + 1 < n_blocks)
+      prefetch_block(k_cache, v_cache, block_table[b + 1], std::min(T, ctx - pos0 - T), T,
+                     slot_elems);
     const cache_t* kb = k_cache + base;
     const cache_t* vb = v_cache + base;
     for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTile) {
