@@ -16,6 +16,13 @@ Events, in time order (ties: reports, then arrivals, then pass starts/ends, then
 
 A replica busy with a pass keeps arrivals in an inbox until the pass ends, as the single-node
 loop does, so with one replica the schedule is identical to `simulate` (a test checks it).
+Events at equal times and kinds go in replica order. A report taken at the interval's grid point
+G = k * stats_interval_s holds what every event before G left (whichever event comes to take it).
+
+A replica that is pure decode with nothing waiting runs a `DecodeStretch` instead of one event
+per pass: its pass times are planned ahead and their effects applied lazily, made visible
+exactly where the per-pass loop would show them (sim/decode_stretch.py): the same results, a
+fraction of the work (`decode_stretches=False` runs every pass through the scheduler).
 Requests are consumed lazily and forgotten when they finish (only their timings are kept), so a
 million requests fit in memory.
 """
@@ -37,6 +44,7 @@ from everystop.routing import ReplicaLoad, Router, RouteRequest, prefix_block_ha
 from everystop.routing.policies import PrefixAffinityRouter
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import IterationShape
+from everystop.sim.decode_stretch import DecodeStretch, can_stretch
 from everystop.sim.fleet_workload import FleetRequest
 from everystop.sim.sim_executor import SimClock, SimExecutor
 from everystop.sim.simulator import SimSetup
@@ -95,6 +103,61 @@ class Replica:
         self.wake_at: float | None = None  # when that event is due, if one is pending
         self.stalled = False  # its last attempt scheduled nothing
         self.num_passes, self.busy_s, self.num_routed = 0, 0.0, 0
+        self.stretch: DecodeStretch | None = None
+        self.stretch_token = PASS_END  # stretch events carry tokens below PASS_END
+        self.stretch_at = 0  # the boundary of the stretch's pending event
+
+    @property
+    def busy(self) -> bool:
+        return self.in_pass is not None or self.stretch is not None
+
+    def account(self, latency: float) -> None:
+        self.num_passes += 1
+        self.busy_s += latency
+
+    def begin(self, decode_stretches: bool) -> tuple[float, int] | None:
+        """Start the next work: a decode stretch where one can run, else one pass. The
+        (time, token) of the event that ends it, or None if nothing could run."""
+        if decode_stretches and can_stretch(self.sched, len(self.inbox)):
+            st = DecodeStretch(self.sched, self.clock, self.latency_fn, self.account)
+            if st.ok:
+                st.advance(0, start_next=True)
+                self.stretch = st
+                self.stalled = False
+                return self.stretch_event()
+        end = self.start_pass()
+        return None if end is None else (end, PASS_END)
+
+    def stretch_event(self, boundary: int | None = None) -> tuple[float, int]:
+        """The stretch's next visible moment, planned further unless `boundary` is given (a new
+        token: the stretch's earlier events become stale)."""
+        assert self.stretch is not None
+        self.stretch_at = self.stretch.plan() if boundary is None else boundary
+        self.stretch_token -= 1
+        return self.stretch.times[self.stretch_at], self.stretch_token
+
+    def end_stretch_step(self) -> tuple[list[Request], bool]:
+        """At the stretch's event: apply its passes up to it; the requests they finished, and
+        whether the stretch is over (then the next pass is the scheduler's)."""
+        st = self.stretch
+        assert st is not None
+        boundary = self.stretch_at
+        done = st.advance(boundary, start_next=False)
+        over = st.end == boundary or st.alive == 0
+        if over:
+            st.close(boundary)
+            self.stretch = None
+        else:
+            st.advance(boundary, start_next=True)
+        return [self.routed[r.request_id][0] for r in done], over
+
+    def catch_up(self, before_s: float) -> None:
+        """Apply the stretch's passes that ended before `before_s` (a report is due)."""
+        st = self.stretch
+        if st is not None:
+            b = st.boundaries_before(before_s)
+            if b > st.applied:
+                st.advance(b, start_next=True)
 
     def load(self, seq: int) -> ReplicaLoad:
         s = self.sched
@@ -138,10 +201,12 @@ class Replica:
 
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                    latency_fn: Callable[[IterationShape], float], num_replicas: int,
-                   router: Router, *, stats_interval_s: float = 1.0) -> FleetResult:
+                   router: Router, *, stats_interval_s: float = 1.0,
+                   decode_stretches: bool = True) -> FleetResult:
     """Route `requests` (in arrival order) over `num_replicas` simulated replicas.
 
-    `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival."""
+    `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival.
+    `decode_stretches=False`: every pass through the scheduler (the same results, slower)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, not {num_replicas}")
     if stats_interval_s < 0:
@@ -151,7 +216,8 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
     # run: kept out of the cyclic collector's full passes (they cost ~5% of the run otherwise).
     with _gc_frozen():
         want_hashes = isinstance(router, PrefixAffinityRouter)
-        events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, replica, token)
+        # (time, kind, replica, seq, token): at equal times and kinds, replica order
+        events: list[tuple[float, int, int, int, int]] = []
         seq = 0
         loads: list[ReplicaLoad] = []
         report_seq = 0
@@ -161,31 +227,41 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
         nxt = next(source, None)
         last_arrival = -math.inf
         if nxt is not None:
-            events.append((nxt.arrival_s, ARRIVAL, 0, -1, 0))
+            events.append((nxt.arrival_s, ARRIVAL, -1, 0, 0))
 
-        def take_reports() -> None:
+        def take_reports(before_s: float) -> None:
             nonlocal loads, report_seq
             report_seq += 1
+            for r in replicas:
+                r.catch_up(before_s)
             loads = [r.load(report_seq) for r in replicas]
 
-        def wake(r: Replica, at: float) -> None:
+        def push(r: Replica, at: float, token: int) -> None:
             nonlocal seq
+            seq += 1
+            heapq.heappush(events, (at, PASS, r.index, seq, token))
+
+        def wake(r: Replica, at: float) -> None:
             r.wake_token += 1
             r.wake_at = at
-            seq += 1
-            heapq.heappush(events, (at, PASS, seq, r.index, r.wake_token))
+            push(r, at, r.wake_token)
 
-        take_reports()
-        next_report = stats_interval_s
+        def cut(r: Replica, at: float) -> None:
+            assert r.stretch is not None
+            boundary = r.stretch.cut_at(at)
+            if boundary != r.stretch_at:
+                push(r, *r.stretch_event(boundary))
+
+        take_reports(0.0)
+        report_k = 0  # the grid point of the last report
         now = 0.0
         while events:
-            now, kind, _, index, token = heapq.heappop(events)
-            if stats_interval_s and now >= next_report:
-                # Nothing changes between events, so the last report due before `now` is the one the
-                # router holds now.
-                next_report += math.floor((now - next_report) / stats_interval_s) * stats_interval_s
-                take_reports()
-                next_report += stats_interval_s
+            now, kind, index, _, token = heapq.heappop(events)
+            if stats_interval_s and now >= (report_k + 1) * stats_interval_s:
+                # Nothing changes between events, so the last report due before `now` is the one
+                # the router holds now: the grid point's, holding what happened before it.
+                report_k = _last_grid_point(now, stats_interval_s)
+                take_reports(report_k * stats_interval_s)
             if kind == ARRIVAL:
                 assert nxt is not None
                 spec = nxt
@@ -195,28 +271,40 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                 nxt = next(source, None)
                 if nxt is not None:
                     seq += 1
-                    heapq.heappush(events, (nxt.arrival_s, ARRIVAL, seq, -1, 0))
+                    heapq.heappush(events, (nxt.arrival_s, ARRIVAL, -1, seq, 0))
                 if not stats_interval_s:
-                    take_reports()
-                _route(spec, replicas, router, loads, rejected, want_hashes, setup.block_size, wake)
+                    take_reports(now)
+                _route(spec, replicas, router, loads, rejected, want_hashes, setup.block_size,
+                       wake, cut)
                 continue
             r = replicas[index]
-            if token != PASS_END:
-                if token != r.wake_token or r.in_pass is not None:
-                    continue  # superseded by an earlier wake-up
-                r.wake_at = None
-                r.clock.now = max(r.clock.now, now)
-            else:
-                for req in r.end_pass():
+            if token == PASS_END or token < PASS_END:
+                if token == PASS_END:
+                    done = r.end_pass()
+                elif token != r.stretch_token:
+                    continue  # a stretch event superseded by a cut
+                else:
+                    done, over = r.end_stretch_step()
+                    if not over:
+                        for req in done:
+                            router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
+                            finished.append(_finished(req, r.index))
+                        push(r, *r.stretch_event())
+                        continue
+                for req in done:
                     router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
                     finished.append(_finished(req, r.index))
                 for req in r.inbox:
                     _add(r, req, router, rejected)
                 r.inbox.clear()
-            end = r.start_pass() if r.sched.has_unfinished else None
-            if end is not None:
-                seq += 1
-                heapq.heappush(events, (end, PASS, seq, r.index, PASS_END))
+            else:
+                if token != r.wake_token or r.busy:
+                    continue  # superseded by an earlier wake-up
+                r.wake_at = None
+                r.clock.now = max(r.clock.now, now)
+            event = r.begin(decode_stretches) if r.sched.has_unfinished else None
+            if event is not None:
+                push(r, *event)
             elif r.sched.has_unfinished:
                 at = _static_timeout(r.sched, r.clock.now)
                 if at is not None:
@@ -234,6 +322,17 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                            num_routed=[r.num_routed for r in replicas])
 
 
+def _last_grid_point(now: float, interval: float) -> int:
+    """The largest k with k * interval <= now (computed the same way whatever came before, so
+    the report grid does not depend on which events the loop happened to pop)."""
+    k = math.floor(now / interval)
+    while k * interval > now:
+        k -= 1
+    while (k + 1) * interval <= now:
+        k += 1
+    return k
+
+
 @contextmanager
 def _gc_frozen() -> Iterator[None]:
     gc.freeze()
@@ -245,7 +344,8 @@ def _gc_frozen() -> Iterator[None]:
 
 def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
            loads: list[ReplicaLoad], rejected: dict[str, str], want_hashes: bool,
-           block_size: int, wake: Callable[[Replica, float], None]) -> None:
+           block_size: int, wake: Callable[[Replica, float], None],
+           cut: Callable[[Replica, float], None]) -> None:
     tokens = spec.prompt_token_ids
     route = RouteRequest(kv_blocks_needed=-(-len(tokens) // block_size),
                          prefix_hashes=prefix_block_hashes(tokens, block_size) if want_hashes
@@ -257,10 +357,12 @@ def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
                       SamplingParams(max_tokens=spec.max_tokens, temperature=0.0,
                                      ignore_eos=True),
                       arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant)
-        if r.in_pass is not None:
+        if r.busy:
             # NOTE: a busy replica queues it until the pass ends (the single-node loop adds
             # arrivals between passes); admission is checked then, so it cannot bounce here.
             r.inbox.append(req)
+            if r.stretch is not None:
+                cut(r, spec.arrival_s)  # the pass it arrives in is the stretch's last
         else:
             try:
                 r.sched.add_request(req)
