@@ -1,0 +1,56 @@
+"""Decode stretches change how much work the fleet simulator does, never what it decides: with
+and without them every finished request's timings, every rejection, every replica's passes and
+busy time are identical, where stretches are cut by arrivals, end in finishes, grow blocks,
+share prefix-cache blocks, run the pool dry, and replay the step-cost fit (a TPOT target on)."""
+
+import pytest
+
+from everystop.routing import make_router
+from everystop.sim.fleet import FleetResult, Replica, simulate_fleet
+from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.node import build_node
+
+TRAFFIC = ("n=200,prompt=uniform:20:500,output=uniform:5:300,rate=25,tiers=0.3:0.4:0.3,"
+           "prefix=0.5:48,sessions=0.4:3:1,tenants=2,seed=7")
+
+CASES = {
+    # scheduling, KV blocks, scheduler options, router, stats interval
+    "tight-pool": ("chunked", 420, {"preemption_mode": "auto"}, "least-loaded", 0.3),
+    "tpot-target": ("continuous", 900, {"tpot_target_ms": 30.0}, "prefix-affinity", 0.25),
+    "every-arrival": ("chunked", 1500, {}, "power-of-two", 0.0),
+    "odd-interval": ("continuous", 2000, {}, "round-robin", 0.1),
+}
+
+
+def _run(case: str, stretches: bool, counted: list[int] | None = None) -> FleetResult:
+    scheduling, blocks, options, router, interval = CASES[case]
+    node = build_node("llama-3-8b", "a100-80gb", 1, scheduling, num_gpu_blocks=blocks,
+                      max_num_seqs=32, swap_space_bytes=2 * 2**30, **options)
+    return simulate_fleet(fleet_traffic(TRAFFIC), node.setup, node.cost.latency, 3,
+                          make_router(router), stats_interval_s=interval,
+                          decode_stretches=stretches)
+
+
+def _facts(res: FleetResult) -> tuple:
+    return (sorted((f.request_id, f.replica, f.arrival_s, f.first_token_s, f.finished_s,
+                    f.num_output_tokens, f.num_cached_tokens) for f in res.finished),
+            sorted(res.rejected.items()), res.num_passes, res.busy_s, res.num_preemptions,
+            res.end_time_s, res.num_routed)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
+    stretched = []
+    begin = Replica.begin
+
+    def spy(self, decode_stretches):
+        event = begin(self, decode_stretches)
+        stretched.append(self.stretch is not None)
+        return event
+
+    monkeypatch.setattr(Replica, "begin", spy)
+    fast = _run(case, True)
+    assert sum(stretched) >= 10  # stretches really ran
+    slow = _run(case, False)
+    assert len(fast.finished) > 150
+    assert _facts(fast) == _facts(slow)
