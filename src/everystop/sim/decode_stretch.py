@@ -26,7 +26,7 @@ preempt) also ends the stretch before it starts.
 NOTE: the step-cost fit (`Scheduler.step_cost`) is replayed pass by pass only when a TPOT target
 is on, the one case where it steers a decision (the prefill budget); with every target off it
 decides nothing, and its coefficients (reported in `Scheduler.stats()`) then reflect only the
-passes the scheduler ran itself.
+passes the scheduler ran itself (as does `Scheduler.last_prefill_budget_tokens`).
 """
 
 from __future__ import annotations
