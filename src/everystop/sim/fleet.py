@@ -156,7 +156,8 @@ class Replica:
         st = self.stretch
         if st is not None:
             b = st.boundaries_before(before_s)
-            if b > st.applied:
+            # b == applied too: a pass start deferred at a finish event (end_stretch_step)
+            if b >= st.applied:
                 st.advance(b, start_next=True)
 
     def load(self, seq: int) -> ReplicaLoad:
