@@ -62,3 +62,55 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
     slow = _run(case, False)
     assert len(fast.finished) >= 60 and fast.num_preemptions >= 0
     assert _facts(fast) == _facts(slow)
+
+
+def test_a_report_between_passes_sees_what_single_passes_left():
+    """Replica level: at every moment between two pass ends, a replica in a stretch (after
+    catch_up, as a load report does) shows the same load as one run pass by pass, block growth
+    at each pass start included, also right after a pass that finished requests."""
+    from everystop.core.request import Request
+    from everystop.sampling_params import SamplingParams
+    from everystop.sim.fleet import PASS_END
+
+    node = build_node("llama-3-8b", "a100-80gb", 1, "chunked", num_gpu_blocks=400,
+                      max_num_seqs=32)
+
+    def replica() -> Replica:
+        r = Replica(0, node.setup, node.cost.latency)
+        for i in range(12):
+            req = Request(f"q{i}", [i % 3 + 1] * (40 + 7 * i), SamplingParams(
+                max_tokens=30 + 23 * i, temperature=0.0, ignore_eos=True), arrival_time=1e-9)
+            r.sched.add_request(req)
+            r.routed[req.request_id] = (req, None)  # type: ignore[assignment]
+        return r
+
+    def facts(r: Replica) -> tuple:
+        ld = r.load(0)
+        return ld.num_running, ld.num_waiting, ld.free_kv_blocks, ld.prefill_tokens_queued
+
+    slow = replica()
+    timeline = []  # (pass end time, the load once it ended and the next pass started)
+    end = slow.start_pass()
+    while end is not None:
+        slow.end_pass()
+        end = slow.start_pass() if slow.sched.has_unfinished else None
+        timeline.append((slow.clock.now, facts(slow)))
+
+    fast = replica()
+    event = fast.begin(True)
+    checked = stretched = 0
+    for (t0, want), (t1, _) in zip(timeline, timeline[1:]):
+        probe = (t0 + t1) / 2
+        while event is not None and event[0] < probe:
+            if event[1] == PASS_END:
+                fast.end_pass()
+                over = True
+            else:
+                _, over = fast.end_stretch_step()
+            event = (fast.begin(True) if fast.sched.has_unfinished else None) if over else (
+                fast.stretch_event())
+        stretched += fast.stretch is not None
+        fast.catch_up(probe)
+        assert facts(fast) == want, f"at {probe}"
+        checked += 1
+    assert checked > 250 and stretched > 100
