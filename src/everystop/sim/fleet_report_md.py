@@ -136,7 +136,8 @@ def _speed_long() -> list[str]:
         f"average {s['loadavg_before'][0]:.1f} before and {s['loadavg_after'][0]:.1f} after), "
         f"{s['cpu_ms_per_request']} CPU-ms per request; extrapolated to "
         f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
-        " against 600 s: " + ("met." if s["meets_target_extrapolated"] else "**not met**."),
+        " against 600 s: " + ("met." if s["meets_target_extrapolated"] else "**not met**.")
+        + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
 
 
