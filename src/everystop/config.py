@@ -16,7 +16,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The CPU kernel builds (best first; executor/layers/cpu_kernels.ISAS), "auto" or "off".
 CPU_KERNEL_CHOICES = ("auto", "off", "avx512bf16", "avx512", "avx2", "generic")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "reference")
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")  # ModelConfig.quantization
+QUANTIZATIONS = ("auto", "none", "bf16", "f16", "q8_0", "q4_0")  # ModelConfig.quantization
 
 
 class ConfigError(ValueError):
@@ -164,7 +164,9 @@ class ModelConfig:
     decoder_stack: bool = True
     # How weights are held (QUANTIZATIONS): "auto" as the file stores them (GGUF Q8_0/Q4_0/
     # Q4_1 blocks kept, K-quants requantized to the nearest of those, 16-bit kept 16-bit),
-    # "none" every weight converted to `dtype`, "q8_0"/"q4_0" float weights quantized at load.
+    # "none" every weight converted to `dtype`, "bf16"/"f16" every projection and embedding
+    # held 16-bit next to `dtype` activations (float32 on CPUs without bf16 arithmetic: no
+    # casts around each GEMM), "q8_0"/"q4_0" float weights quantized at load.
     quantization: str = "auto"
     # Single-row decodes on block weights (Q8_0/Q4_0/Q4_1) with integer dot products: x rounded
     # to int8 per 32 values as llama.cpp does (~1.4x faster GEMV). Off by default: the same

@@ -117,7 +117,7 @@ def test_argmax_rows_first_maximum_and_nan(kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_linear_small_matches_fp32_matmul(dtype, rows, kernels):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 100, generator=g).to(dtype)  # 100: a tail after the 8/16-wide chunks

@@ -133,6 +133,7 @@ def test_quantized_model_follows_fp32():
     fp32 about as well as bf16 does (two tokens of the sample's slack), and both 8- and 4-bit
     stay at their measured level, far above a wrong kernel (~0)"""
     variants = {"bf16": {"quantization": "none", "dtype": "bfloat16"},
+                "bf16-held": {"quantization": "bf16", "dtype": "float32"},
                 "q8_0": {"quantization": "q8_0"}, "q4_0": {"quantization": "q4_0"}}
     result = measure(variants, prompts(4), 24, batch=4)
     for name in variants:
@@ -141,6 +142,9 @@ def test_quantized_model_follows_fp32():
               f"{result[name]['bytes_per_param']} B/param")
     q8, bf16 = result["q8_0"]["top1_agreement"], result["bf16"]["top1_agreement"]
     assert q8 >= bf16 - 2 / 96 and q8 >= 0.95
+    # bf16 weights beside fp32 activations round less than bf16 throughout
+    assert result["bf16-held"]["top1_agreement"] >= bf16 - 2 / 96
+    assert 1.9 < result["bf16-held"]["bytes_per_param"] < 2.1
     assert result["q4_0"]["top1_agreement"] >= 0.70
     assert result["q8_0"]["bytes_per_param"] < 1.1 and result["q4_0"]["bytes_per_param"] < 0.8
 

@@ -29,6 +29,9 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default="auto",
+                    help="how weights are held (auto keeps the default model's Q4_1 blocks; "
+                    "none: --dtype throughout; bf16: 16-bit weights, --dtype activations)")
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
                     "3 GiB at fp32")
@@ -38,6 +41,7 @@ def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """LLM(...) options from add_engine_arguments' flags, plus `more`."""
     options: dict[str, Any] = {"dtype": args.dtype, "cpu_kernels": args.cpu_kernels,
                                "kv_cache_dtype": args.kv_cache_dtype,
+                               "quantization": args.quantization,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
     if args.threads is not None:
         options["num_threads"] = args.threads

@@ -82,7 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="weights in memory: auto (as the file holds them: GGUF Q8_0/Q4_0/Q4_1 "
                    "blocks as they are, K-quants requantized to the nearest), none (all "
-                   "converted to --dtype), or q8_0/q4_0 (float weights quantized at load)")
+                   "converted to --dtype), bf16/f16 (held 16-bit next to --dtype activations: with "
+                   "--dtype float32 the fastest like-for-like with an F16 GGUF on AVX2 CPUs), or "
+                   "q8_0/q4_0 (float weights quantized at load)")
     g.add_argument("--int8-decode-dot", action="store_true", default=None,
                    help="single-row decodes on block weights with int8 activations and integer "
                    "dot products (faster; greedy outputs then depend on what the prefix cache "

@@ -40,7 +40,9 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 HF_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)  # llama.cpp exports Mistral as "llama" too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
+QUANTIZATIONS = ("auto", "none", "bf16", "f16", "q8_0", "q4_0")
+# Held dense in 16 bits whatever the file stores, next to activations in the model dtype.
+HELD_16BIT = {"bf16": torch.bfloat16, "f16": torch.float16}
 # GGUF block types held as they are, and the native format every other quantized type is
 # requantized to under "auto": the nearest with at least its precision (Q4_K keeps a per-block
 # minimum like Q4_1; 5- and 6-bit types need Q8_0 not to lose bits).
@@ -173,6 +175,9 @@ def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantiz
     Requantizing (a format change) appends (name, format, relative error) to `errors`.
     """
     blocks = [p for p in parts if isinstance(p, QuantizedTensor)]
+    if quantization in HELD_16BIT:
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p.float()
+                          for p in parts]).to(HELD_16BIT[quantization])
     if quantization == "auto":
         if not blocks:
             full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # type: ignore

@@ -383,33 +383,51 @@ inline void prefetch_next_tile(const T* p) {
 // with AVX-512, 16 with AVX2.
 template <int R>
 constexpr int kCols = ES_W == 16 ? (R <= 2 ? 8 : (R <= 5 ? 4 : 2))
-                                 : (R <= 2 ? 4 : (R <= 5 ? 2 : 1));
+                                 : (R <= 2 ? 4 : (R == 3 ? 3 : (R <= 6 ? 2 : 1)));
+
+// Output columns n..n+C-1 for R rows of x, over k: a cache line of each weight row per step,
+// one prefetch per line (a prefetch per vector spent load slots on lines already requested).
+template <typename W, int R, int C>
+inline void gemv_cols(const float* x, int64_t k, const W* w, int64_t n, float* out,
+                      int64_t out_stride) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(W));
+  constexpr int kL = static_cast<int>(kLine >= kW ? kLine / kW : 1);
+  constexpr int64_t kStep = kL * kW;
+  const int64_t kv = k - k % kStep;
+  vf acc[R][C];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < C; ++j) acc[m][j] = vf{};
+  const W* w0 = w + n * k;
+  for (int64_t i = 0; i < kv; i += kStep) {
+    for (int j = 0; j < C; ++j) prefetch_next_tile(w0 + (C + j) * k + i);
+    for (int u = 0; u < kL; ++u) {
+      vf a[C];
+      for (int j = 0; j < C; ++j) a[j] = loadv(w0 + j * k + i + u * kW);
+      for (int m = 0; m < R; ++m) {
+        const vf xv = loadv(x + m * k + i + u * kW);
+        for (int j = 0; j < C; ++j) acc[m][j] += xv * a[j];
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < C; ++j)
+      out[m * out_stride + n + j] = hsum(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, kv, k);
+}
 
 template <typename W, int R>
 void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
                 float* out, int64_t out_stride) {
-  constexpr int C = kCols<R>;
-  const int64_t kv = k - k % kW;
+  // Where R rows leave registers for one column only (AVX2, 7-8 rows), the rows go in two
+  // passes over each group of columns instead: the second pass reads those weight rows from L1.
+  constexpr bool kSplit = kCols<R> == 1 && R > 1;
+  constexpr int R1 = kSplit ? (R + 1) / 2 : R;
+  constexpr int R2 = R - R1;
+  constexpr int C = kCols<R1>;
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
-    vf acc[R][C];
-    for (int m = 0; m < R; ++m)
-      for (int j = 0; j < C; ++j) acc[m][j] = vf{};
-    const W* w0 = w + n * k;
-    for (int64_t i = 0; i < kv; i += kW) {
-      vf a[C];
-      for (int j = 0; j < C; ++j) {
-        prefetch_next_tile(w0 + (C + j) * k + i);
-        a[j] = loadv(w0 + j * k + i);
-      }
-      for (int m = 0; m < R; ++m) {
-        const vf xv = loadv(x + m * k + i);
-        for (int j = 0; j < C; ++j) acc[m][j] += xv * a[j];
-      }
-    }
-    for (int m = 0; m < R; ++m)
-      for (int j = 0; j < C; ++j)
-        out[m * out_stride + n + j] = hsum(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, kv, k);
+    gemv_cols<W, R1, C>(x, k, w, n, out, out_stride);
+    if constexpr (R2 > 0) gemv_cols<W, R2, C>(x + R1 * k, k, w, n, out + R1 * out_stride,
+                                               out_stride);
   }
   for (; n < n_end; ++n)
     for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);

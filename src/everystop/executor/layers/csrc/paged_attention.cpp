@@ -176,10 +176,15 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
   }
 }
 
+// Keys a grouped item scores before each online-softmax update: 16 (two vectors on AVX2, one
+// on AVX-512), so the per-update work (max, rescale, two exponentials) is paid once per block
+// of 16 keys instead of once per 8 on AVX2.
+constexpr int64_t kGroupTile = 16;
+constexpr int kTileVecs = static_cast<int>(kGroupTile / kW);
+
 // The heads of one kv group (G of them, adjacent in a token's rows) read the same K/V slots:
 // each K/V vector is loaded (and widened, for a 16-bit cache) once and multiplied into all G
-// rows, straight from the cache, instead of once per row. Per row the arithmetic is the same,
-// in the same order, as run_item_src's, so both give bit-identical results.
+// rows, straight from the cache, instead of once per row.
 // Needs head_dim == kNV * kW (kNV > 0) and num_heads == G * num_kv_heads.
 template <typename cache_t, int kNV, int G>
 void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
@@ -190,6 +195,7 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
   // V is accumulated JC vectors of the head at a time so that G x JC accumulators stay in
   // registers (16 on AVX2, 32 on AVX-512).
   constexpr int JC = kNV % 4 == 0 ? 4 : (kNV % 2 == 0 ? 2 : 1);
+  static_assert(G <= kW, "a group's corrections share one vector");
   const int64_t rows = w.q_count * num_heads;
   const int64_t T = block_size;
   const int64_t slot_elems = num_kv_heads * D;
@@ -212,53 +218,92 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
   const int64_t n_blocks = (ctx + T - 1) / T;
   vi lane;
   for (int64_t i = 0; i < kW; ++i) lane[i] = static_cast<int32_t>(i);
+  // The next block's K/V lines are requested a slice at a time between the (tile, token,
+  // group) steps of this one: asked for all at once, they overflow the core's miss buffers
+  // and the loads behind them wait (measured: blocks 2 or 3 ahead were slower).
+  const int64_t line_elems = 64 / static_cast<int64_t>(sizeof(cache_t));
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
-    const int64_t base = block_table[b] * T * slot_elems;
-    if (b + 1 < n_blocks)
-      prefetch_block(k_cache, v_cache, block_table[b + 1], std::min(T, ctx - pos0 - T), T,
-                     slot_elems);
-    const cache_t* kb = k_cache + base;
-    const cache_t* vb = v_cache + base;
-    for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTile) {
-      const int64_t tile = std::min(kMaxTile, n_tok - t0);
+    const cache_t* kb = k_cache + block_table[b] * T * slot_elems;
+    const cache_t* vb = v_cache + block_table[b] * T * slot_elems;
+    const cache_t* pk = nullptr;
+    const cache_t* pv = nullptr;
+    int64_t pf_left = 0, pf_step = 0;
+    if (b + 1 < n_blocks) {
+      pk = k_cache + block_table[b + 1] * T * slot_elems;
+      pv = v_cache + block_table[b + 1] * T * slot_elems;
+      pf_left = std::min(T, ctx - pos0 - T) * slot_elems;
+      const int64_t steps = ((n_tok + kGroupTile - 1) / kGroupTile) * w.q_count * num_kv_heads;
+      pf_step = ((pf_left + steps - 1) / steps + line_elems - 1) / line_elems * line_elems;
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kGroupTile) {
+      const int64_t tile = std::min(kGroupTile, n_tok - t0);
       for (int64_t i = 0; i < w.q_count; ++i) {
         const int64_t visible = std::min(tile, first_pos + w.q_begin + i - pos0 - t0 + 1);
-        if (visible <= 0) continue;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
+          if (pf_left > 0) {
+            const int64_t n = std::min(pf_step, pf_left);
+            for (int64_t e = 0; e < n; e += line_elems) {
+              __builtin_prefetch(pk + e);
+              __builtin_prefetch(pv + e);
+            }
+            pk += n;
+            pv += n;
+            pf_left -= n;
+          }
+          if (visible <= 0) continue;
           const int64_t r0 = i * num_heads + g * G;
           const vf* qr = qbuf + r0 * kNV;
           const cache_t* kr = kb + t0 * slot_elems + g * D;
           const cache_t* vr = vb + t0 * slot_elems + g * D;
-          vf dots[G][ES_W];
-          for (int64_t t = 0; t < kW; ++t) {
-            if (t >= visible) {
-              for (int gg = 0; gg < G; ++gg) dots[gg][t] = vf{};
-              continue;
+          vf sc[G][kTileVecs];
+          for (int tv = 0; tv < kTileVecs; ++tv) {
+            vf dots[G][ES_W];
+            for (int64_t t = 0; t < kW; ++t) {
+              const int64_t key = tv * kW + t;
+              if (key >= visible) {
+                for (int gg = 0; gg < G; ++gg) dots[gg][t] = vf{};
+                continue;
+              }
+              const cache_t* kt = kr + key * slot_elems;
+              vf a[G];
+              const vf k0 = loadv(kt);
+              for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * k0;
+              for (int64_t j = 1; j < kNV; ++j) {
+                const vf kj = loadv(kt + j * kW);
+                for (int gg = 0; gg < G; ++gg) a[gg] += qr[gg * kNV + j] * kj;
+              }
+              for (int gg = 0; gg < G; ++gg) dots[gg][t] = a[gg];
             }
-            const cache_t* kt = kr + t * slot_elems;
-            vf a[G];
-            const vf k0 = loadv(kt);
-            for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * k0;
-            for (int64_t j = 1; j < kNV; ++j) {
-              const vf kj = loadv(kt + j * kW);
-              for (int gg = 0; gg < G; ++gg) a[gg] += qr[gg * kNV + j] * kj;
+            for (int gg = 0; gg < G; ++gg) {
+              const vf s = reduce_lanes(dots[gg]);
+              sc[gg][tv] = lane + (int)(tv * kW) < (int)visible ? s : vf{} - INFINITY;
             }
-            for (int gg = 0; gg < G; ++gg) dots[gg][t] = a[gg];
           }
-          float ev[G][ES_W];
+          // One exponential for the G rows' rescale factors, one per score vector.
+          float m_new[G];
+          vf shift{};
+          for (int gg = 0; gg < G; ++gg) {
+            vf mx = sc[gg][0];
+            for (int tv = 1; tv < kTileVecs; ++tv) mx = mx > sc[gg][tv] ? mx : sc[gg][tv];
+            m_new[gg] = std::max(m[r0 + gg], hmax(mx));
+            shift[gg] = m[r0 + gg] - m_new[gg];  // -inf before the first key: factor 0
+          }
+          const vf corrv = exp_v(shift);
+          float ev[G][kGroupTile];
           float corr[G];
           for (int gg = 0; gg < G; ++gg) {
             const int64_t r = r0 + gg;
-            vf sc = reduce_lanes(dots[gg]);
-            sc = lane < (int)visible ? sc : vf{} - INFINITY;
-            const float m_new = std::max(m[r], hmax(sc));
-            corr[gg] = m[r] == -INFINITY ? 0.f : exp_v(vf{} + (m[r] - m_new))[0];
-            const vf e = exp_v(sc - m_new);
-            l[r] = l[r] * corr[gg] + hsum(e);
-            m[r] = m_new;
-            std::memcpy(ev[gg], &e, sizeof(e));
+            vf sum{};
+            for (int tv = 0; tv < kTileVecs; ++tv) {
+              const vf e = exp_v(sc[gg][tv] - m_new[gg]);
+              sum += e;
+              std::memcpy(ev[gg] + tv * kW, &e, sizeof(e));
+            }
+            corr[gg] = corrv[gg];
+            l[r] = l[r] * corr[gg] + hsum(sum);
+            m[r] = m_new[gg];
           }
           for (int64_t jc = 0; jc < kNV; jc += JC) {
             vf ar[G][JC];

@@ -36,11 +36,21 @@ inline vf bits_to_vf(vu bits) {
   return out;
 }
 
-// bf16 is the top half of an fp32: widening is a shift.
+// bf16 is the top half of an fp32: widening is a shift. Written with intrinsics because GCC
+// lowers the generic u16 -> u32 vector conversion to two half-width zero-extends, a byte
+// shift and an insert (6 instructions instead of 2) in the attention and GEMV inner loops.
 inline vf bf16_to_vf(const void* src) {
+#if ES_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16);
+#elif ES_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16);
+#else
   vh h;
   std::memcpy(&h, src, sizeof(h));
   return bits_to_vf(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 
 // Rounds each fp32 to its nearest bf16 (ties to even) and returns the bf16 bits; NaN stays NaN.
