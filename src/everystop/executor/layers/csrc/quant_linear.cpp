@@ -208,8 +208,6 @@ void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, 
 // AVX512-VNNI vpdpbusd on 256-bit registers (a block is 32 bytes: one register).
 enum DotPath { kFloatPath = 0, kMaddubs = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 
-#if defined(__AVX2__)
-
 struct QuantizedRows {
   std::vector<int8_t> q;   // [rows, k]
   std::vector<float> d;    // [rows, k / 32] scale
@@ -236,6 +234,26 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   }
   return out;
 }
+
+// x with every 32-value block replaced by the values the integer dots see (d * q, fp32): what
+// every other row count multiplies when int8 activations are on, so a token computes the same
+// product (up to the order of fp32 sums) whether it is decoded alone or inside a prefill chunk.
+at::Tensor round_int8_blocks(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0,
+              "round_int8_blocks: x [rows, k] with k divisible by 32");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t rows = x32.size(0), k = x32.size(1), nb = k / kBlock;
+  const QuantizedRows xq = quantize_rows(x32.data_ptr<float>(), rows, k);
+  at::Tensor out = at::empty({rows, k}, x32.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows * nb; ++i)
+    for (int64_t j = 0; j < kBlock; ++j)
+      op[i * kBlock + j] = xq.d[i] * static_cast<float>(xq.q[i * kBlock + j]);
+  return out;
+}
+
+
+#if defined(__AVX2__)
 
 inline float half_scalar(const uint8_t* p) {
   uint16_t h;
@@ -424,12 +442,18 @@ at::Tensor linear_q_small_path(const at::Tensor& x, const at::Tensor& w, int64_t
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The decode GEMV: one row (single-stream decode) on the fastest integer path here, more rows
-// widened to fp32. Measured on the Llama-3.2-1B projections (bench quant-kernels, Zen 4): at
-// 1 row the integer dots take 0.70x the time of the fp32 widening (q4_0) and 0.83x (q8_0); at
-// 4 rows they take 1.1-1.3x, the per-block int-to-float conversion and scaling repeated per row.
+// The decode GEMV with int8 activations: one row (single-stream decode) on the fastest integer
+// path here; more rows (or a build with no integer path) widened to fp32 and multiplied into x
+// rounded per block as the integer path rounds it (round_int8_blocks), so the product does not
+// depend on the row count.
+// Measured on the Llama-3.2-1B projections (bench quant-kernels, Zen 4): at 1 row the integer
+// dots take 0.70x the time of the fp32 widening (q4_0) and 0.83x (q8_0); at 4 rows they take
+// 1.1-1.3x, the per-block int-to-float conversion and scaling repeated per row.
 at::Tensor linear_q_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
-  return linear_q_small_path(x, w, fmt, k, x.size(0) == 1 ? best_path() : int64_t{kFloatPath});
+  if (x.size(0) == 1 && best_path() != kFloatPath)
+    return linear_q_small_path(x, w, fmt, k, best_path());
+  const at::Tensor out = linear_q_small_path(round_int8_blocks(x), w, fmt, k, kFloatPath);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 // The dot paths this build runs on this CPU, best last (tests run each).
@@ -581,6 +605,7 @@ ES_LIBRARY_FRAGMENT(m) {
   m.def("dequantize(Tensor weight, int fmt, int k) -> Tensor");
   m.def("linear_q_small_path(Tensor x, Tensor weight, int fmt, int k, int path) -> Tensor");
   m.def("int_dot_paths() -> int[]", &int_dot_paths);  // no tensor: a catch-all kernel
+  m.def("round_int8_blocks(Tensor x) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {
@@ -588,4 +613,5 @@ ES_LIBRARY_IMPL(m) {
   m.impl("linear_q_tiled", &linear_q_tiled);
   m.impl("dequantize", &dequantize);
   m.impl("linear_q_small_path", &linear_q_small_path);
+  m.impl("round_int8_blocks", &round_int8_blocks);
 }
