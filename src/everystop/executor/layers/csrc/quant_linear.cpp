@@ -197,10 +197,11 @@ void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, 
 // rounding), and a block of weights meets it as 32 byte products summed in int32; one float
 // multiply-add per block applies both scales. Weights enter the dot as unsigned bytes (nibbles
 // 0..15, or |w| for q8_0 with w's sign moved onto x), the form vpdpbusd and vpmaddubsw take;
-// the zero point (q4_0's 8, q4_1's m) is applied per block from the block's sum of x:
+// the zero point comes from x's sums (q4_0's 8 in int32: the dot starts from -8 * x's lane
+// sums, computed once per block of x; q4_1's m in fp32 per block):
 //
 //   q8_0  sum d q * dx qx                = d dx sum(|q| * sign(q) qx)
-//   q4_0  sum d (q - 8) * dx qx          = d dx sum(q qx) - 8 d * dx sum(qx)
+//   q4_0  sum d (q - 8) * dx qx          = d dx (sum(q qx) - 8 sum(qx))
 //   q4_1  sum (d q + m) * dx qx          = d dx sum(q qx) + m * dx sum(qx)
 //
 // Three ways to take the 32-byte dot, chosen at run time from the CPU's flags (or by the
@@ -212,12 +213,15 @@ struct QuantizedRows {
   std::vector<int8_t> q;   // [rows, k]
   std::vector<float> d;    // [rows, k / 32] scale
   std::vector<float> s;    // [rows, k / 32] dx * sum(qx): the block's sum as the dot sees it
+  // [rows, k / 32, 8] -8 * the sum of each 4 consecutive qx: the int32 lanes a 32-byte dot
+  // starts from so that it takes q4_0's nibbles q as q - 8 (one add per block saved per column).
+  std::vector<int32_t> m8;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * nb)};
+                    std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb * 8)};
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* xb = x + i * kBlock;
     float amax = 0.f;
@@ -227,6 +231,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
       out.q[i * kBlock + j] = static_cast<int8_t>(q);
+      out.m8[i * 8 + j / 4] -= 8 * q;
       sum += q;
     }
     out.d[i] = d;
@@ -261,6 +266,13 @@ inline float half_scalar(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// A block's fp16 scale in all 8 lanes.
+inline __m256 half_broadcast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+}
+
 inline __m256i nibbles_u8(const uint8_t* qs) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
@@ -273,9 +285,11 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// acc + the dot of unsigned bytes u and signed bytes s, each int32 lane summing 4 products.
 struct DotMaddubs {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
   }
 };
 
@@ -283,16 +297,14 @@ struct DotMaddubs {
 // needs its target enabled in every function it is inlined into, so the shared loop body could
 // not be inlined into per-path entry points. The caller checks the CPU flag first (path_runs).
 struct DotAvxVnni {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    __m256i acc = _mm256_setzero_si256();
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
   }
 };
 
 struct DotAvx512Vnni {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    __m256i acc = _mm256_setzero_si256();
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
   }
@@ -317,16 +329,16 @@ void igemv_columns(
     const uint8_t* w0 = w + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       __m256i wq[C];
-      float dw[C], zw[C];
+      __m256 dw[C];
+      float zw[C];
       for (int j = 0; j < C; ++j) {
         const uint8_t* blk = w0 + j * row_bytes + b * B;
         __builtin_prefetch(w0 + (C + j) * row_bytes + b * B);
-        dw[j] = half_scalar(blk);
+        dw[j] = half_broadcast(blk);
         if constexpr (F == kQ8_0) {
           wq[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
         } else if constexpr (F == kQ4_0) {
           wq[j] = nibbles_u8(blk + 2);
-          zw[j] = -8.f * dw[j];
         } else {
           wq[j] = nibbles_u8(blk + 4);
           zw[j] = half_scalar(blk + 2);
@@ -335,16 +347,20 @@ void igemv_columns(
       for (int m = 0; m < R; ++m) {
         const __m256i xv =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + m * k + b * kBlock));
-        const float dx = xq.d[m * nb + b];
+        const __m256 dx = _mm256_set1_ps(xq.d[m * nb + b]);
+        // q4_0: the dot starts from -8 * x's lane sums, so it sums (q - 8) * qx exactly.
+        __m256i start = _mm256_setzero_si256();
+        if constexpr (F == kQ4_0)
+          start = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xq.m8.data() + (m * nb + b) * 8));
         for (int j = 0; j < C; ++j) {
           __m256i p;
           if constexpr (F == kQ8_0)
-            p = Dot::dot(_mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));
+            p = Dot::dot(start, _mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));
           else
-            p = Dot::dot(wq[j], xv);
-          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[j] * dx),
-                                      acc[m][j]);
-          if constexpr (F != kQ8_0) corr[m][j] += zw[j] * xq.s[m * nb + b];
+            p = Dot::dot(start, wq[j], xv);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[j], dx), acc[m][j]);
+          if constexpr (F == kQ4_1) corr[m][j] += zw[j] * xq.s[m * nb + b];
         }
       }
     }
