@@ -166,12 +166,11 @@ class ModelConfig:
     # Q4_1 blocks kept, K-quants requantized to the nearest of those, 16-bit kept 16-bit),
     # "none" every weight converted to `dtype`, "q8_0"/"q4_0" float weights quantized at load.
     quantization: str = "auto"
-    # Block weights (Q8_0/Q4_0/Q4_1) meet activations rounded to int8 per 32 values, as
-    # llama.cpp does, at every row count, so single-row decodes take integer dot products
-    # (~1.4x faster GEMV) and a token computes the same decoded alone as inside a prefill chunk
-    # (an identical greedy request answers the same whatever the prefix cache held). False:
-    # fp32 activations throughout (no activation rounding; slower single-row decodes).
-    int8_decode_dot: bool = True
+    # Single-row decodes on block weights (Q8_0/Q4_0/Q4_1) with integer dot products: x rounded
+    # to int8 per 32 values as llama.cpp does (~1.4x faster GEMV). Off by default: the same
+    # token then computes differently as a decode row than inside a prefill chunk, so an
+    # identical greedy request can answer differently once its prompt is in the prefix cache.
+    int8_decode_dot: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),

@@ -100,8 +100,7 @@ def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str
                str(ctx), "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", "float16",
                "--served-model-name", "default", "--log-level", "warning",
                "--quantization", args.quantization, "--threads", str(args.threads),
-               *({True: ["--int8-decode-dot"], False: ["--no-int8-decode-dot"]}
-                 .get(args.int8_decode_dot, []))]
+               *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         t0 = time.perf_counter()
@@ -136,9 +135,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--int8-decode-dot", action=argparse.BooleanOptionalAction, default=None,
-                    help="everystop's block weights with int8 activations (integer-dot decode, "
-                    "as llama.cpp's) or not (default: the server's default)")
+    ap.add_argument("--int8-decode-dot", action="store_true",
+                    help="everystop's single-row decodes with integer dot products (as "
+                    "llama.cpp's quantized GEMV)")
     ap.add_argument("--out", default=None)
 
 
