@@ -257,7 +257,6 @@ at::Tensor round_int8_blocks(const at::Tensor& x) {
   return out;
 }
 
-
 #if defined(__AVX2__)
 
 inline float half_scalar(const uint8_t* p) {
