@@ -86,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--int8-decode-dot", action="store_true", default=None,
                    help="block weights meet activations rounded to int8 per 32 values (as "
                    "llama.cpp), single-row decodes through integer dot products (faster; logits "
-                   "move ~1e-2 from fp32 activations)")
+                   "move up to ~0.7 from fp32 activations)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
