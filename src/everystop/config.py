@@ -171,7 +171,7 @@ class ModelConfig:
     # faster GEMV) and a token computes the same decoded alone as inside a prefill chunk. Off by
     # default: the rounding moves the default model's first-step logits up to 0.72 from
     # transformers' fp32 ones, which tests/executor/test_llama_vs_transformers.py holds within
-    # 1e-3 (greedy tokens still agreed on a 4 x 24 sample).
+    # 1e-3.
     int8_decode_dot: bool = False
 
     def __post_init__(self) -> None:
