@@ -55,11 +55,12 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
                                q.dequantize(), rtol=0, atol=0)
     torch.testing.assert_close(linear(x, q.data, None, fmt, 320), exact, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
-    # With int8_decode_dot a single row takes an integer dot path where the build has one (x
-    # rounded to int8 per block first; test_every_decode_dot_path_computes_the_same_product
-    # checks each); by default every row is widened to fp32.
+    # With int8_decode_dot x is rounded to int8 per block at every row count and a single row
+    # takes an integer dot path where the build has one
+    # (test_every_decode_dot_path_computes_the_same_product checks each); by default every row
+    # is widened to fp32.
     for k8 in (kernels, dataclasses.replace(kernels, int8_decode_dot=True)):
-        int_decode = k8.int8_decode_dot and rows == 1 and list(k8.ops.int_dot_paths()) != [0]
+        int_decode = k8.int8_decode_dot
         seen = (_q8_rows(x) @ q.dequantize().T) if int_decode else exact
         torch.testing.assert_close(linear(x, q.data, k8, fmt, 320), seen, rtol=1e-4, atol=1e-4)
         seen_b = (_q8_rows(xb.float()) if int_decode else xb.float()) @ q.dequantize().T
@@ -67,12 +68,33 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
                                    rtol=1e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int8_activations_compute_a_row_alone_as_in_a_chunk(kernels, fmt):
+    """With int8_decode_dot a token's product must not depend on how many rows share its
+    call: decoded alone (integer dots), in a decode batch (fp32 on rounded x) or inside a
+    prefill chunk (GEMM on rounded x) agree up to the order of fp32 sums. Otherwise a prompt
+    whose prefix is cached (its last token then runs alone) answers differently from the
+    same prompt computed whole."""
+    g = torch.Generator().manual_seed(7)
+    q = quantize(torch.randn(200, 320, generator=g), fmt)
+    x = torch.randn(40, 320, generator=g)
+    k8 = dataclasses.replace(kernels, int8_decode_dot=True)
+    chunk = linear(x, q.data, k8, fmt, 320)
+    for start, size in ((0, 1), (5, 1), (9, 3), (12, 8)):
+        part = linear(x[start:start + size], q.data, k8, fmt, 320)
+        torch.testing.assert_close(part, chunk[start:start + size], rtol=1e-5, atol=1e-4,
+                                   msg=f"rows {start}:{start + size}")
+
+
 def _q8_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the integer decode paths see it: each 32-value block rounded to int8 steps of
     max|block| / 127 (fp32 scale)."""
     b = x.reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    q = torch.where(amax > 0, b * (127 / amax), torch.zeros_like(b)).round()
+    # NOTE: 127 / amax as a true division, as the kernel computes it (torch's scalar / tensor
+    # multiplies by the reciprocal instead, which rounds a bf16 input's ties differently).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = (b * inv).round()
     return (q * (amax / 127)).reshape(x.shape)
 
 

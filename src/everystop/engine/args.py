@@ -86,9 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "--dtype float32 the fastest like-for-like with an F16 GGUF on AVX2 CPUs), or "
                    "q8_0/q4_0 (float weights quantized at load)")
     g.add_argument("--int8-decode-dot", action="store_true", default=None,
-                   help="single-row decodes on block weights with int8 activations and integer "
-                   "dot products (faster; greedy outputs then depend on what the prefix cache "
-                   "held)")
+                   help="block weights meet activations rounded to int8 per 32 values (as "
+                   "llama.cpp), single-row decodes through integer dot products (faster; logits "
+                   "move up to ~0.7 from fp32 activations)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

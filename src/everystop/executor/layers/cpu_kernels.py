@@ -67,6 +67,7 @@ _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "ro
         "argmax_rows", "linear_small", "decoder_stack")
 _OPS += ("linear_q_small", "linear_q_tiled", "dequantize")
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
+_OPS += ("round_int8_blocks",)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -245,8 +246,8 @@ class CpuKernels:
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
         """x [rows <= 8, k] @ W.T for W held as blocks of format code `fmt` (layers/quant.py),
-        streaming the blocks once; fp32 accumulation, x's dtype out. With int8_decode_dot a
-        single row takes the integer-dot path (x rounded to int8 per block)."""
+        streaming the blocks once; fp32 accumulation, x's dtype out. With int8_decode_dot x is
+        rounded to int8 per block and a single row takes the integer-dot path."""
         if self.int8_decode_dot:
             return self.ops.linear_q_small(x, weight, fmt, k)
         return self.ops.linear_q_small_path(x, weight, fmt, k, 0)  # 0: widen to fp32
@@ -254,7 +255,12 @@ class CpuKernels:
     def linear_q_tiled(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
         """x [rows, k] @ W.T for any rows: W (blocks, or a dense fp16/bf16 weight for fmt 0)
-        widened a cache-sized tile at a time into fp32 for the library GEMM."""
+        widened a cache-sized tile at a time into fp32 for the library GEMM. With
+        int8_decode_dot block weights meet x rounded as the decode GEMV rounds it, so a token
+        computes the same in a prefill chunk as decoded alone."""
+        if self.int8_decode_dot and fmt != 0:
+            out = self.ops.linear_q_tiled(self.ops.round_int8_blocks(x), weight, fmt, k)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         return self.ops.linear_q_tiled(x, weight, fmt, k)
 
     def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:

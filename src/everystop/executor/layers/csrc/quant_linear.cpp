@@ -197,10 +197,11 @@ void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, 
 // rounding), and a block of weights meets it as 32 byte products summed in int32; one float
 // multiply-add per block applies both scales. Weights enter the dot as unsigned bytes (nibbles
 // 0..15, or |w| for q8_0 with w's sign moved onto x), the form vpdpbusd and vpmaddubsw take;
-// the zero point (q4_0's 8, q4_1's m) is applied per block from the block's sum of x:
+// the zero point comes from x's sums (q4_0's 8 in int32: the dot starts from -8 * x's lane
+// sums, computed once per block of x; q4_1's m in fp32 per block):
 //
 //   q8_0  sum d q * dx qx                = d dx sum(|q| * sign(q) qx)
-//   q4_0  sum d (q - 8) * dx qx          = d dx sum(q qx) - 8 d * dx sum(qx)
+//   q4_0  sum d (q - 8) * dx qx          = d dx (sum(q qx) - 8 sum(qx))
 //   q4_1  sum (d q + m) * dx qx          = d dx sum(q qx) + m * dx sum(qx)
 //
 // Three ways to take the 32-byte dot, chosen at run time from the CPU's flags (or by the
@@ -208,18 +209,19 @@ void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, 
 // AVX512-VNNI vpdpbusd on 256-bit registers (a block is 32 bytes: one register).
 enum DotPath { kFloatPath = 0, kMaddubs = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 
-#if defined(__AVX2__)
-
 struct QuantizedRows {
   std::vector<int8_t> q;   // [rows, k]
   std::vector<float> d;    // [rows, k / 32] scale
   std::vector<float> s;    // [rows, k / 32] dx * sum(qx): the block's sum as the dot sees it
+  // [rows, k / 32, 8] -8 * the sum of each 4 consecutive qx: the int32 lanes a 32-byte dot
+  // starts from so that it takes q4_0's nibbles q as q - 8 (one add per block saved per column).
+  std::vector<int32_t> m8;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * nb)};
+                    std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb * 8)};
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* xb = x + i * kBlock;
     float amax = 0.f;
@@ -229,6 +231,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
       out.q[i * kBlock + j] = static_cast<int8_t>(q);
+      out.m8[i * 8 + j / 4] -= 8 * q;
       sum += q;
     }
     out.d[i] = d;
@@ -237,10 +240,36 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   return out;
 }
 
+// x with every 32-value block replaced by the values the integer dots see (d * q, fp32): what
+// every other row count multiplies when int8 activations are on, so a token computes the same
+// product (up to the order of fp32 sums) whether it is decoded alone or inside a prefill chunk.
+at::Tensor round_int8_blocks(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0,
+              "round_int8_blocks: x [rows, k] with k divisible by 32");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t rows = x32.size(0), k = x32.size(1), nb = k / kBlock;
+  const QuantizedRows xq = quantize_rows(x32.data_ptr<float>(), rows, k);
+  at::Tensor out = at::empty({rows, k}, x32.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows * nb; ++i)
+    for (int64_t j = 0; j < kBlock; ++j)
+      op[i * kBlock + j] = xq.d[i] * static_cast<float>(xq.q[i * kBlock + j]);
+  return out;
+}
+
+#if defined(__AVX2__)
+
 inline float half_scalar(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
+}
+
+// A block's fp16 scale in all 8 lanes.
+inline __m256 half_broadcast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
 }
 
 inline __m256i nibbles_u8(const uint8_t* qs) {
@@ -255,9 +284,11 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// acc + the dot of unsigned bytes u and signed bytes s, each int32 lane summing 4 products.
 struct DotMaddubs {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
   }
 };
 
@@ -265,16 +296,14 @@ struct DotMaddubs {
 // needs its target enabled in every function it is inlined into, so the shared loop body could
 // not be inlined into per-path entry points. The caller checks the CPU flag first (path_runs).
 struct DotAvxVnni {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    __m256i acc = _mm256_setzero_si256();
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
   }
 };
 
 struct DotAvx512Vnni {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    __m256i acc = _mm256_setzero_si256();
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
   }
@@ -299,16 +328,16 @@ void igemv_columns(
     const uint8_t* w0 = w + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       __m256i wq[C];
-      float dw[C], zw[C];
+      __m256 dw[C];
+      float zw[C];
       for (int j = 0; j < C; ++j) {
         const uint8_t* blk = w0 + j * row_bytes + b * B;
         __builtin_prefetch(w0 + (C + j) * row_bytes + b * B);
-        dw[j] = half_scalar(blk);
+        dw[j] = half_broadcast(blk);
         if constexpr (F == kQ8_0) {
           wq[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
         } else if constexpr (F == kQ4_0) {
           wq[j] = nibbles_u8(blk + 2);
-          zw[j] = -8.f * dw[j];
         } else {
           wq[j] = nibbles_u8(blk + 4);
           zw[j] = half_scalar(blk + 2);
@@ -317,16 +346,20 @@ void igemv_columns(
       for (int m = 0; m < R; ++m) {
         const __m256i xv =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + m * k + b * kBlock));
-        const float dx = xq.d[m * nb + b];
+        const __m256 dx = _mm256_set1_ps(xq.d[m * nb + b]);
+        // q4_0: the dot starts from -8 * x's lane sums, so it sums (q - 8) * qx exactly.
+        __m256i start = _mm256_setzero_si256();
+        if constexpr (F == kQ4_0)
+          start = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xq.m8.data() + (m * nb + b) * 8));
         for (int j = 0; j < C; ++j) {
           __m256i p;
           if constexpr (F == kQ8_0)
-            p = Dot::dot(_mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));
+            p = Dot::dot(start, _mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));
           else
-            p = Dot::dot(wq[j], xv);
-          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[j] * dx),
-                                      acc[m][j]);
-          if constexpr (F != kQ8_0) corr[m][j] += zw[j] * xq.s[m * nb + b];
+            p = Dot::dot(start, wq[j], xv);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[j], dx), acc[m][j]);
+          if constexpr (F == kQ4_1) corr[m][j] += zw[j] * xq.s[m * nb + b];
         }
       }
     }
@@ -424,12 +457,18 @@ at::Tensor linear_q_small_path(const at::Tensor& x, const at::Tensor& w, int64_t
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The decode GEMV: one row (single-stream decode) on the fastest integer path here, more rows
-// widened to fp32. Measured on the Llama-3.2-1B projections (bench quant-kernels, Zen 4): at
-// 1 row the integer dots take 0.70x the time of the fp32 widening (q4_0) and 0.83x (q8_0); at
-// 4 rows they take 1.1-1.3x, the per-block int-to-float conversion and scaling repeated per row.
+// The decode GEMV with int8 activations: one row (single-stream decode) on the fastest integer
+// path here; more rows (or a build with no integer path) widened to fp32 and multiplied into x
+// rounded per block as the integer path rounds it (round_int8_blocks), so the product does not
+// depend on the row count.
+// Measured on the Llama-3.2-1B projections (bench quant-kernels, Zen 4): at 1 row the integer
+// dots take 0.70x the time of the fp32 widening (q4_0) and 0.83x (q8_0); at 4 rows they take
+// 1.1-1.3x, the per-block int-to-float conversion and scaling repeated per row.
 at::Tensor linear_q_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
-  return linear_q_small_path(x, w, fmt, k, x.size(0) == 1 ? best_path() : int64_t{kFloatPath});
+  if (x.size(0) == 1 && best_path() != kFloatPath)
+    return linear_q_small_path(x, w, fmt, k, best_path());
+  const at::Tensor out = linear_q_small_path(round_int8_blocks(x), w, fmt, k, kFloatPath);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 // The dot paths this build runs on this CPU, best last (tests run each).
@@ -581,6 +620,7 @@ ES_LIBRARY_FRAGMENT(m) {
   m.def("dequantize(Tensor weight, int fmt, int k) -> Tensor");
   m.def("linear_q_small_path(Tensor x, Tensor weight, int fmt, int k, int path) -> Tensor");
   m.def("int_dot_paths() -> int[]", &int_dot_paths);  // no tensor: a catch-all kernel
+  m.def("round_int8_blocks(Tensor x) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {
@@ -588,4 +628,5 @@ ES_LIBRARY_IMPL(m) {
   m.impl("linear_q_tiled", &linear_q_tiled);
   m.impl("dequantize", &dequantize);
   m.impl("linear_q_small_path", &linear_q_small_path);
+  m.impl("round_int8_blocks", &round_int8_blocks);
 }
