@@ -90,11 +90,6 @@ AWAITING_RERUN = {
     "sim/repeats/calibration_real_seed1.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_seed2.json": "bench sim-calibrate",
     # Short runs, queued for the shared CPU lock but not reached (helper, session 7).
-    "roofline.json": "bench roofline",
-    "gemm_backends_native.json": "bench gemm-backends",
-    "gemm_backends_avx2.json": "bench gemm-backends",
-    "grammar_mask.json": "bench grammar-mask",
-    "sim/calibration.json": "simulate calibrate",
     "attention_bench.json": "bench attention",
     "preemption_bench.json": "bench preemption",
     "health_under_load.json": "bench health-under-load",
