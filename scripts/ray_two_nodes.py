@@ -21,8 +21,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,15 +32,10 @@ from typing import Any
 import httpx
 import psutil
 
+from everystop.bench.servers import free_port, stop_process
 from everystop.results import write_result
 
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ray(*args: str, env: dict[str, str]) -> None:
@@ -98,7 +91,7 @@ def main() -> int:
     args = ap.parse_args()
     # Short: Ray puts unix sockets under it (about 100 characters at most).
     temp_dir = tempfile.mkdtemp(prefix="esray", dir="/tmp")
-    gcs_port, http_port = _free_port(), _free_port()
+    gcs_port, http_port = free_port(), free_port()
     head = f"127.0.0.1:{gcs_port}"
     # One auth mode for every Ray process of the run. Left unset, Ray 2.60's `ray start --head`
     # turns token auth on when ~/.ray/auth_token exists, but `ray start --address` does not,
@@ -158,11 +151,7 @@ def main() -> int:
             "all_requests_completed": all(d["tokens"] == 16 for d in done)}
     finally:
         if ingress is not None:
-            ingress.send_signal(signal.SIGINT)
-            try:
-                ingress.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                ingress.kill()
+            stop_process(ingress, timeout_s=60)
         log.close()
         procs = _ours(temp_dir)
         for p in procs:

@@ -8,13 +8,12 @@ start costs ~10 s of the suite's time budget and nothing here changes server sta
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, free_port
+from tests.server.conftest import ServerProcess, start_model_server
 
 # Offline and quiet: LiteLLM would fetch its model price list at import, HF libraries the hub.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -33,11 +32,8 @@ def _release_engines() -> Iterator[None]:
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # float32 KV cache: lm-eval's loglikelihoods are compared with transformers' float32 ones.
-    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
-           "--kv-cache-memory", "128MiB", "--kv-cache-dtype", "float32"]
-    proc = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("clients") / "server.log")
-    proc.wait_ready(120)
+    proc = start_model_server(tmp_path_factory.mktemp("clients"), "--max-model-len", "1024",
+                              "--kv-cache-dtype", "float32")
     yield proc
     proc.stop()
 

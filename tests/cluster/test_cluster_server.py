@@ -80,6 +80,21 @@ def _metrics(server: ServerProcess) -> dict[str, float]:
     return out
 
 
+def _send_burst(server: ServerProcess, count: int, user_prefix: str) -> None:
+    """`count` short completions at once, each from its own user (no affinity among them)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+    def one(i: int) -> None:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Count to {i}:",
+                                  max_tokens=4, temperature=0, user=f"{user_prefix}-{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def _sum(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
@@ -105,17 +120,7 @@ def test_the_openai_client_talks_to_the_cluster_unchanged(cluster: ServerProcess
 
 def test_a_burst_is_spread_over_both_replicas(cluster: ServerProcess) -> None:
     before = _metrics(cluster)
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0)
-
-    def one(i: int) -> None:
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Count to {i}:",
-                                  max_tokens=4, temperature=0, user=f"burst-{i}")
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _send_burst(cluster, 6, "burst")
     after = _metrics(cluster)
     sent = {k: after[k] - before.get(k, 0.0) for k in after
             if k.startswith("everystop_router_requests_total")}
@@ -267,18 +272,9 @@ def test_ray_restarts_the_killed_replica_and_the_router_uses_it(cluster: ServerP
     before = _metrics(cluster)
     assert all(r["pid"] and r["node"] for r in replicas.values()), replicas
     assert len({r["pid"] for r in replicas.values()}) == 2
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0)
-
-    def one(i: int) -> None:
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Count to {i}:",
-                                  max_tokens=4, temperature=0, user=f"after-{i}")
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _send_burst(cluster, 4, "after")
     after = _metrics(cluster)
+
     def routed(metrics: dict[str, float], rid: str) -> float:
         return sum(v for k, v in metrics.items()
                    if k.startswith("everystop_router_requests_total") and f'replica="{rid}"' in k)

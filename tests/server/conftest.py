@@ -79,12 +79,13 @@ def start_toy_server(tmp: Path, *flags: str, ready_s: float = 30.0) -> ServerPro
     return server
 
 
-def start_model_server(tmp: Path, ready_s: float = 120.0) -> ServerProcess:
+def start_model_server(tmp: Path, *flags: str, ready_s: float = 120.0) -> ServerProcess:
     """The default model behind `everystop serve` with small limits (8 sequences, 256-token
-    steps, 512-token context, a 128 MiB pool), so a model test's server starts fast."""
+    steps, 512-token context, a 128 MiB pool), so a model test's server starts fast. `flags`
+    come after these, so one naming the same option overrides it (argparse keeps the last)."""
     cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
            "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
-           "--kv-cache-memory", "128MiB"]
+           "--kv-cache-memory", "128MiB", *flags]
     server = ServerProcess(cmd, free_port(), tmp / "server.log")
     server.wait_ready(ready_s)
     return server

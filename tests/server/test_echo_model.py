@@ -4,7 +4,6 @@ log-softmax on the same weights (float32 weights and KV cache, as the model test
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,18 +11,16 @@ import httpx
 import pytest
 import torch
 
-from .conftest import ServerProcess, free_port
+from .conftest import ServerProcess, start_model_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    cmd = [sys.executable, "-m", "everystop", "serve", "--log-level", "warning",
-           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--chunk-size", "16",
-           "--kv-cache-memory", "128MiB", "--kv-cache-dtype", "float32"]
-    proc = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("echo") / "server.log")
-    proc.wait_ready(120)
+    proc = start_model_server(tmp_path_factory.mktemp("echo"), "--max-num-seqs", "4",
+                              "--max-num-batched-tokens", "64", "--chunk-size", "16",
+                              "--kv-cache-dtype", "float32")
     yield proc
     proc.stop()
 

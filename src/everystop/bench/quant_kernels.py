@@ -16,30 +16,19 @@ widening, 1 AVX2 maddubs, 2 AVX-VNNI, 3 AVX512-VNNI; `ours.<fmt>` is the one cho
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from everystop.bench.roofline import read_bandwidth_gb_s
+from everystop.bench.roofline import best_time, read_bandwidth_gb_s
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.quant import FORMATS, quantize
 from everystop.results import write_result
 
 # (name, out_features, in_features): the Llama-3.2-1B projections (gate/up fused).
 SHAPES = [("1b.qkv", 3072, 2048), ("1b.gate_up", 16384, 2048), ("1b.down", 2048, 8192)]
-
-
-def best_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def torch_int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -111,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             for vname, (nbytes, fn) in variants.items():
                 if ".path" in vname and rows > 8:
                     continue
-                ms = best_ms(lambda fn=fn, x=x: fn(x), args.repeats)
+                ms = best_time(lambda fn=fn, x=x: fn(x), args.repeats) * 1e3
                 entry = {"shape": name, "n": n, "k": k, "rows": rows, "kernel": vname,
                          "weight_bytes": nbytes, "ms": round(ms, 4),
                          "gflops": round(2 * rows * n * k / ms / 1e6, 2)}

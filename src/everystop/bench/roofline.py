@@ -27,7 +27,8 @@ LM_HEAD_PARAMS = HIDDEN * VOCAB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _best_time(fn: Any, repeats: int) -> float:
+def best_time(fn: Any, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn`, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -54,15 +55,15 @@ def measure(repeats: int = 7) -> dict[str, Any]:
             a = torch.randn(m, k, dtype=dtype)
             w = torch.randn(n, k, dtype=dtype)
             # the lambda runs within this iteration, so a and w are the ones meant
-            t = _best_time(lambda: torch.nn.functional.linear(a, w), repeats)  # noqa: B023
+            t = best_time(lambda: torch.nn.functional.linear(a, w), repeats)  # noqa: B023
             res[label] = 2 * m * k * n / t / 1e9
         res["peak"] = max(res.values())
         out["matmul_gflops"][name] = res
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)  # 256 MiB
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), repeats)
+    t = best_time(lambda: dst.copy_(src), repeats)
     out["copy_gb_s"] = 2 * src.numel() * 4 / t / 1e9  # read + write
-    t = _best_time(lambda: src.sum(), repeats)
+    t = best_time(lambda: src.sum(), repeats)
     out["read_gb_s"] = src.numel() * 4 / t / 1e9
     return out
 
@@ -114,7 +115,7 @@ def read_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     import torch
 
     src = torch.ones(mib << 18, dtype=torch.float32)
-    return src.numel() * 4 / _best_time(lambda: src.sum(), repeats) / 1e9
+    return src.numel() * 4 / best_time(lambda: src.sum(), repeats) / 1e9
 
 
 def load_peaks(path: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Servers a benchmark starts and stops itself: launching everystop on a free loopback port,
 llama.cpp's `llama-server` with given flags (its exact command recorded), waiting until /health
-answers 200 (or the server failed), stopping them."""
+answers 200 (or the server failed), stopping them (a signal, then kill)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ def wait_healthy(proc: subprocess.Popen, url: str, failure: str, timeout_s: floa
         time.sleep(poll_s)
 
 
+def stop_process(proc: subprocess.Popen, *, sig: int = signal.SIGINT,
+                 timeout_s: float = 30.0) -> None:
+    """Ask `proc` to stop with `sig`, kill it if it has not within `timeout_s`, and reap it."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 SRC = Path(__file__).resolve().parents[2]  # the src/ these sources run from
 
 
@@ -62,12 +73,7 @@ def everystop_server(flags: Sequence[str], *, src: str | Path = SRC,
         wait_healthy(proc, url, failure)
         yield proc, url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @dataclass
@@ -98,9 +104,4 @@ def llama_server(binary: str, gguf: str, flags: Sequence[str] = (), *, port: int
                                     f"s: {' '.join(command)}", timeout_s=timeout_s)
             yield LlamaServer(command, url, proc)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, sig=signal.SIGTERM, timeout_s=60)

@@ -26,8 +26,21 @@ def model_len_limit(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
     return cfg.max_model_len or (kv.num_gpu_blocks - kv.watermark_blocks) * kv.block_size
 
 
+class QueuedCounts:
+    """Requests waiting for their first admission, per tenant and per priority tier: what the
+    queue caps are checked against."""
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str, int] = {}
+        self.by_tier: dict[int, int] = {}
+
+    def add(self, req: Request, delta: int) -> None:
+        self.by_tenant[req.tenant] = self.by_tenant.get(req.tenant, 0) + delta
+        self.by_tier[req.priority] = self.by_tier.get(req.priority, 0) + delta
+
+
 def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
-                     queued_by_tenant: dict[str, int], queued_by_tier: dict[int, int]) -> None:
+                     queued: QueuedCounts) -> None:
     """Raise RequestRejected (never runnable) or QueueFull (not now); return if it may queue."""
     if req.num_prompt_tokens == 0:
         raise RequestRejected("the prompt is empty")
@@ -48,7 +61,7 @@ def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
     if not 0 <= req.priority <= 2:
         raise RequestRejected(f"priority must be 0, 1 or 2, not {req.priority}")
     tenant_cap, tier_cap = cfg.max_queued_per_tenant, cfg.max_queued_per_tier[req.priority]
-    if tenant_cap and queued_by_tenant.get(req.tenant, 0) >= tenant_cap:
+    if tenant_cap and queued.by_tenant.get(req.tenant, 0) >= tenant_cap:
         raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued")
-    if tier_cap and queued_by_tier.get(req.priority, 0) >= tier_cap:
+    if tier_cap and queued.by_tier.get(req.priority, 0) >= tier_cap:
         raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued")

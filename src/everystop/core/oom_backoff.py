@@ -1,5 +1,5 @@
-"""After a forward pass ran out of memory: the pass without the sequences taken out of it, and a
-cap on sequences per pass so the victims do not come straight back into a pass that cannot fit.
+"""After a forward pass ran out of memory: which sequences leave it, the pass without them, and
+a cap on sequences per pass so the victims do not come straight back into a pass that cannot fit.
 
 The cap is multiplicative decrease, additive increase: an out-of-memory pass sets it to the
 sequences left in the pass that is retried; every `regrow_after_passes` passes that succeed
@@ -13,8 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from everystop.core.outputs import SchedulerOutput
+from everystop.core.preemption import victim_rank
+from everystop.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from everystop.core.scheduler import Scheduler
 
 
 @dataclass
@@ -46,7 +52,7 @@ class SeatCap:
 def without(sched: SchedulerOutput, removed: Collection[str]) -> SchedulerOutput:
     """The pass `sched` with the rows of `removed` dropped (they join preempted_request_ids)
     and no swap copies: whatever a failed pass's copies did is not trusted, so every request a
-    copy touched is recomputed instead (Scheduler.shrink_after_oom)."""
+    copy touched is recomputed instead (shrink_after_oom)."""
     rows = [e for e in sched.scheduled if e.request_id not in removed]
     # Decode-shaped rows as PassBuilder counts them: one token, the last one, or padding.
     decodes = [e for e in rows if e.padding or (e.sample and e.num_tokens == 1)]
@@ -55,3 +61,39 @@ def without(sched: SchedulerOutput, removed: Collection[str]) -> SchedulerOutput
         preempted_request_ids=list(dict.fromkeys([*sched.preempted_request_ids, *removed])),
         num_decode_tokens=len(decodes), num_padding_tokens=sum(e.padding for e in decodes),
         num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes))
+
+
+def shrink_after_oom(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOutput | None:
+    """The pass to run again instead of `failed`, which ran out of memory, or None when it held
+    one sequence (that one cannot run even alone; the caller fails it).
+
+    The lower-ranked half of its sequences (victim_rank, the policy of every preemption) is
+    recompute-preempted, blocks freed, and the sequences per pass are capped at the rest
+    (SeatCap). Requests whose blocks this pass swapped in or out are recomputed too: the failed
+    pass may have left their copies half done."""
+    now = sched.clock()
+    requests = sched.requests
+    live = [requests[e.request_id] for e in failed.scheduled
+            if e.request_id in requests
+            and requests[e.request_id].status == RequestStatus.RUNNING]
+    if len(live) <= 1 and not failed.swapped_in_request_ids:
+        return None
+    swapped_in = set(failed.swapped_in_request_ids)
+    ranked = sorted((r for r in live if r.request_id not in swapped_in),
+                    key=lambda r: victim_rank(r, sched.config, now), reverse=True)
+    keep = ranked[:(len(ranked) + 1) // 2]
+    kept_ids = {r.request_id for r in keep}
+    victims = [r for r in live if r.request_id not in kept_ids]
+    for victim in victims:
+        sched._leave_running(victim)
+        sched._recompute_later(victim)
+        victim.preemption_count += 1
+        victim.preemption_times.append(now)
+        sched.num_preemptions["recompute"] += 1
+    for rid in failed.preempted_request_ids:  # swapped out by this pass: recompute instead
+        req = requests.get(rid)
+        if req is not None and req.status == RequestStatus.SWAPPED:
+            sched.swapped.remove(req)
+            sched._recompute_later(req)
+    sched.oom_seat_cap.lower_to(len(keep))
+    return without(failed, [r.request_id for r in victims])

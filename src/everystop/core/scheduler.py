@@ -27,10 +27,16 @@ import time
 from collections.abc import Callable, Iterable
 
 from everystop.config import SchedulerConfig
-from everystop.core.intake import QueueFull, RequestRejected, check_admissible, model_len_limit
-from everystop.core.invariants import check_scheduler_integrity
+from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
+from everystop.core.intake import (
+    QueuedCounts,
+    QueueFull,
+    RequestRejected,
+    check_admissible,
+    model_len_limit,
+)
 from everystop.core.kv_cache_manager import KVCacheManager
-from everystop.core.oom_backoff import SeatCap, without
+from everystop.core.oom_backoff import SeatCap, shrink_after_oom
 from everystop.core.outputs import (
     ModelOutput,
     RequestUpdate,
@@ -46,7 +52,8 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
-from everystop.core.step_budget import StepBudget, default_target_s, tier_targets_s
+from everystop.core.static_batch import schedule_static
+from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
@@ -66,8 +73,7 @@ class Scheduler:
         self.waiting = RequestQueue(config.aging_interval_s)
         self.preempted = RequestQueue(config.aging_interval_s)
         self.swapped = RequestQueue(config.aging_interval_s)
-        self._queued_by_tenant: dict[str, int] = {}
-        self._queued_by_tier: dict[int, int] = {}
+        self._queued = QueuedCounts()  # first admissions pending, for the queue caps
         self._finished_ids: list[str] = []
         # Static padding: finished members of the running static batch, holding their blocks.
         self._padding: list[Request] = []
@@ -83,25 +89,20 @@ class Scheduler:
             self.cost_model.prefill_tokens_per_s)
         self.auto_tpot_target_s = default_target_s(self.step_cost)
         self.last_prefill_budget_tokens = config.max_num_batched_tokens
-        self._targets_key: tuple[SchedulerConfig, float] | None = None
-        self._targets: tuple[float | None, ...] = ()
+        self._tier_targets = TierTargets()
 
     # -- intake ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise RequestRejected / QueueFull right away."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        check_admissible(req, self.config, self.kv, self._queued_by_tenant, self._queued_by_tier)
+        check_admissible(req, self.config, self.kv, self._queued)
         if req.arrival_time == 0.0:
             req.arrival_time = self.clock()
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
-        self._count_queued(req, +1)
-
-    def _count_queued(self, req: Request, delta: int) -> None:
-        self._queued_by_tenant[req.tenant] = self._queued_by_tenant.get(req.tenant, 0) + delta
-        self._queued_by_tier[req.priority] = self._queued_by_tier.get(req.priority, 0) + delta
+        self._queued.add(req, +1)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -136,7 +137,8 @@ class Scheduler:
         timed = cfg.scheduling == "continuous"  # the static baseline runs whole batches, untimed
         budget = StepBudget(cfg.max_num_batched_tokens,
                             self.step_cost.coefficients if timed else None,
-                            self._tier_targets(cfg), self.kv.block_size)
+                            self._tier_targets.get(cfg, self.auto_tpot_target_s),
+                            self.kv.block_size)
         step = PassBuilder(now, budget, out)
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
@@ -144,7 +146,7 @@ class Scheduler:
         while len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
             self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
         if cfg.scheduling == "static":
-            self._schedule_static(step)
+            schedule_static(self, step)
         else:
             self._schedule_running(step)
             self._admit_swapped(step)
@@ -154,15 +156,6 @@ class Scheduler:
         self.num_swap_in_blocks += len(out.blocks_to_swap_in)
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
         return step.finish()
-
-    def _tier_targets(self, cfg: SchedulerConfig) -> tuple[float | None, ...]:
-        """tier_targets_s, worked out again only when the (frozen) config or the auto target
-        changes, not at every pass."""
-        key = (cfg, self.auto_tpot_target_s)
-        if self._targets_key is None or key[0] is not self._targets_key[0] or (
-                key[1] != self._targets_key[1]):
-            self._targets_key, self._targets = key, tier_targets_s(cfg, key[1])
-        return self._targets
 
     def _schedule_running(self, step: PassBuilder) -> None:
         # 1. Decodes first: a skipped decode stalls that stream for a whole iteration.
@@ -188,33 +181,6 @@ class Scheduler:
                 continue
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
-                self._emit(step, req, n)
-
-    def _schedule_static(self, step: PassBuilder) -> None:
-        """Baseline: admit a whole batch only when nothing runs, then run it to completion."""
-        cfg, now = self.config, step.now
-        if self.running:
-            for req in list(self.running):
-                if req.status == RequestStatus.RUNNING and self._grow(req, 1, step):
-                    self._emit(step, req, 1)
-            for req in self._padding:
-                step.emit_padding(req, self.kv.block_ids(req.request_id))
-            return
-        queued = len(self.preempted) + len(self.waiting)
-        if not queued:
-            return
-        oldest = min(r.arrival_time for q in (self.preempted, self.waiting) for r in q)
-        if queued < cfg.max_batch_size and now - oldest < cfg.static_batch_timeout_s:
-            return  # keep the doors shut until the batch is full or the timeout expires
-        limit = min(cfg.max_batch_size, self.num_seats)
-        for queue in (self.preempted, self.waiting):
-            while queue and len(self.running) < limit:
-                req = queue.peek()
-                computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-                n = req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size
-                if not self.kv.allocate(req, n, computed, reserve_watermark=True):
-                    return
-                self._start_running(queue.pop(), computed, step)
                 self._emit(step, req, n)
 
     def _leave_running(self, req: Request) -> None:
@@ -258,7 +224,7 @@ class Scheduler:
 
     def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
         if req.status == RequestStatus.WAITING:
-            self._count_queued(req, -1)
+            self._queued.add(req, -1)
         if req.num_computed_tokens == 0:  # the admissions that looked the prefix up
             self.kv.count_prefix_use(req, len(computed))
         req.num_computed_tokens = len(computed) * self.kv.block_size
@@ -343,38 +309,8 @@ class Scheduler:
         return self.oom_seat_cap.seats(self.config.max_num_seqs)
 
     def shrink_after_oom(self, failed: SchedulerOutput) -> SchedulerOutput | None:
-        """The pass `failed` ran out of memory: the pass to run again instead, or None when it
-        held one sequence (that one cannot run even alone; the caller fails it).
-
-        The lower-ranked half of its sequences (victim_rank, the policy of every preemption)
-        is recompute-preempted, blocks freed, and the sequences per pass are capped at the rest
-        (oom_backoff.SeatCap). Requests whose blocks this pass swapped in or out are recomputed
-        too: the failed pass may have left their copies half done."""
-        now = self.clock()
-        live = [self.requests[e.request_id] for e in failed.scheduled
-                if e.request_id in self.requests
-                and self.requests[e.request_id].status == RequestStatus.RUNNING]
-        if len(live) <= 1 and not failed.swapped_in_request_ids:
-            return None
-        swapped_in = set(failed.swapped_in_request_ids)
-        ranked = sorted((r for r in live if r.request_id not in swapped_in),
-                        key=lambda r: victim_rank(r, self.config, now), reverse=True)
-        keep = ranked[:(len(ranked) + 1) // 2]
-        kept_ids = {r.request_id for r in keep}
-        victims = [r for r in live if r.request_id not in kept_ids]
-        for victim in victims:
-            self._leave_running(victim)
-            self._recompute_later(victim)
-            victim.preemption_count += 1
-            victim.preemption_times.append(now)
-            self.num_preemptions["recompute"] += 1
-        for rid in failed.preempted_request_ids:  # swapped out by this pass: recompute instead
-            req = self.requests.get(rid)
-            if req is not None and req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-                self._recompute_later(req)
-        self.oom_seat_cap.lower_to(len(keep))
-        return without(failed, [r.request_id for r in victims])
+        """The pass to run again after `failed` ran out of memory (oom_backoff.py), or None."""
+        return shrink_after_oom(self, failed)
 
     # -- results --------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
@@ -433,7 +369,7 @@ class Scheduler:
                                and bool(self.running) and req.num_computed_tokens > 0)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
-            self._count_queued(req, -1)
+            self._queued.add(req, -1)
         elif req.status == RequestStatus.PREEMPTED:
             self.preempted.remove(req)
         elif req.status == RequestStatus.SWAPPED:
@@ -449,24 +385,8 @@ class Scheduler:
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.preempted),
-            num_swapped=len(self.swapped), num_free_blocks=pool.num_free_blocks,
-            num_used_blocks=pool.num_used_blocks, num_total_blocks=pool.num_blocks,
-            kv_usage=pool.usage(), prefix_queries=self.kv.num_prefix_queries,
-            prefix_hits=self.kv.num_prefix_hits,
-            prefix_query_tokens=self.kv.num_prefix_query_tokens,
-            prefix_hit_tokens=self.kv.num_prefix_hit_tokens,
-            num_preemptions_recompute=self.num_preemptions["recompute"],
-            num_preemptions_swap=self.num_preemptions["swap"],
-            swap_out_blocks=self.num_swap_out_blocks, swap_in_blocks=self.num_swap_in_blocks,
-            prefill_budget_tokens=self.last_prefill_budget_tokens,
-            step_cost=self.step_cost.coefficients.to_dict(),
-            step_predicted_s=self.step_cost.last_predicted_s,
-            step_measured_s=self.step_cost.last_measured_s,
-            auto_tpot_target_s=self.auto_tpot_target_s)
+        return scheduler_stats(self)
 
     def check_integrity(self) -> None:
-        """Invariants tests assert after every step (core/invariants.py)."""
+        """Invariants tests assert after every step (core/inspection.py)."""
         check_scheduler_integrity(self)

@@ -50,6 +50,20 @@ def tier_targets_s(config: SchedulerConfig, auto_s: float) -> tuple[float | None
     return tuple(targets)
 
 
+class TierTargets:
+    """tier_targets_s, worked out again only when the (frozen) config or the auto target
+    changes, not at every pass."""
+
+    def __init__(self) -> None:
+        self._key: tuple[SchedulerConfig, float] | None = None
+        self._targets: tuple[float | None, ...] = ()
+
+    def get(self, config: SchedulerConfig, auto_s: float) -> tuple[float | None, ...]:
+        if self._key is None or config is not self._key[0] or auto_s != self._key[1]:
+            self._key, self._targets = (config, auto_s), tier_targets_s(config, auto_s)
+        return self._targets
+
+
 def prefill_room(coeffs: StepCoefficients, predicted_s: float, target_s: float,
                  start_pos: int) -> int:
     """The most prefill tokens, in one row starting at `start_pos`, that keep a step already

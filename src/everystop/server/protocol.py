@@ -24,15 +24,18 @@ NonNegInt = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """Every body and part of one we parse: an unknown field or a loosely typed value is a 400."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(StrictModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -109,52 +112,44 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the grammar is always enforced under required/named
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
@@ -180,16 +175,15 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's
     name: str
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None  # the grammar is always enforced
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -275,15 +269,13 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[NonNegInt]
 

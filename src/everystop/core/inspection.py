@@ -1,9 +1,11 @@
-"""The scheduler's invariants, checked by tests after every step."""
+"""Reading a scheduler from outside without changing it: the invariants tests assert after
+every step, and the stats snapshot the engine and /metrics read."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from everystop.core.outputs import SchedulerStats
 from everystop.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -37,3 +39,24 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     if sched._padding and not sched.running:
         raise AssertionError("static padding rows outlived their batch")
     sched.kv.check_integrity(set(sched.requests) | {r.request_id for r in sched._padding})
+
+
+def scheduler_stats(sched: Scheduler) -> SchedulerStats:
+    """The scheduler's queues, KV pool and counters now."""
+    kv, pool = sched.kv, sched.kv.pool
+    return SchedulerStats(
+        num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.preempted),
+        num_swapped=len(sched.swapped), num_free_blocks=pool.num_free_blocks,
+        num_used_blocks=pool.num_used_blocks, num_total_blocks=pool.num_blocks,
+        kv_usage=pool.usage(), prefix_queries=kv.num_prefix_queries,
+        prefix_hits=kv.num_prefix_hits,
+        prefix_query_tokens=kv.num_prefix_query_tokens,
+        prefix_hit_tokens=kv.num_prefix_hit_tokens,
+        num_preemptions_recompute=sched.num_preemptions["recompute"],
+        num_preemptions_swap=sched.num_preemptions["swap"],
+        swap_out_blocks=sched.num_swap_out_blocks, swap_in_blocks=sched.num_swap_in_blocks,
+        prefill_budget_tokens=sched.last_prefill_budget_tokens,
+        step_cost=sched.step_cost.coefficients.to_dict(),
+        step_predicted_s=sched.step_cost.last_predicted_s,
+        step_measured_s=sched.step_cost.last_measured_s,
+        auto_tpot_target_s=sched.auto_tpot_target_s)
