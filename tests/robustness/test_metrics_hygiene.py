@@ -36,3 +36,12 @@ def test_huge_and_many_tenants_keep_metrics_small(toy_server: ServerProcess) -> 
     # Was ~9 MB per such tenant. Now at most 21 label values (20 + "other") of <= 64 chars, each
     # with its per-tenant latency histograms (~35 KB per tenant since the operator's series).
     assert len(text.encode()) < before + 1_000_000
+
+
+def test_served_process_froze_its_start_up_heap(toy_server: ServerProcess) -> None:
+    """Full GC pauses stopped /health for ~170 ms: the server freezes what start-up left."""
+    text = httpx.get(toy_server.url + "/metrics", timeout=10).text
+    frozen = [line for line in text.splitlines()
+              if line.startswith("everystop:gc_frozen_objects")]
+    assert frozen and float(frozen[0].rsplit(" ", 1)[1]) > 10_000, frozen
+    assert 'everystop:gc_pause_seconds_count{generation="2"' in text
