@@ -291,7 +291,10 @@ def report(s: Soak, rate: float, capacity: float, state: tuple[dict[str, float],
                    "rss_growth_pct": round(rss_growth, 2),
                    "gc_full_pauses_total": end["gc_full_pauses"] - start["gc_full_pauses"],
                    "gc_full_pauses_over_100ms": (end["gc_full_pauses"]
-                                                 - end["gc_full_pauses_under_100ms"]),
+                                                 - end["gc_full_pauses_under_100ms"]
+                                                 - start["gc_full_pauses"]
+                                                 + start["gc_full_pauses_under_100ms"]),
+                   "rss_net_of_kv_pool_growth_after_minute_1_pct": _growth_after(s, 60.0),
                    "worst_minute_health_p99_ms": worst_health},
         "passed": {"no_5xx": five_xx_valid == 0, "bad_input_4xx": bad_not_4xx == 0,
                    "no_leaked_blocks": leaked == 0, "rss_growth_under_2pct": rss_growth < 2,
@@ -299,6 +302,18 @@ def report(s: Soak, rate: float, capacity: float, state: tuple[dict[str, float],
         "server_flags": args.server_flags,
         "uptime_start_end": list(uptime),
     }
+
+
+def _growth_after(s: Soak, after_s: float) -> float | None:
+    """RSS growth net of the KV pools from the first scrape past `after_s` to the last one, over
+    the RSS then: growth once every kind of client has been served (not judged; beside the
+    judged growth from the end of calibration, which also counts first-use allocations)."""
+    later = [state for at, state in s.server if at - s.t0 >= after_s]
+    if len(later) < 2:
+        return None
+    first, last = later[0], later[-1]
+    net = (last["rss"] - last["kv_pool_resident"]) - (first["rss"] - first["kv_pool_resident"])
+    return round(net / first["rss"] * 100, 2)
 
 
 def _counts(events: list[dict[str, Any]]) -> dict[Any, int]:
