@@ -50,8 +50,8 @@ def test_served_process_froze_its_start_up_heap(toy_server: ServerProcess) -> No
 
 
 def test_the_live_window_keeps_only_its_window() -> None:
-    """Unviewed, the dashboard's window filled to 50,000 samples per kind (~4 MiB a minute of
-    server RSS in a soak, for ~17 minutes); it now drops what is older than its window."""
+    """Unviewed, the dashboard's window grew to 50,000 samples per kind (one gap per token);
+    it now drops what is older than its window."""
     from everystop.server.live_window import LiveWindow
 
     now = [0.0]

@@ -44,8 +44,9 @@ class LiveWindow:
         window_s: how far back summaries look.
         max_samples: per kind, a bound on memory whatever the load.
 
-    Samples older than the window are dropped as new ones arrive (a soak found the deques
-    filling to max_samples when nobody viewed the page: ~4 MiB a minute of RSS for ~17 min).
+    Samples older than the window are dropped as new ones arrive: trimmed only when the page
+    was viewed, the deques of a server nobody watched grew to max_samples each (one gap sample
+    per token: ~10 MB of RSS per kind on the way).
         clock: seconds, monotonic.
     """
 
