@@ -3,10 +3,10 @@ not: how long garbage-collector pauses stop every thread (the event loop include
 many pages of a buffer are resident.
 
 GC pauses: a full (generation 2) collection walks every tracked object and holds the GIL while
-it does; with the model, tokenizer and web stack loaded that was ~170 ms on an idle core, and
-several times that on a loaded one: the worst /health latencies of the soak. `freeze_startup_heap`
-moves everything alive at start-up out of the collector's reach; `gc_pause_metrics` reports the
-pauses that remain.
+it does; with the model, tokenizer and web stack loaded (~226k objects) one took ~170 ms on an
+idle core, longer on a shared one, and /health waits for it like everything else.
+`freeze_startup_heap` moves everything alive at start-up out of the collector's reach (a full
+collection then took ~1 ms); `gc_pause_metrics` reports the pauses that remain.
 
 Resident pages: the KV pool is allocated uninitialised, so its pages become resident as blocks
 are first written; `resident_bytes` (mincore) tells that first touch apart from growth.
