@@ -36,3 +36,21 @@ def _stop_engine() -> Iterator[None]:
           suppress_health_check=list(HealthCheck))
 def test_no_5xx_from_any_generated_request(case: schemathesis.Case) -> None:
     case.call_and_validate(checks=[not_a_server_error])
+
+
+def test_schema_and_docs_describe_the_real_request_bodies() -> None:
+    from starlette.testclient import TestClient
+
+    client = TestClient(build_app(_front, "toy"))
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    components = spec["components"]["schemas"]
+    for path, model, fields in [
+            ("/v1/completions", "CompletionRequest", {"prompt", "max_tokens", "n", "stream"}),
+            ("/v1/chat/completions", "ChatCompletionRequest", {"messages", "tools", "n"}),
+            ("/tokenize", "TokenizeRequest", {"prompt"})]:
+        post = spec["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/" + model)
+        assert fields <= set(components[model]["properties"]), path
+        assert {"400", "413", "415", "429"} <= set(post["responses"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 
@@ -36,3 +38,31 @@ def test_huge_and_many_tenants_keep_metrics_small(toy_server: ServerProcess) -> 
     # Was ~9 MB per such tenant. Now at most 21 label values (20 + "other") of <= 64 chars, each
     # with its per-tenant latency histograms (~35 KB per tenant since the operator's series).
     assert len(text.encode()) < before + 1_000_000
+
+
+def test_served_process_froze_its_start_up_heap(toy_server: ServerProcess) -> None:
+    """Full GC pauses stopped /health for ~170 ms: the server freezes what start-up left."""
+    text = httpx.get(toy_server.url + "/metrics", timeout=10).text
+    frozen = [line for line in text.splitlines()
+              if line.startswith("everystop:gc_frozen_objects")]
+    assert frozen and float(frozen[0].rsplit(" ", 1)[1]) > 10_000, frozen
+    assert 'everystop:gc_pause_seconds_count{generation="2"' in text
+
+
+def test_the_live_window_keeps_only_its_window() -> None:
+    """Unviewed, the dashboard's window grew to 50,000 samples per kind (one gap per token);
+    it now drops what is older than its window."""
+    from everystop.server.live_window import LiveWindow
+
+    now = [0.0]
+    window = LiveWindow(window_s=60.0, clock=lambda: now[0])
+    for _ in range(6000):  # 10 minutes at 10 samples a second of every kind
+        now[0] += 0.1
+        window.on_itl("t", 1, 0.05, 1)
+        window.on_finished("t", 1, None, None, 4)
+        window.on_rejected("tier_queue", 2)
+        window.on_iteration(SimpleNamespace(num_prefill_tokens=3, num_decode_tokens=4))  # type: ignore[arg-type]
+    for samples in (window._gaps, window._finished, window._rejected, window._steps):
+        assert 600 <= len(samples) <= 601
+    summary = window.summary()
+    assert summary["window_s"] == 60.0

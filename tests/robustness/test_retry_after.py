@@ -42,3 +42,13 @@ def test_retry_after_is_the_wait_for_the_full_queue_to_move_at_the_measured_rate
         clock.t += 20.0
         ctl.done(queued(99, 1, "x", 0.0), completed=True)
     assert ctl.retry_after_s(2) == RETRY_AFTER_MAX_S  # bounded
+
+
+def test_the_rate_window_stays_bounded_when_nothing_asks_for_the_rate() -> None:
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(), max_num_seqs=lambda: 4, num_running=lambda: 4,
+                              clock=clock)
+    for _ in range(10_000):  # a request a second, no time limit set: no one reads the rate
+        clock.t += 1.0
+        ctl.done(queued(0, 1, "x", 0.0), completed=True)
+    assert len(ctl._finished) <= ctl.config.rate_window_s + 1

@@ -74,7 +74,12 @@ class AdmissionController:
         """The route is finished with `req`; `completed` if it ran to the end (not aborted)."""
         self._in_flight.pop(req.request_id, None)
         if completed:
-            self._finished.append(self._clock())
+            now = self._clock()
+            self._finished.append(now)
+            # Trimmed here too: with no time limit set nothing else reads the rate, and the
+            # deque would keep one entry per request ever completed.
+            while self._finished[0] < now - self.config.rate_window_s:
+                self._finished.popleft()
 
     # -- the estimate ---------------------------------------------------------------------------
     def admission_rate(self) -> float | None:

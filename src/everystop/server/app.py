@@ -7,6 +7,7 @@ Everything a route needs lives on `app.state.ctx` (a ServingContext).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -167,7 +168,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     async def prometheus(http: Request) -> Response:
         if not open_metrics:
             check_auth(http)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # Off the loop: with per-tenant histograms the text runs to hundreds of KB.
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     for extend in extensions:
         extend(app, async_engine)

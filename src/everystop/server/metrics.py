@@ -29,6 +29,11 @@ from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutp
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.live_window import LiveWindow
+from everystop.server.runtime_stats import (
+    gc_pause_metrics,
+    install_gc_pause_recorder,
+    resident_bytes,
+)
 from everystop.server.tenants import clean_tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,6 +70,7 @@ class ServerMetrics:
 
     def __init__(self, max_tenants: int = 20, model_name: str = "unknown") -> None:
         self.registry = CollectorRegistry()  # where every collector registers
+        install_gc_pause_recorder()
         self.model_name = model_name
         self._exposed = CollectorRegistry(auto_describe=False)
         self._exposed.register(_WithModelName(self.registry, lambda: self.model_name))
@@ -259,6 +265,31 @@ def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
         yield GaugeMetricFamily("everystop:model_weight_bytes",
                                 "Bytes of the model weights as held in memory",
                                 value=weight_bytes)
+    pool_resident = _kv_pool_resident_bytes(engine)
+    if pool_resident is not None:
+        yield GaugeMetricFamily("everystop:kv_pool_resident_bytes",
+                                "Resident bytes of the KV pools in this process's memory (they "
+                                "are allocated untouched; pages arrive as blocks are first used)",
+                                value=pool_resident)
+    yield from gc_pause_metrics()
+
+
+def _kv_pool_resident_bytes(engine: Any) -> int | None:
+    """The device pool (when it lives in host memory) and the host swap pool, by mincore."""
+    # NOTE: reached through the local executor's runner, as weight_bytes is; TP workers' pools
+    # are in their own processes, and an engine without a model has none.
+    pool = getattr(getattr(getattr(engine, "executor", None), "runner", None), "pool", None)
+    if pool is None:
+        return None
+    total = 0
+    for tensor in (pool.device_pool, pool.host_pool):
+        if tensor.device.type != "cpu":
+            continue
+        resident = resident_bytes(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if resident is None:
+            return None
+        total += resident
+    return total
 
 
 def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:

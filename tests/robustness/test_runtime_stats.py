@@ -1,0 +1,66 @@
+"""The server's view of its own process: full GC pauses are timed and start-up objects frozen
+out of them (they stopped /health for ~170 ms each), and the KV pools' resident pages are
+counted so a soak can tell first touch from growth."""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import torch
+
+from everystop.executor.kv_pool import KVPool
+from everystop.server.metrics import _kv_pool_resident_bytes
+from everystop.server.runtime_stats import (
+    _PAUSES,
+    freeze_startup_heap,
+    gc_pause_metrics,
+    install_gc_pause_recorder,
+    resident_bytes,
+)
+
+MIB = 1 << 20
+
+
+def test_full_collections_are_timed_by_generation() -> None:
+    install_gc_pause_recorder()
+    install_gc_pause_recorder()  # idempotent: one callback, each pause counted once
+    assert gc.callbacks.count(_PAUSES.callback) == 1
+    before = sum(_PAUSES.counts[2])
+    gc.collect()
+    gc.collect()
+    assert sum(_PAUSES.counts[2]) == before + 2 and _PAUSES.sums[2] > 0
+    [hist, frozen] = list(gc_pause_metrics())
+    samples = {(s.name, s.labels.get("generation"), s.labels.get("le")): s.value
+               for s in hist.samples}
+    assert samples[("everystop:gc_pause_seconds_count", "2", None)] == before + 2
+    assert samples[("everystop:gc_pause_seconds_bucket", "2", "+Inf")] == before + 2
+    assert frozen.samples[0].value == gc.get_freeze_count()
+
+
+def test_freezing_takes_the_live_heap_out_of_full_collections() -> None:
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 10_000  # torch, the server stack, pytest
+        assert len(gc.get_objects()) < gc.get_freeze_count() // 2
+    finally:
+        gc.unfreeze()
+
+
+def test_pool_pages_count_as_resident_only_once_written() -> None:
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16,
+                  num_device_blocks=1024, num_host_blocks=512, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    engine = SimpleNamespace(executor=SimpleNamespace(runner=SimpleNamespace(pool=pool)))
+    # 32 MiB device + 16 MiB host, untouched: at most a few pages (a huge page at an edge).
+    untouched = _kv_pool_resident_bytes(engine)
+    assert untouched is not None and untouched <= 4 * MIB
+    pool.device_pool[:, :, :512] = 1.0  # half of every layer's blocks
+    half = _kv_pool_resident_bytes(engine)
+    assert half is not None and 16 * MIB <= half - untouched <= 16 * MIB + 8 * MIB
+    pool.host_pool.fill_(0.0)
+    assert _kv_pool_resident_bytes(engine) >= half + 16 * MIB - 8 * MIB  # type: ignore[operator]
+    data = torch.ones(MIB // 4)  # 1 MiB, written: resident
+    assert resident_bytes(data.data_ptr(), MIB) >= MIB  # type: ignore[operator]
+    assert _kv_pool_resident_bytes(SimpleNamespace(executor=None)) is None
+
