@@ -140,12 +140,28 @@ def test_blocks_held_without_progress_are_a_suspected_leak(store: Store) -> None
 
 
 def _record(step: int, execute_s: float, target_s: float | None, prefill: int,
-            decode: int = 4, predicted_s: float = 0.05) -> IterationRecord:
+            decode: int = 4, predicted_s: float = 0.05,
+            step_cost: dict[str, float] | None = None) -> IterationRecord:
     return IterationRecord(step=step, time=float(step), num_seqs=decode + 1,
                            num_decode_tokens=decode, num_prefill_tokens=prefill,
                            context_tokens=100, num_free_blocks=10, num_running=decode + 1,
                            num_waiting=0, num_preempted=0, latency_s=execute_s,
-                           execute_s=execute_s, predicted_s=predicted_s, tpot_target_s=target_s)
+                           execute_s=execute_s, predicted_s=predicted_s, tpot_target_s=target_s,
+                           step_cost=step_cost or {})
+
+
+def test_an_overrun_names_a_target_below_the_decode_step() -> None:
+    """50 ms against decodes fitted at 20 ms + 8 ms a row: 4 rows alone take 52 ms."""
+    cost = {"fixed": 0.020, "prefill_token": 0.001, "decode_row": 0.008, "context_token": 1e-5}
+    g = Guardrails(GuardrailConfig(overrun_steps=2))
+    for i in range(2):
+        g.on_iteration(_record(i, 0.08, 0.05, 0, decode=4, step_cost=cost), 2048)
+    (alert,) = g.drain()
+    assert "4 decodes alone are predicted at 53 ms" in alert.message  # + 100 context tokens
+    for i in range(2, 4):  # 2 rows: 36 ms, within the target: the prefill overran it
+        g.on_iteration(_record(i, 0.08, 0.05, 30, decode=2, step_cost=cost), 2048)
+    (alert,) = g.drain()
+    assert "alone" not in alert.message
 
 
 def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:

@@ -7,7 +7,10 @@
                    iterations (and at least S seconds), or by an id the scheduler no longer
                    knows for S seconds. Iterations, not seconds alone: a slow step (30 s on a
                    loaded CPU) is not a leak, and every step advances every running sequence.
-  tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance)
+  tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance); the
+                   message says when the decodes alone were predicted over the target (no
+                   prefill budget can meet it: the target is below this machine's decode
+                   step at that batch size, `everystop bench step-floor`)
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
 run of overruns in steps that carried prefill the budget predicted within the target, also
@@ -122,11 +125,15 @@ class Guardrails:
             return
         run, self._overruns = self._overruns, []
         mean_s = sum(r.execute_s for r in run) / len(run)
+        floor_s = decode_floor_s(record)
+        infeasible = (f"; the {record.num_decode_tokens} decodes alone are predicted at "
+                      f"{1e3 * floor_s:.0f} ms: the target is below this machine's decode step "
+                      f"at this batch size" if floor_s > target else "")
         with self._lock:
             self._raise(Alert(record.time, "tpot_overrun", None, None, mean_s, target,
                               f"{len(run)} steps in a row overran the TPOT target of "
                               f"{1e3 * target:.0f} ms (mean {1e3 * mean_s:.0f} ms, predicted "
-                              f"{1e3 * run[-1].predicted_s:.0f} ms)"))
+                              f"{1e3 * run[-1].predicted_s:.0f} ms){infeasible}"))
             # NOTE: only steps whose prefill the budget admitted believing the step fit its
             # target (predicted <= target) say the cap is too high. A step predicted over its
             # target got its prefill from the anti-starvation floor, or carried decodes that
@@ -234,6 +241,19 @@ class Guardrails:
             alerts = list(self._pending)
             self._pending.clear()
         return alerts
+
+
+def decode_floor_s(record: IterationRecord) -> float:
+    """What the step-cost model fitted after this step predicts for its decodes alone: the
+    least any step carrying them can take, whatever the budget. Their context is counted only
+    in a pure-decode step (in a mixed one the record's context includes the prefill rows'), so
+    a mixed step gets a lower bound."""
+    c = record.step_cost
+    if not c:
+        return 0.0
+    context = record.context_tokens if record.num_prefill_tokens == 0 else 0
+    return (c.get("fixed", 0.0) + c.get("decode_row", 0.0) * record.num_decode_tokens
+            + c.get("context_token", 0.0) * context)
 
 
 # Prefill tokens a clamped cap always leaves beside a full decode batch: prompts keep moving.
