@@ -18,7 +18,13 @@ prompts in a server's prefix or prompt cache (llama-server keeps each slot's las
 everystop caches prefixes). Without it a later run measures cache hits - and a target that ran
 the capacity run had seen the prompts before anything was measured.
 Writes one JSON (per target and load: the client's summary, per-tier breakdown and the load
-average around the run) and a plot.
+average around the run) and a plot. The servers can be started by the command itself (their
+command lines go into the JSON's meta.server_commands); the side-by-side run of the issue:
+
+    everystop bench sweep --start-everystop "--dtype bfloat16" \
+        --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
+        --workload benchmarks/workloads/mixed-128.json --num-requests 48 --token-ids \
+        --out benchmarks/results/latency_vs_load.json
 """
 
 from __future__ import annotations
