@@ -1,4 +1,4 @@
-"""Latency vs offered load, several servers, one client: `everystop bench sweep`.
+r"""Latency vs offered load, several servers, one client: `everystop bench sweep`.
 
 Each target (a name and the base URL of an OpenAI-compatible server: everystop's, llama.cpp's
 `llama-server`, vLLM ...) gets the same workload at each offered load, as Poisson arrivals,
