@@ -40,7 +40,8 @@ def test_sweep_runs_every_target_at_every_load_with_the_same_tokens(tmp_path: Pa
             base = ServeOptions(progress=False, timeout_s=30,
                                 prompt_token_ids=tokenize_prompts(wl, _Ids()))
             return await run_sweep(wl, {"fast": fast.base_url, "slow": slow.base_url},
-                                   [0.5, 1.0], base, capacity_from="fast")
+                                   [0.5, 1.0], base, capacity_from="fast",
+                                   encode=lambda tag: [ord(c) for c in tag])
         finally:
             await fast.stop()
             await slow.stop()
@@ -56,8 +57,13 @@ def test_sweep_runs_every_target_at_every_load_with_the_same_tokens(tmp_path: Pa
     ttft = {n: data["runs"][n]["1"]["summary"]["ttft_ms"]["p50"] for n in ("fast", "slow")}
     assert ttft["slow"] >= 120 > ttft["fast"]
     prompts = [body["prompt"] for body in fast.received + slow.received]
-    assert len(prompts) == 4 * 5 and all(p in ([106, 106, 101], [106, 106, 102], [106, 106, 100],
-                                                [106, 106, 103]) for p in prompts)
+    assert len(prompts) == 4 * 5
+    # Every run's prompts: the same tokens behind a tag of that run's own (no run can hit
+    # another's cached prompts); 5 runs (capacity, two targets at two loads), 5 tags.
+    tails = {(106, 106, 100), (106, 106, 101), (106, 106, 102), (106, 106, 103)}
+    assert all(tuple(p[-3:]) in tails for p in prompts)
+    heads = {tuple(p[:-3]) for p in prompts}
+    assert len(heads) == 5 and all(heads)
     plot = plot_sweep(data, tmp_path / "sweep.png")
     assert plot.stat().st_size > 10_000
 
@@ -90,7 +96,7 @@ def test_warmup_runs_first_on_every_target_and_stays_out_of_the_results(tmp_path
     assert saved == [["1"], ["1", "2"]]
     assert len(data["runs"]["a"]["1"]["load_average_before"]) == 3
     first_two = [body["prompt"] for body in server.received[:2]]
-    assert sorted(first_two) == ["prompt 4", "prompt 5"]  # the warm-up went first
+    assert sorted(first_two) == ["[a warm-up] prompt 4", "[a warm-up] prompt 5"]  # first
     assert all(body["priority"] == 1 for body in server.received)
     assert _plot_lines(data).keys() == {"a", "a tier 1"}  # a line per tier when sent
     assert plot_sweep(data, tmp_path / "tiers.png").stat().st_size > 10_000

@@ -140,16 +140,33 @@ def test_blocks_held_without_progress_are_a_suspected_leak(store: Store) -> None
 
 
 def _record(step: int, execute_s: float, target_s: float | None, prefill: int,
-            decode: int = 4, predicted_s: float = 0.05) -> IterationRecord:
+            decode: int = 4, predicted_s: float = 0.05,
+            step_cost: dict[str, float] | None = None) -> IterationRecord:
     return IterationRecord(step=step, time=float(step), num_seqs=decode + 1,
                            num_decode_tokens=decode, num_prefill_tokens=prefill,
                            context_tokens=100, num_free_blocks=10, num_running=decode + 1,
                            num_waiting=0, num_preempted=0, latency_s=execute_s,
-                           execute_s=execute_s, predicted_s=predicted_s, tpot_target_s=target_s)
+                           execute_s=execute_s, predicted_s=predicted_s, tpot_target_s=target_s,
+                           step_cost=step_cost or {})
+
+
+def test_an_overrun_names_a_target_below_the_decode_step() -> None:
+    """50 ms against decodes fitted at 20 ms + 8 ms a row: 4 rows alone take 52 ms."""
+    cost = {"fixed": 0.020, "prefill_token": 0.001, "decode_row": 0.008, "context_token": 1e-5}
+    g = Guardrails(GuardrailConfig(overrun_steps=2))
+    for i in range(2):
+        g.on_iteration(_record(i, 0.08, 0.05, 0, decode=4, step_cost=cost), 2048)
+    (alert,) = g.drain()
+    assert "4 decodes alone are predicted at 53 ms" in alert.message  # + 100 context tokens
+    for i in range(2, 4):  # 2 rows: 36 ms, within the target: the prefill overran it
+        g.on_iteration(_record(i, 0.08, 0.05, 30, decode=2, step_cost=cost), 2048)
+    (alert,) = g.drain()
+    assert "alone" not in alert.message
 
 
 def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
-    g = Guardrails(GuardrailConfig(overrun_steps=4, overrun_tolerance=0.25))
+    g = Guardrails(GuardrailConfig(overrun_steps=4, overrun_tolerance=0.25,
+                                   clamp_after_steps=4))
     for i in range(3):  # three overruns, then one step within 25 %: the run resets
         g.on_iteration(_record(i, 0.2, 0.1, 60), 2048)
     g.on_iteration(_record(3, 0.12, 0.1, 60), 2048)
@@ -171,6 +188,28 @@ def test_a_run_of_overruns_alerts_and_proposes_a_scaled_cap() -> None:
     assert g.drain() == []
 
 
+def test_a_burst_shorter_than_the_cost_models_memory_alerts_but_does_not_clamp() -> None:
+    """Overruns of steps the budget predicted within target: alerts every 8, a clamp only once
+    the run outlasts clamp_after_steps (the model had time to catch up and did not)."""
+    g = Guardrails(GuardrailConfig(overrun_steps=8, clamp_after_steps=50))
+    step = 0
+
+    def overrun(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            g.on_iteration(_record(step, 0.35, 0.2, 60, predicted_s=0.198), 2048)
+            step += 1
+
+    overrun(48)
+    assert len(g.drain()) == 6 and g.drain_clamps() == []
+    g.on_iteration(_record(step, 0.1, 0.2, 60), 2048)  # one step within: the streak restarts
+    step += 1
+    overrun(48)
+    assert len(g.drain()) == 6 and g.drain_clamps() == []
+    overrun(8)  # 56 in a row
+    assert len(g.drain()) == 1 and [cap for cap, _ in g.drain_clamps()] == [36]  # 64*.2/.35
+
+
 def test_clamp_change_never_raises_the_cap_or_starves_prefill() -> None:
     cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
     assert clamp_change(cfg, 100) == {"max_num_batched_tokens": 100}
@@ -185,7 +224,8 @@ def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: 
     eng = make_engine(max_num_seqs=8, max_num_batched_tokens=256)
     front = AsyncEngine(eng, watchdog_interval_s=60.0)
     tel = Telemetry(None, front,
-                    guardrail_config=GuardrailConfig(overrun_steps=3, check_interval_s=60))
+                    guardrail_config=GuardrailConfig(overrun_steps=3, clamp_after_steps=3,
+                                                     check_interval_s=60))
     admin = install_admin_routes(FastAPI(), front, admin_key=None, store=store, telemetry=tel)
     try:
         for i in range(3):

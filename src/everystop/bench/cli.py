@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import shlex
@@ -23,6 +24,8 @@ MEASUREMENTS = [
     ("throughput", "everystop.bench.throughput", "offline throughput on the 128-request workload, "
      "or single-stream decode latency"),
     ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
+    ("step-floor", "everystop.bench.step_floor", "what a pure-decode step costs by batch size "
+     "(the floor under any TPOT target), and a step with one prompt's chunk on top"),
     ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
@@ -201,9 +204,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _sweep_parser(sub: Any) -> None:
     p = sub.add_parser("sweep", help="TTFT/TPOT/ITL and tokens/s vs offered load, several "
                                      "servers, one client")
-    p.add_argument("--target", action="append", required=True, metavar="NAME=URL",
+    p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="an OpenAI-compatible server, e.g. everystop=http://127.0.0.1:8000 "
                         "(repeat; llama.cpp's llama-server serves /v1/completions too)")
+    p.add_argument("--start-everystop", default=None, metavar="FLAGS",
+                   help="start `everystop serve FLAGS` from these sources on a free port as "
+                        "target everystop, stop it at the end (e.g. '--dtype bfloat16')")
+    p.add_argument("--start-llamacpp", default=None, metavar="FLAGS",
+                   help="start `LLAMA_SERVER -m GGUF FLAGS` on a free port as target "
+                        "llamacpp, stop it at the end (e.g. '-np 32 -c 65536 -t 2 -tb 2')")
+    p.add_argument("--llama-server", default="/root/llama/build-native/bin/llama-server")
+    p.add_argument("--gguf", default="/root/llama/smollm2-f16.gguf")
+    p.add_argument("--reuse-prompts", dest="fresh_prompts", action="store_false",
+                   help="send every run the same prompt text (by default each run's prompts "
+                        "carry a tag of their own, so no run hits another's cached prompts)")
     p.add_argument("--workload", required=True)
     p.add_argument("--loads", default="0.25,0.5,0.75", help="fractions of the capacity")
     p.add_argument("--capacity-rps", type=float, default=None,
@@ -235,6 +249,35 @@ def _sweep_parser(sub: Any) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as servers:
+        targets = dict(t.split("=", 1) for t in args.target)
+        commands = _start_sweep_servers(args, servers, targets)
+        if not targets:
+            print("everystop: give --target NAME=URL or --start-everystop/--start-llamacpp",
+                  file=sys.stderr)
+            return 2
+        return _sweep(args, targets, commands)
+
+
+def _start_sweep_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
+                         targets: dict[str, str]) -> dict[str, str]:
+    """Start the servers --start-everystop/--start-llamacpp ask for (stopped when `stack`
+    closes), add them to `targets`; their command lines, for the JSON."""
+    from everystop.bench.servers import everystop_server, llama_server
+    commands: dict[str, str] = {}
+    if args.start_everystop is not None:
+        flags = shlex.split(args.start_everystop)
+        _, targets["everystop"] = stack.enter_context(everystop_server(flags))
+        commands["everystop"] = shlex.join(["everystop", "serve", *flags])
+    if args.start_llamacpp is not None:
+        server = stack.enter_context(llama_server(args.llama_server, args.gguf,
+                                                  shlex.split(args.start_llamacpp)))
+        targets["llamacpp"] = server.url
+        commands["llamacpp"] = shlex.join(server.command)
+    return commands
+
+
+def _sweep(args: argparse.Namespace, targets: dict[str, str], commands: dict[str, str]) -> int:
     from everystop.bench.client import ServeOptions
     from everystop.bench.sweep import (
         merge_sweeps,
@@ -247,7 +290,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     )
     from everystop.results import write_result
     from everystop.workload import load_workload
-    targets = dict(t.split("=", 1) for t in args.target)
     full = load_workload(args.workload)
     wl = full.head(args.num_requests) if args.num_requests else full
     warm = warmup_workload(full, len(wl.requests), args.warmup_requests)
@@ -255,7 +297,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.tier_mix:
         wl = with_tier_mix(wl, parse_tier_mix(args.tier_mix), args.seed)
         send_priority = True
-    ids = None
+    ids, tokenizer = None, None
     if args.token_ids:
         tokenizer = default_tokenizer()
         if tokenizer is None:
@@ -270,14 +312,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     def save(result: dict[str, Any]) -> dict[str, Any]:
         """Write the sweep as it stands (merged into --out's with --append)."""
-        data = {**result, "meta": {**result["meta"], "notes": args.notes}}
+        data = {**result, "meta": {**result["meta"], "notes": args.notes,
+                                   "server_commands": commands}}
         if previous is not None:
             data = merge_sweeps(previous, write_result(data, None, quiet=True))
         return write_result(data, str(out), quiet=True)
 
     data = save(asyncio.run(run_sweep(wl, targets, loads, base, capacity_rps=args.capacity_rps,
                                       capacity_from=args.capacity_from, warmup=warm,
-                                      on_progress=save)))
+                                      on_progress=save, fresh_prompts=args.fresh_prompts,
+                                      encode=tokenizer.encode if tokenizer else None)))
     plot = plot_sweep(data, out.with_suffix(".png"))
     for name, by_load in data["runs"].items():
         for load, run in by_load.items():

@@ -1,4 +1,4 @@
-"""Latency vs offered load, several servers, one client: `everystop bench sweep`.
+r"""Latency vs offered load, several servers, one client: `everystop bench sweep`.
 
 Each target (a name and the base URL of an OpenAI-compatible server: everystop's, llama.cpp's
 `llama-server`, vLLM ...) gets the same workload at each offered load, as Poisson arrivals,
@@ -11,8 +11,20 @@ selection - would otherwise land in whichever load runs first). Its summary is k
 under "warmup", apart from the results. A tier mix (`--tier-mix 0.2:0:0.8`) re-assigns the
 requests' priority tiers, seeded, and sends them, for a per-tier TPOT-target run. A sweep too
 long for one sitting runs in pieces (`--append`: one load per call), merged into one JSON.
+
+Every run (warm-up, capacity run, each target at each load) sends its prompts behind a tag of
+its own ("[llamacpp at 0.5] "): the same requests at every load, but no run finds another's
+prompts in a server's prefix or prompt cache (llama-server keeps each slot's last prompt;
+everystop caches prefixes). Without it a later run measures cache hits - and a target that ran
+the capacity run had seen the prompts before anything was measured.
 Writes one JSON (per target and load: the client's summary, per-tier breakdown and the load
-average around the run) and a plot.
+average around the run) and a plot. The servers can be started by the command itself (their
+command lines go into the JSON's meta.server_commands); the side-by-side run of the issue:
+
+    everystop bench sweep --start-everystop "--dtype bfloat16" \
+        --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
+        --workload benchmarks/workloads/mixed-128.json --num-requests 48 --token-ids \
+        --out benchmarks/results/latency_vs_load.json
 """
 
 from __future__ import annotations
@@ -64,6 +76,22 @@ def with_tier_mix(workload: Workload, mix: tuple[float, float, float], seed: int
     return Workload(name, workload.seed, workload.spec, reqs)
 
 
+def tagged(workload: Workload, opts: ServeOptions, tag: str,
+           encode: Callable[[str], list[int]] | None = None) -> tuple[Workload, ServeOptions]:
+    """The workload with `tag` in front of every prompt (text, and token ids when the options
+    send ids: `encode(tag)` in front of each), so this run shares no prompt prefix with
+    another run; the requests within it keep their shared prefixes."""
+    reqs = [dataclasses.replace(r, prompt=tag + r.prompt) for r in workload.requests]
+    ids = opts.prompt_token_ids
+    if ids is not None:
+        if encode is None:
+            raise ValueError("tagging token-id prompts needs the tokenizer's encode")
+        head = encode(tag)
+        ids = {r.id: head + ids[r.id] for r in workload.requests}
+    return (Workload(workload.name, workload.seed, workload.spec, reqs),
+            dataclasses.replace(opts, prompt_token_ids=ids))
+
+
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -72,17 +100,24 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
                     base: ServeOptions, *, capacity_rps: float | None = None,
                     capacity_from: str | None = None,
                     warmup: Workload | None = None,
-                    on_progress: Callable[[dict[str, Any]], None] | None = None
+                    on_progress: Callable[[dict[str, Any]], None] | None = None,
+                    encode: Callable[[str], list[int]] | None = None, fresh_prompts: bool = True
                     ) -> dict[str, Any]:
     """Run every target at every load (fractions of capacity_rps, or of capacity_from's
     measured saturated request rate), each target warmed up first with `warmup` (all at once;
     excluded from the results). Returns the sweep's JSON-ready result; `on_progress` gets it
-    as it stands after every finished run (so a sweep cut short keeps what it measured)."""
+    as it stands after every finished run (so a sweep cut short keeps what it measured).
+    `fresh_prompts`: each run's prompts behind a tag of its own (`tagged`; `encode` turns the
+    tag into token ids when prompts go as ids)."""
+    def fresh(wl: Workload, opts: ServeOptions, label: str) -> tuple[Workload, ServeOptions]:
+        return tagged(wl, opts, f"[{label}] ", encode) if fresh_prompts else (wl, opts)
+
     meta: dict[str, Any] = {"kind": "sweep", "machine": machine_description(),
                             "workload": workload.name, "num_requests": len(workload.requests),
                             "targets": targets, "loads": loads,
                             "token_id_prompts": base.prompt_token_ids is not None,
                             "send_priority": base.send_priority,
+                            "fresh_prompts_per_run": fresh_prompts,
                             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result: dict[str, Any] = {"meta": meta}
     if warmup is not None and warmup.requests:
@@ -90,14 +125,14 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
                             "rate": "all at once", "excluded_from_results": True,
                             "by_target": {}}
         for name, url in targets.items():
-            report = await run_serve(warmup, dataclasses.replace(base, base_url=url,
-                                                                 rate=float("inf")))
+            report = await run_serve(*fresh(warmup, dataclasses.replace(
+                base, base_url=url, rate=float("inf")), f"{name} warm-up"))
             result["warmup"]["by_target"][name] = report["summary"]
     if capacity_rps is None:
         if capacity_from not in targets:
             raise ValueError("give capacity_rps, or capacity_from naming one of the targets")
         opts = dataclasses.replace(base, base_url=targets[capacity_from], rate=float("inf"))
-        saturated = await run_serve(workload, opts)
+        saturated = await run_serve(*fresh(workload, opts, f"{capacity_from} at capacity"))
         capacity_rps = saturated["summary"]["request_throughput"]
         result["saturated"] = {"target": capacity_from, "summary": saturated["summary"]}
     meta.update(capacity_rps=capacity_rps, capacity_from=capacity_from)
@@ -107,7 +142,7 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
         for name, url in targets.items():
             opts = dataclasses.replace(base, base_url=url, rate=load * capacity_rps)
             before = _load_average()
-            report = await run_serve(workload, opts)
+            report = await run_serve(*fresh(workload, opts, f"{name} at {load:g}"))
             runs[name][f"{load:g}"] = {"offered_rps": load * capacity_rps,
                                        "summary": report["summary"],
                                        "by_priority": report["by_priority"],

@@ -7,11 +7,15 @@
                    iterations (and at least S seconds), or by an id the scheduler no longer
                    knows for S seconds. Iterations, not seconds alone: a slow step (30 s on a
                    loaded CPU) is not a leak, and every step advances every running sequence.
-  tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance)
+  tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance); the
+                   message says when the decodes alone were predicted over the target (no
+                   prefill budget can meet it: the target is below this machine's decode
+                   step at that batch size, `everystop bench step-floor`)
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
-run of overruns in steps that carried prefill the budget predicted within the target, also
-proposes a lower max_num_batched_tokens:
+run of overruns in steps that carried prefill the budget predicted within the target, lasting
+longer than the step-cost model takes to follow the machine, also proposes a lower
+max_num_batched_tokens:
 the ceiling, or the overrunning steps' mean token count scaled by target / measured time.
 Whoever drains the proposals applies them (`clamp_change`), logs them and records them in the
 config history; a clamp only ever lowers the cap, and an operator lifts it with a PATCH.
@@ -56,6 +60,12 @@ class GuardrailConfig:
     overrun_steps: int = 8
     # Propose a lower max_num_batched_tokens on a breach or an overrun run (see above).
     auto_clamp: bool = True
+    # ... an overrun run only once it has lasted this many steps: the step-cost model follows
+    # the machine within about 1 / (1 - forgetting) = 50 steps, and the budget with it, while
+    # a clamp stays until an operator lifts it. A shorter burst is a neighbour's spike (a
+    # premium run on the loaded CPU: 8 steps at 352 ms against 198 predicted clamped the cap
+    # to 144 tokens for the server's life).
+    clamp_after_steps: int = 50
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Guardrails:
         self._progress: dict[str, tuple[Any, float, int]] = {}
         self._leak_alerted: set[str] = set()
         self._overruns: list[IterationRecord] = []  # the current run of overrunning steps
+        self._overrun_streak = 0  # its length, across the alerts it raised
         self._clamps: deque[tuple[int, str]] = deque(maxlen=16)  # (proposed cap, why)
 
     # -- engine thread --------------------------------------------------------------------------
@@ -116,25 +127,33 @@ class Guardrails:
         target = record.tpot_target_s
         if not target or record.execute_s <= target * (1 + self.config.overrun_tolerance):
             self._overruns.clear()
+            self._overrun_streak = 0
             return
         self._overruns.append(record)
+        self._overrun_streak += 1
         if len(self._overruns) < self.config.overrun_steps:
             return
         run, self._overruns = self._overruns, []
         mean_s = sum(r.execute_s for r in run) / len(run)
+        floor_s = decode_floor_s(record)
+        infeasible = (f"; the {record.num_decode_tokens} decodes alone are predicted at "
+                      f"{1e3 * floor_s:.0f} ms: the target is below this machine's decode step "
+                      f"at this batch size" if floor_s > target else "")
         with self._lock:
             self._raise(Alert(record.time, "tpot_overrun", None, None, mean_s, target,
                               f"{len(run)} steps in a row overran the TPOT target of "
                               f"{1e3 * target:.0f} ms (mean {1e3 * mean_s:.0f} ms, predicted "
-                              f"{1e3 * run[-1].predicted_s:.0f} ms)"))
+                              f"{1e3 * run[-1].predicted_s:.0f} ms){infeasible}"))
             # NOTE: only steps whose prefill the budget admitted believing the step fit its
             # target (predicted <= target) say the cap is too high. A step predicted over its
             # target got its prefill from the anti-starvation floor, or carried decodes that
             # alone overrun (a machine slower than the target, a loaded neighbour): a lower cap
             # cannot speed up decodes and would only slow the starving prompts the floor
             # protects - and a clamp stays until an operator lifts it.
-            if self.config.auto_clamp and any(r.num_prefill_tokens and r.predicted_s <= target
-                                              for r in run):
+            if (self.config.auto_clamp
+                    and self._overrun_streak >= self.config.clamp_after_steps
+                    and any(r.num_prefill_tokens and r.predicted_s <= target for r in run)):
+                self._overrun_streak = 0
                 tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in run) / len(run)
                 self._clamps.append((int(tokens * target / mean_s),
                                      f"{len(run)} steps in a row overran {1e3 * target:.0f} ms"))
@@ -234,6 +253,19 @@ class Guardrails:
             alerts = list(self._pending)
             self._pending.clear()
         return alerts
+
+
+def decode_floor_s(record: IterationRecord) -> float:
+    """What the step-cost model fitted after this step predicts for its decodes alone: the
+    least any step carrying them can take, whatever the budget. Their context is counted only
+    in a pure-decode step (in a mixed one the record's context includes the prefill rows'), so
+    a mixed step gets a lower bound."""
+    c = record.step_cost
+    if not c:
+        return 0.0
+    context = record.context_tokens if record.num_prefill_tokens == 0 else 0
+    return (c.get("fixed", 0.0) + c.get("decode_row", 0.0) * record.num_decode_tokens
+            + c.get("context_token", 0.0) * context)
 
 
 # Prefill tokens a clamped cap always leaves beside a full decode batch: prompts keep moving.
