@@ -146,3 +146,14 @@ def test_flags_cluster_mode_would_ignore_are_refused_and_local_starts_ray() -> N
     assert unsupported_flags(args) == ["--telemetry-db", "--engine-stall-timeout"]
     local = parser.parse_args(["serve", "--ray-address", "local"])
     assert scaled_out(local) and options_from_args(local).ray_address is None
+
+
+def test_the_single_engine_server_does_not_import_ray() -> None:
+    """Ray is an optional extra: `everystop serve` without --replicas never imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, everystop.cli, everystop.server.cli, everystop.server.app, "
+            "everystop.server.admin, everystop.routing\n"
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
