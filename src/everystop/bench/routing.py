@@ -208,17 +208,22 @@ def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload
             (p["rate_req_s"] for p in done["policies"].values()), None)
     if rate is not None and "capacity" not in out:
         out["capacity"] = {"given_rate_req_s": rate}
-    for policy in policies:
-        if policy in out["policies"]:
-            continue
+    todo = [p for p in policies if p not in out["policies"]]
+    if rate is None and todo:
+        # Capacity: the calibration workload all at once, on a cluster of its own. NOTE: not
+        # on the first policy's cluster: a 100-request burst leaves its engines' step-cost
+        # models and caches warm, and that policy alone would be measured on a used cluster.
+        cluster = Cluster(todo[0], flags, logs / f"{name}-calibration.log")
+        try:
+            t = _replay(cluster, calib[0], calib[1], math.inf)["summary"]
+        finally:
+            cluster.stop()
+        rate = load * t["request_throughput"]
+        out["capacity"] = {"req_s": t["request_throughput"], "output_tok_s": t["output_throughput"],
+                           "measured_with": todo[0], "load_fraction": load}
+    for policy in todo:
         cluster = Cluster(policy, flags, logs / f"{name}-{policy}.log")
         try:
-            if rate is None:  # capacity: the calibration workload all at once
-                t = _replay(cluster, calib[0], calib[1], math.inf)["summary"]
-                rate = load * t["request_throughput"]
-                out["capacity"] = {"req_s": t["request_throughput"],
-                                   "output_tok_s": t["output_throughput"],
-                                   "measured_with": policy, "load_fraction": load}
             result = measure(cluster, workload, ids, rate)
             result["server_start_s"] = cluster.start_s
             out["policies"][policy] = result
