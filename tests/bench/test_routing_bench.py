@@ -41,3 +41,35 @@ def test_the_verdict_is_computed_from_the_run_and_can_say_no() -> None:
                                        "prefix-affinity": _policy(400, 0, 5, hit=0.8)}}})
     assert not missed["skewed"]["target_met"]
     assert not missed["shared_prefix"]["target_met"]  # 1.33x < 1.5x
+
+
+def test_the_verdict_says_whether_the_p99_is_a_long_prompt() -> None:
+    def rests(n: int, num_long: int) -> bool:
+        policies = {p: _policy(800, 100, 10)
+                    for p in ("least-loaded", "round-robin", "power-of-two")}
+        result = {"skewed": {"policies": policies,
+                             "workload": skewed(TOKENS, n, num_long, seed=1)[0].spec}}
+        return bool(verdict(result)["skewed"]["p99_rests_on_long_prompts"])
+
+    # 4 in 96: the p99 lies between the two slowest long prompts; 4 in 404 or 1 in 100: between
+    # the two slowest short ones, or the slowest short one and the long one (1% of the way).
+    assert rests(96, 4) and rests(48, 4)
+    assert not rests(404, 4) and not rests(100, 1)
+
+
+def test_the_simulated_run_measures_capacity_and_loads_from_it() -> None:
+    import argparse
+
+    from everystop.bench.routing import add_arguments
+    from everystop.bench.routing_sim import simulate_all
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--sim-loads", "0.5", "--sim-seeds", "1"])
+    server = {"max_num_seqs": 4, "max_num_batched_tokens": 512, "num_gpu_blocks": 200}
+    out = simulate_all(TOKENS, args, ["least-loaded", "round-robin"],
+                       {"skewed": (lambda seed: skewed(TOKENS, 12, 1, seed), server)})
+    capacity = out["skewed"]["capacity_req_s"]
+    (cell,) = out["skewed"]["by_rate_req_s"].items()
+    assert capacity > 0 and math.isclose(float(cell[0]), 0.5 * capacity, rel_tol=1e-2)
+    assert set(cell[1]) == {"least-loaded", "round-robin"}

@@ -27,12 +27,14 @@ from tests.server.conftest import ServerProcess, free_port
 pytestmark = [pytest.mark.model, pytest.mark.server]
 KEY = "cluster-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"X-Admin-Key": "cluster-admin-key"}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     cmd = [sys.executable, "-m", "everystop", "serve", "--replicas", "2", "--threads", "1",
-           "--log-level", "warning", "--api-key", KEY, "--max-num-seqs", "2",
+           "--log-level", "warning", "--api-key", KEY, "--admin-key", ADMIN["X-Admin-Key"],
+           "--max-num-seqs", "2",
            "--max-queued-per-tenant", "1", "--max-num-batched-tokens", "256",
            "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
     server = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("cluster") / "server.log")
@@ -195,6 +197,32 @@ def test_queue_full_tries_the_next_replica_and_all_full_answers_429(
         'everystop_cluster_requests_total{outcome="aborted"}'] == 4
 
 
+def test_admin_fans_out_to_every_replica_or_refuses_by_name(cluster: ServerProcess) -> None:
+    url = cluster.url + "/admin/scheduler_config"
+    assert httpx.get(url, timeout=10).status_code == 401
+    got = httpx.get(url, headers=ADMIN, timeout=10).json()
+    assert got["consistent"] and got["config"]["max_queued_per_tenant"] == 1
+    assert sorted(got["replicas"]) == sorted(_replicas(cluster))
+    # A change reaches every replica. (Later tests use a tenant per request: 3 changes nothing
+    # for them; the restart test below reads it back.)
+    r = httpx.patch(url, headers=ADMIN, json={"max_queued_per_tenant": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert all(s["config"]["max_queued_per_tenant"] == 3 and s["version"] == 2
+               for s in r.json()["replicas"].values()) and len(r.json()["replicas"]) == 2
+    assert httpx.get(url, headers=ADMIN, timeout=10).json()["config"]["max_queued_per_tenant"] == 3
+    # A bad value is refused by the first replica, by name, and changes nothing anywhere.
+    r = httpx.patch(url, headers=ADMIN, json={"max_num_seqs": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_num_seqs", r.text
+    r = httpx.patch(url, headers=ADMIN, json={"max_model_len": 64}, timeout=30)
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    got = httpx.get(url, headers=ADMIN, timeout=10).json()
+    assert got["consistent"] and got["config"]["max_num_seqs"] == 2
+    assert {s["version"] for s in got["replicas"].values()} == {2}
+    # The history needs the telemetry store, which the ingress does not run: refused by name.
+    r = httpx.get(url + "/history", headers=ADMIN, timeout=10)
+    assert r.status_code == 501 and r.json()["error"]["code"] == "unsupported_in_cluster_mode"
+
+
 def _stream_outcome(server: ServerProcess, i: int, results: dict[int, str]) -> None:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Story number {i}:", "max_tokens": 24,
             "ignore_eos": True, "stream": True, "user": f"load-{i}"}
@@ -272,6 +300,12 @@ def test_ray_restarts_the_killed_replica_and_the_router_uses_it(cluster: ServerP
     before = _metrics(cluster)
     assert all(r["pid"] and r["node"] for r in replicas.values()), replicas
     assert len({r["pid"] for r in replicas.values()}) == 2
+    assert all(r["resources"] == {"CPU": 1.0} for r in replicas.values()), replicas
+    # The replacement runs the start-up config, the survivor the one PATCHed above: /admin
+    # says they differ instead of showing either as the cluster's.
+    got = httpx.get(cluster.url + "/admin/scheduler_config", headers=ADMIN, timeout=10).json()
+    assert not got["consistent"] and got["config"] is None
+    assert sorted(s["config"]["max_queued_per_tenant"] for s in got["replicas"].values()) == [1, 3]
     _send_burst(cluster, 4, "after")
     after = _metrics(cluster)
 

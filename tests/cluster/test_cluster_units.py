@@ -121,3 +121,39 @@ def test_power_of_two_hands_ray_its_two_draws_as_one_group() -> None:
     ranks = asyncio.run(router.choose_replicas(replicas, _pending(_req(1), exclude=("a",))))
     assert [len(rank) for rank in ranks] == [1, 1, 1]
     assert ranks[-1][0].replica_id.unique_id == "a"
+
+
+def test_an_admin_call_goes_to_the_replica_it_names() -> None:
+    router = _router()
+    replicas = [_replica("a", _report(1)), _replica("b", _report(1, num_waiting=3))]
+    call = SimpleNamespace(args=["get"], kwargs={"target": "b"},
+                           metadata=SimpleNamespace(internal_request_id="ray-admin"))
+    assert _choose(router, replicas, call) == ["b"]
+    assert sum(router.decisions.values()) == 0  # not a request: nothing booked
+
+
+def test_flags_cluster_mode_would_ignore_are_refused_and_local_starts_ray() -> None:
+    import argparse
+
+    from everystop.cluster.deploy import options_from_args, unsupported_flags
+    from everystop.server.cli import register, scaled_out
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert unsupported_flags(parser.parse_args(["serve", "--replicas", "2"])) == []
+    args = parser.parse_args(["serve", "--replicas", "2", "--telemetry-db", "t.db",
+                              "--engine-stall-timeout", "5"])
+    assert unsupported_flags(args) == ["--telemetry-db", "--engine-stall-timeout"]
+    local = parser.parse_args(["serve", "--ray-address", "local"])
+    assert scaled_out(local) and options_from_args(local).ray_address is None
+
+
+def test_the_single_engine_server_does_not_import_ray() -> None:
+    """Ray is an optional extra: `everystop serve` without --replicas never imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, everystop.cli, everystop.server.cli, everystop.server.app, "
+            "everystop.server.admin, everystop.routing\n"
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -43,7 +43,7 @@ def test_a_replica_where_the_request_does_not_fit_comes_last() -> None:
 
 def test_the_request_own_kv_need_counts() -> None:
     # Both below the high-water mark for a small request; a big one pushes "a" over it.
-    loads = [load("a", free=30), load("b", waiting=1, free=80)]
+    loads = [load("a", free=30), load("b", waiting=1, prefill=600, free=80)]
     router = make_router("least-loaded")
     assert router.rank(RouteRequest(kv_blocks_needed=1), loads)[0] == "a"
     assert router.rank(RouteRequest(kv_blocks_needed=25), loads)[0] == "b"
@@ -52,6 +52,25 @@ def test_the_request_own_kv_need_counts() -> None:
 def test_queued_prefill_tokens_count_as_work_ahead() -> None:
     loads = [load("a", waiting=1, prefill=4000), load("b", waiting=2, prefill=100)]
     assert make_router("least-loaded").rank(RouteRequest(1), loads)[0] == "b"
+
+
+def test_a_short_request_avoids_a_replica_busy_with_a_long_prefill() -> None:
+    # "a" is prefilling a 1,500-token prompt; "b" runs a full decode batch. A short request's
+    # first token waits for the whole prefill on "a", for one pass on "b".
+    loads = [load("a", running=2, prefill=1500), load("b", running=16)]
+    assert make_router("least-loaded").rank(RouteRequest(4, num_prompt_tokens=64),
+                                            loads)[0] == "b"
+
+
+def test_the_request_own_prefill_size_weighs_the_decode_batch() -> None:
+    # A running request adds a decode row to each pass of the newcomer's prefill: a short
+    # prompt (one pass) prefers the crowded batch to 200 queued tokens; a 1,536-token prompt
+    # (three passes) does not.
+    loads = [load("a", running=12, free=1000, total=1000),
+             load("b", running=2, prefill=200, free=1000, total=1000)]
+    router = make_router("least-loaded")
+    assert router.rank(RouteRequest(4, num_prompt_tokens=64), loads)[0] == "a"
+    assert router.rank(RouteRequest(96, num_prompt_tokens=1536), loads)[0] == "b"
 
 
 def test_in_flight_correction_spreads_a_burst_between_reports() -> None:
@@ -69,16 +88,16 @@ def test_in_flight_correction_spreads_a_burst_between_reports() -> None:
 
 def test_a_report_that_shows_the_sends_is_not_double_counted() -> None:
     router = make_router("least-loaded")
-    stale = [load("a", seq=1), load("b", waiting=1, seq=1)]
+    stale = [load("a", seq=1), load("b", waiting=1, prefill=256, seq=1)]
     assert router.rank(RouteRequest(1), stale)[0] == "a"
-    router.on_sent("a", RouteRequest(kv_blocks_needed=2))
-    router.on_sent("a", RouteRequest(kv_blocks_needed=2))
+    router.on_sent("a", RouteRequest(kv_blocks_needed=2, num_prompt_tokens=256))
+    router.on_sent("a", RouteRequest(kv_blocks_needed=2, num_prompt_tokens=256))
     assert router.rank(RouteRequest(1), stale)[0] == "b"  # a: 2 unseen waiting, b: 1 waiting
     # A newer report that does not show them yet (still on their way) changes nothing...
-    newer = [load("a", seq=2), load("b", waiting=1, seq=2)]
+    newer = [load("a", seq=2), load("b", waiting=1, prefill=256, seq=2)]
     assert router.rank(RouteRequest(1), newer)[0] == "b"
     # ...and one that shows them running counts them once: 2 running beat 1 waiting.
-    shown = [load("a", running=2, free=96, seq=3), load("b", waiting=1, seq=3)]
+    shown = [load("a", running=2, free=96, seq=3), load("b", waiting=1, prefill=256, seq=3)]
     assert router.rank(RouteRequest(1), shown)[0] == "a"
     assert router.last_scores["a"] < router.last_scores["b"]
     assert router.in_flight("a") == 2
@@ -128,8 +147,11 @@ def test_affinity_yields_to_load_beyond_the_margin() -> None:
     router = make_router("prefix-affinity", affinity_margin=2.0)
     prompt = prefix_block_hashes(list(range(64)), 16)
     router.on_sent("a", RouteRequest(2, prompt))
-    within = [load("a", waiting=2, seq=1), load("b", waiting=1, seq=1)]
-    beyond = [load("a", waiting=5, seq=1), load("b", waiting=1, seq=1)]
+    # Scores: within a 1.2 vs b 0.6 (0.1 a request plus its 256 prompt tokens / 512);
+    # beyond a 3.0, more than the margin past b.
+    within = [load("a", waiting=2, prefill=512, seq=1), load("b", waiting=1, prefill=256, seq=1)]
+    beyond = [load("a", waiting=5, prefill=1280, seq=1),
+              load("b", waiting=1, prefill=256, seq=1)]
     assert router.rank(RouteRequest(2, prompt), within)[0] == "a"
     assert router.rank(RouteRequest(2, prompt), beyond)[0] == "b"
     # Nor does it send the request to a replica whose KV cache is past the high-water mark.

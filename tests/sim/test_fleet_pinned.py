@@ -17,13 +17,14 @@ TRAFFIC = ("n=260,prompt=uniform:20:700,output=uniform:5:200,rate=40,tiers=0.3:0
            "prefix=0.4:64,sessions=0.5:3:1,tenants=3,seed=11")
 
 # Re-pinned when #20 changed what replicas report (the prompt left of a running prefill) and
-# prefix-affinity's margin (2 -> 4): routing decisions, not the hot path; round-robin's holds.
+# prefix-affinity's margin (2 -> 4), and again when its score weighed queued prefill tokens over
+# request counts (session 7): routing decisions, not the hot path; round-robin's holds.
 CASES = {
     # scheduling, KV blocks, scheduler options, router, stats interval, digest
     "chunked-swap": ("chunked", 700, {"preemption_mode": "auto"}, "prefix-affinity", 0.5,
-                     "5d0a3dd15c274113"),
+                     "f81a32e7fd79a0c6"),
     "continuous-auto-tpot": ("continuous", 900, {"tpot_target_ms": None}, "least-loaded", 0.0,
-                             "1f817e822a9b9793"),
+                             "0bdc09441638811e"),
     "static": ("static", 3000, {"max_batch_size": 8}, "round-robin", 1.0, "805b8cc1d004bb27"),
 }
 

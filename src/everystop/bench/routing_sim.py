@@ -27,6 +27,10 @@ def add_sim_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("--simulate: the fleet simulator instead of live replicas")
     g.add_argument("--simulate", action="store_true")
     g.add_argument("--sim-rates", default="4,12", help="arrival rates (req/s) to simulate")
+    g.add_argument("--sim-loads", default=None,
+                   help="arrival rates as fractions of the simulated capacity (each seed's "
+                        "workload all at once, least-loaded), as the live run measures it; "
+                        "replaces --sim-rates")
     g.add_argument("--sim-seeds", type=int, default=5, help="workload seeds averaged per cell")
     g.add_argument("--sim-step-ms", type=float, default=12.0, help="fixed cost of a pass")
     g.add_argument("--sim-token-ms", type=float, default=0.8, help="cost per token in a pass")
@@ -71,6 +75,21 @@ def simulate_policy(make: Any, policy: str, rate: float, args: argparse.Namespac
     return {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
 
 
+def simulated_capacity(make: Any, args: argparse.Namespace, setup: SimSetup) -> float:
+    """Requests per second with every request arriving at once (the live run's calibration)."""
+    step_s, token_s = args.sim_step_ms / 1000, args.sim_token_ms / 1000
+    rates = []
+    for seed in range(1, args.sim_seeds + 1):
+        workload, ids = make(seed)
+        at_once = [FleetRequest(r.id, 0.0, ids[r.id], r.max_tokens, tenant=r.tenant)
+                   for r in workload.requests]
+        res = simulate_fleet(at_once, setup, lambda shape: step_s + token_s * shape.num_tokens,
+                             2, make_router("least-loaded"),
+                             stats_interval_s=args.sim_stats_interval_s)
+        rates.append(len(res.finished) / max(f.finished_s for f in res.finished))
+    return statistics.mean(rates)
+
+
 def simulate_all(tokens: list[int], args: argparse.Namespace, policies: list[str],
                  workloads: dict[str, tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
     """workloads: name -> (seed -> (Workload, ids), that workload's server settings)."""
@@ -83,11 +102,14 @@ def simulate_all(tokens: list[int], args: argparse.Namespace, policies: list[str
                                          max_num_batched_tokens=server["max_num_batched_tokens"]),
                          num_gpu_blocks=server["num_gpu_blocks"])
         cells: dict[str, Any] = {}
-        for rate in (float(r) for r in args.sim_rates.split(",")):
-            cells[f"{rate:g}"] = {p: simulate_policy(make, p, rate, args, setup)
-                                  for p in policies}
-            for p, v in cells[f"{rate:g}"].items():
-                print(f"sim {name} rate {rate:g} {p}: " + " ".join(
+        capacity = simulated_capacity(make, args, setup) if args.sim_loads else None
+        rates = ([capacity * float(x) for x in args.sim_loads.split(",")] if capacity
+                 else [float(r) for r in args.sim_rates.split(",")])
+        for rate in rates:
+            cells[f"{rate:.3g}"] = {p: simulate_policy(make, p, rate, args, setup)
+                                    for p in policies}
+            for p, v in cells[f"{rate:.3g}"].items():
+                print(f"sim {name} rate {rate:.3g} {p}: " + " ".join(
                     f"{k} {x:.3g}" for k, x in v.items()), flush=True)
-        out[name] = {"server": server, "by_rate_req_s": cells}
+        out[name] = {"server": server, "capacity_req_s": capacity, "by_rate_req_s": cells}
     return out

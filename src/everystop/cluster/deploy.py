@@ -119,9 +119,11 @@ def install_cluster_routes(app: Any, front: Any) -> None:
 
     @app.get("/health/replicas")
     async def replica_health() -> JSONResponse:
-        states, pids, nodes = front.replica_health(), front.replica_pids(), front.replica_nodes()
+        states, reports = front.replica_health(), front.reports()
         ok = any(s == "ok" for s in states.values())
-        replicas = {rid: {"status": state, "pid": pids.get(rid), "node": nodes.get(rid)}
+        replicas = {rid: {"status": state, **{k: reports.get(rid, {}).get(k) for k in
+                                              ("pid", "node", "resources",
+                                               "tensor_parallel_size")}}
                     for rid, state in states.items()}
         return JSONResponse({"status": "ok" if ok else "dead", "replicas": replicas},
                             200 if ok else 503)
@@ -140,7 +142,9 @@ def stop_cluster(started_ray: bool) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ClusterOptions:
-    return ClusterOptions(num_replicas=args.replicas, ray_address=args.ray_address,
+    # "local": a local instance even for one replica (Ray's health checks and restarts).
+    address = None if args.ray_address == "local" else args.ray_address
+    return ClusterOptions(num_replicas=args.replicas, ray_address=address,
                           policy=args.routing_policy, affinity_margin=args.affinity_margin,
                           num_cpus=args.replica_num_cpus, num_gpus=args.replica_num_gpus,
                           seed=args.seed or 0)
@@ -155,12 +159,31 @@ def serve_cluster_command(args: argparse.Namespace) -> int:
     return serve_cluster(args, config_or_exit(args))
 
 
+# Server flags the cluster ingress does not honour, with their single-engine defaults: set to
+# anything else, they are refused at start-up rather than silently ignored.
+UNSUPPORTED_FLAGS = {"telemetry_db": None, "engine_stall_timeout": 600.0,
+                     "slow_reader_timeout": 60.0}
+
+
+def unsupported_flags(args: argparse.Namespace) -> list[str]:
+    """The `--flag`s given that cluster mode would ignore."""
+    return ["--" + name.replace("_", "-") for name, default in UNSUPPORTED_FLAGS.items()
+            if getattr(args, name, default) != default]
+
+
 def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
+    import sys
+
+    from everystop.cluster.admin import install_cluster_admin
     from everystop.server.admission import AdmissionConfig
     from everystop.server.app import build_app
-    from everystop.server.cli import run_server, served_model_names
+    from everystop.server.cli import request_limits, run_server, served_model_names
     from everystop.server.metrics import ServerMetrics
 
+    if unsupported := unsupported_flags(args):
+        print(f"everystop: cannot start: {', '.join(unsupported)} not supported with --replicas "
+              "(each replica is its own engine; see docs/scale-out.md)", file=sys.stderr)
+        return 2
     opts = options_from_args(args)
     config = replica_config(config, opts.num_replicas)
     started = opts.ray_address is None
@@ -168,10 +191,14 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         names = ([args.served_model_name] if args.served_model_name
                  else served_model_names(config.model.model))
+        def admin(app: Any, front: Any) -> None:
+            install_cluster_admin(app, front, admin_key=args.admin_key)
+
         app = build_app(cast(Any, front), names[0], aliases=names, api_key=args.api_key,
                         max_n=args.max_n, metrics=ServerMetrics(),
+                        limits=request_limits(args), open_metrics=args.open_metrics,
                         admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
-                        extensions=[install_cluster_routes])
+                        extensions=[install_cluster_routes, admin])
         logger.info("serving %d replicas (policy %s) on http://%s:%d", opts.num_replicas,
                     opts.policy, args.host, args.port)
         return run_server(app, front, args.host, args.port, grace_s=args.grace_period,

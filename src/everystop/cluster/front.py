@@ -60,6 +60,7 @@ class ClusterEngine:
     def __init__(self, handle: Any, tokenizer: EngineTokenizer, limits: dict[str, Any], *,
                  num_replicas: int, max_retries: int = 3) -> None:
         self._handle = handle.options(stream=True)
+        self._unary = handle.options(stream=False)  # calls answered once (/admin)
         self._tokenizer = tokenizer
         self._limits = limits
         self.num_replicas = num_replicas
@@ -185,6 +186,17 @@ class ClusterEngine:
             live.stream.cancel()
             self.outcomes["aborted"] += 1
 
+    async def replica_admin(self, op: str, replica_id: str, body: Any = None
+                            ) -> dict[str, Any]:
+        """One /admin call on one replica ({"status", "body"}); a lost replica is a 503."""
+        try:
+            answer: dict[str, Any] = await self._unary.admin.remote(op, body, target=replica_id)
+            return answer
+        except (*REPLICA_LOST, RayTaskError) as exc:
+            return {"status": 503, "body": {"error": {
+                "message": f"replica {replica_id} did not answer ({type(exc).__name__})",
+                "type": "server_error", "param": None, "code": "replica_unavailable"}}}
+
     # -- named reads ------------------------------------------------------------------------------
     @property
     def tokenizer(self) -> EngineTokenizer:
@@ -240,15 +252,12 @@ class ClusterEngine:
             return EngineHealth("ok")
         return EngineHealth("dead", f"no healthy replica ({states or 'none running'})")
 
+    def replica_ids(self) -> list[str]:
+        """The replicas running now, as the router knows them."""
+        return sorted(self.reports())
+
     def replica_health(self) -> dict[str, str]:
         return {rid: str(r.get("health", "starting")) for rid, r in self.reports().items()}
-
-    def replica_pids(self) -> dict[str, int | None]:
-        return {rid: r.get("pid") for rid, r in self.reports().items()}
-
-    def replica_nodes(self) -> dict[str, str | None]:
-        """The Ray node each replica runs on (several machines: which one holds it)."""
-        return {rid: r.get("node") for rid, r in self.reports().items()}
 
     def add_listeners(self, on_iteration: Any = None,
                       on_finish: Callable[[Request, RequestOutput], None] | None = None) -> None:

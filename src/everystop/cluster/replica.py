@@ -50,15 +50,22 @@ class EngineReplica:
         from everystop.engine.llm_engine import LLMEngine
 
         self.node_id: str | None = None  # the Ray node it runs on (none when built by hand)
+        # What Ray reserved for this replica: its tensor-parallel ranks run as its child
+        # processes, inside this one reservation (deploy.replica_resources sizes it for all).
+        self.resources: dict[str, float] = {}
         if replica_id is None:
             import ray
             from ray import serve
             replica_id = serve.get_replica_context().replica_id.unique_id
-            self.node_id = ray.get_runtime_context().get_node_id()
+            context = ray.get_runtime_context()
+            self.node_id = context.get_node_id()
+            self.resources = dict(context.get_assigned_resources())
+        self.tensor_parallel_size = config.parallel.tensor_parallel_size
         self.replica_id = replica_id
         # Built on the engine thread: all torch work on one thread (see AsyncEngine).
         self.front = AsyncEngine(lambda: LLMEngine.from_config(config))
         self._reports = 0
+        self._admin: Any = None  # server.admin.SchedulerConfigAdmin, built on first use
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs to build requests as this engine would."""
@@ -92,12 +99,40 @@ class EngineReplica:
         async for out in self.front.stream(req.request_id):
             yield out
 
+    async def admin(self, op: str, body: Any = None, target: str | None = None
+                    ) -> dict[str, Any]:
+        """One /admin call on this replica's engine: `op` "get" or "patch". Returns
+        {"status": HTTP status, "body": JSON}. `target` is the replica the ingress meant (the
+        router sends it there); if Ray placed the call elsewhere this one says so instead of
+        answering for another replica."""
+        import asyncio
+
+        from everystop.server.admin import AdminError, SchedulerConfigAdmin
+
+        if target is not None and target != self.replica_id:
+            return {"status": 409, "body": {"error": {
+                "message": f"meant for replica {target}, reached {self.replica_id}",
+                "type": "server_error", "param": None, "code": "wrong_replica"}}}
+        if self._admin is None:
+            # No store: the ingress keeps no history in cluster mode (see docs/scale-out.md).
+            self._admin = SchedulerConfigAdmin(self.front)
+        if op == "get":
+            return {"status": 200, "body": self._admin.snapshot()}
+        if op != "patch":
+            raise ValueError(f"unknown admin op {op!r}")
+        try:
+            return {"status": 200,
+                    "body": await asyncio.to_thread(self._admin.commit, body, "admin")}
+        except AdminError as exc:
+            return {"status": exc.status, "body": exc.body()}
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this every `request_routing_stats_period_s`; the router reads it."""
         stats = self.front.stats()
         self._reports += 1
         return {"seq": self._reports, "health": self.front.health().status, "pid": os.getpid(),
-                "node": self.node_id,
+                "node": self.node_id, "resources": self.resources,
+                "tensor_parallel_size": self.tensor_parallel_size,
                 "prefill_tokens_queued": self.front.inspect(prefill_tokens_queued),
                 "num_in_flight": self.front.num_in_flight,
                 "stats": {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}}

@@ -69,6 +69,9 @@ class EveryStopRouter(RequestRouter):
         if key is not None:  # chosen again (Ray backs off and retries): forget the last choice
             self._forget(key)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        target = pending_request.kwargs.get("target") if pending_request else None
+        if target in by_id:  # an /admin call meant for one replica (see replica.admin)
+            return [[by_id[target]]]
         loads = [load_from_report(rid, r.routing_stats) for rid, r in by_id.items()]
         ranked = self.policy.rank(route, loads)
         self.last_score = dict(self.policy.last_scores)

@@ -40,15 +40,20 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class ScoreWeights:
-    """How much each kind of load costs, in units of "one request waiting ahead of you".
+    """How much each kind of load delays a new request's first token, in units of one pass's
+    prefill budget (`prefill_tokens_per_unit` prompt tokens, the replicas' chunk size).
 
-    A waiting or swapped request delays a newcomer's first token by a whole prefill; a running
-    one only shares the decode batch; queued prefill tokens are the work still ahead.
+    Queued prefill dominates: a newcomer's first token waits for every prompt token queued
+    ahead of it (FCFS), so a replica chewing through a 1,500-token prompt is ~3 units busier
+    than an idle one. A waiting request costs its prompt tokens (counted there) plus a little
+    for its own share of a pass. A running request only adds a decode row to each pass, for
+    as many passes as the newcomer's own prefill takes: a long prompt avoids a crowded decode
+    batch, a short one hardly cares.
     """
 
-    waiting: float = 1.0
-    swapped: float = 1.0
-    running: float = 0.25
+    waiting: float = 0.1
+    swapped: float = 1.0  # its KV must come back before it runs: memory pressure, a seat
+    running: float = 0.02  # per pass of the newcomer's prefill
     prefill_tokens_per_unit: float = 512.0
     kv_pressure: float = 2.0  # times the KV utilisation once this request is admitted
     # Above this utilisation (after admitting the request) a replica counts as "full": it is
@@ -78,10 +83,13 @@ def tier(c: Corrected, request: RouteRequest, w: ScoreWeights) -> int:
 
 
 def score(c: Corrected, request: RouteRequest, w: ScoreWeights) -> float:
-    """Lower is better: queue depth plus KV pressure once the request is admitted."""
+    """Lower is better: the work ahead of this request's first token, plus KV pressure once
+    it is admitted."""
     total = c.load.total_kv_blocks
     used_after = min(total, total - c.free_blocks + request.kv_blocks_needed)
-    return (w.waiting * c.waiting + w.swapped * c.load.num_swapped + w.running * c.running
+    own_passes = max(1.0, request.num_prompt_tokens / w.prefill_tokens_per_unit)
+    return (w.waiting * c.waiting + w.swapped * c.load.num_swapped
+            + w.running * own_passes * c.running
             + c.prefill_tokens / w.prefill_tokens_per_unit + w.kv_pressure * used_after / total)
 
 

@@ -56,10 +56,16 @@ class _Invalid(Exception):
         super().__init__(message)
         self.status, self.param, self.err_type, self.code = status, param, err_type, code
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.err_type, "param": self.param,
+                          "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.err_type,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# What a refused admin change raises (the cluster ingress relays its status and body).
+AdminError = _Invalid
 
 
 def _is_number(value: Any) -> bool:
@@ -209,6 +215,14 @@ class SchedulerConfigAdmin:
         return [dataclasses.asdict(r) for r in rows]
 
 
+def admin_denied(request: Request, admin_key: str | None) -> JSONResponse | None:
+    """None when `request` may use /admin routes, else the 401 to answer."""
+    if _authorized(request, admin_key):
+        return None
+    return _Invalid("a valid admin key is required", None, 401, "authentication_error",
+                    "invalid_admin_key").response()
+
+
 def _authorized(request: Request, admin_key: str | None) -> bool:
     if admin_key is None:
         return True
@@ -232,10 +246,7 @@ def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *, admin_key: 
         logger.warning("no admin key set: /admin routes are open to anyone who can reach them")
 
     def denied(request: Request) -> JSONResponse | None:
-        if _authorized(request, admin_key):
-            return None
-        return _Invalid("a valid admin key is required", None, 401, "authentication_error",
-                        "invalid_admin_key").response()
+        return admin_denied(request, admin_key)
 
     @app.get("/admin/scheduler_config")
     async def get_scheduler_config(request: Request) -> Any:

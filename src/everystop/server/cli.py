@@ -90,15 +90,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--replicas", type=_positive_int, default=1,
                    help="engine replicas behind one ingress (>1, or --ray-address, uses Ray)")
     c.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster ('auto' after `ray start`); default: start one")
+                   help="join this Ray cluster ('auto' after `ray start`); 'local': start one "
+                        "even for a single replica; default: start one when --replicas > 1")
     c.add_argument("--routing-policy", default="least-loaded",
                    choices=["least-loaded", "prefix-affinity", "power-of-two", "round-robin"])
     # everystop.routing.DEFAULT_AFFINITY_MARGIN (the server floor does not import routing)
     c.add_argument("--affinity-margin", type=float, default=4.0,
-                   help="prefix-affinity: how much more loaded (score units, ~waiting "
-                        "requests) the prefix's replica may be and still be chosen")
+                   help="prefix-affinity: how much more loaded (score units: ~512 queued "
+                        "prompt tokens) the prefix's replica may be and still be chosen")
     c.add_argument("--replica-num-cpus", type=float, default=None,
-                   help="CPUs Ray reserves per replica (default: its threads)")
+                   help="CPUs Ray reserves per replica (default: its threads x "
+                        "tensor-parallel ranks)")
     c.add_argument("--replica-num-gpus", type=float, default=None,
                    help="GPUs Ray reserves per replica (default: its tensor-parallel ranks on "
                         "CUDA, else 0)")
