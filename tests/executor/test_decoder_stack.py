@@ -15,6 +15,7 @@ from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import SMALL_ROWS
+from everystop.executor.layers.quant import quantize
 from everystop.executor.models.llama import Backends, LlamaArgs, LlamaForCausalLM
 from everystop.sampling_params import SamplingParams
 
@@ -62,6 +63,28 @@ def test_stack_is_bit_identical_to_the_layers(isa, dtype, cache_dtype):
     kernels = load_cpu_kernels(isa)
     stacked = _model(Backends(kernels, "auto", decoder_stack=True), dtype)
     layered = _model(Backends(kernels, "auto", decoder_stack=False), dtype)
+    _assert_bit_identical(stacked, layered, dtype, cache_dtype)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_stack_with_block_weights_is_bit_identical_to_the_layers(isa, fmt):
+    """GGUF-style block weights (the default model's Q4_1) take the same block GEMV in the
+    stack as in the layers."""
+    kernels = load_cpu_kernels(isa)
+    models = []
+    for stack in (True, False):
+        model = _model(Backends(kernels, "auto", decoder_stack=stack), torch.float32)
+        for layer in model.model.layers:
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj):
+                m.hold(quantize(m.weight.data, fmt))
+        models.append(model)
+    _assert_bit_identical(models[0], models[1], torch.float32, torch.bfloat16)
+
+
+def _assert_bit_identical(stacked: LlamaForCausalLM, layered: LlamaForCausalLM,
+                          dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     for rows in range(1, SMALL_ROWS + 1):
         seqs = _batch(rows, seed=rows)
         inputs = build_inputs(seqs, BLOCK, torch.device("cpu"))

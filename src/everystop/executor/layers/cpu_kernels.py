@@ -229,7 +229,7 @@ class CpuKernels:
         """x [rows <= 8, in] @ weight.T streaming the weights once, fp32 accumulation."""
         return self.ops.linear_small(x, weight)
 
-    def decoder_stack(self, x: torch.Tensor, weights: list[torch.Tensor],
+    def decoder_stack(self, x: torch.Tensor, weights: list[torch.Tensor], formats: list[int],
                       key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                       cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -237,8 +237,9 @@ class CpuKernels:
                       scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 8, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
-        `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down]."""
-        return self.ops.decoder_stack(x, weights, key_caches, value_caches, cos, sin,
+        `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
+        `formats`: per layer the four linears' format codes (0 dense, else block format)."""
+        return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
                                       ROWS_PER_ITEM)

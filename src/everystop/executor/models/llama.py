@@ -30,7 +30,7 @@ from everystop.executor.layers.linear import (
 from everystop.executor.layers.mlp import SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.layers.quant import DENSE
+from everystop.executor.layers.quant import DENSE, FORMATS
 from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
@@ -218,17 +218,20 @@ class LlamaForCausalLM(nn.Module):
         assert kernels is not None
         first = self.model.layers[0]
         attn = first.self_attn
-        weights = self._stack_weights()
-        assert weights is not None
+        stack = self._stack_weights()
+        assert stack is not None
+        weights, formats = stack
         return kernels.decoder_stack(
-            x.contiguous(), weights, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
             meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
             attn.num_heads, attn.num_kv_heads)
 
-    def _stack_weights(self) -> list[torch.Tensor] | None:
-        """Per layer [input norm, qkv, o, post-attention norm, gate_up, down]; None where a
-        weight is block-quantized or not contiguous (the layers would not take the GEMV then).
+    def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
+        format code (0 dense, else layers/quant.py's block format); None where the layers would
+        not take the decode GEMV (a weight not contiguous, or block weights under
+        int8_decode_dot, whose x rounding the stack does not do).
         Cached: reading 180 parameters through nn.Module attribute lookups every step costs
         ~0.1 ms; rebuilt when the loader has replaced a parameter (load_state_dict(assign=True))."""
         layers = self.model.layers
@@ -242,11 +245,14 @@ class LlamaForCausalLM(nn.Module):
             linears = [m for layer in layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj)]
-            # Block-quantized weights take their own kernels (layers/quant.py): layer by layer.
-            usable = (all(m.weight_format == DENSE for m in linears)
+            formats = [0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
+                       for m in linears]
+            kernels = self.backends.kernels
+            blocks_ok = kernels is None or not kernels.int8_decode_dot
+            usable = ((blocks_ok or all(f == 0 for f in formats))
                       and all(w.is_contiguous() for w in weights))
             cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
-                      weights if usable else None)
+                      (weights, formats) if usable else None)
             self.__dict__["_stack_weight_cache"] = cached
         return cached[2]
 

@@ -6,7 +6,8 @@
 // the same buffers, as the module path (models/llama.py with CPU kernels): the results are
 // bit-identical, only the Python between them is gone.
 //
-// Per layer (6 weights: in_norm, qkv, o, post_norm, gate_up, down):
+// Per layer (6 weights: in_norm, qkv, o, post_norm, gate_up, down; each linear dense 16/32-bit
+// or GGUF-style blocks, as its format says):
 //   h = add_rms_norm_(residual, x, in_norm)           (layer 0: residual = x, h = rms_norm(x))
 //   qkv = h @ qkv.T; rope q, k; store k, v in the cache slots
 //   a = paged_attention(q) @ o.T
@@ -31,6 +32,8 @@ void direct_rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tens
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots,
                            int64_t num_heads, int64_t num_kv_heads);
 at::Tensor direct_linear_small(const at::Tensor& x, const at::Tensor& w);
+at::Tensor direct_linear_q_small_fp32(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                      int64_t k);
 at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -40,8 +43,16 @@ at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cac
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
+constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
-at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::TensorList key_caches,
+// x @ w.T as the layer would compute it: a dense weight (format 0) or GGUF-style blocks.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  return fmt == 0 ? ES_NS::direct_linear_small(x, w)
+                  : ES_NS::direct_linear_q_small_fp32(x, w, fmt, x.size(1));
+}
+
+at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef formats,
+                         at::TensorList key_caches,
                          at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -51,6 +62,8 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::Tenso
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
               "decoder_stack: 6 weights and one K and one V cache per layer expected");
+  TORCH_CHECK(static_cast<int64_t>(formats.size()) == kLinearsPerLayer * num_layers,
+              "decoder_stack: one weight format per linear expected");
   TORCH_CHECK(x0.dim() == 2 && x0.is_contiguous(), "decoder_stack: x must be [tokens, hidden]");
   const int64_t tokens = x0.size(0);
   // The residual stream is updated in place by every fused add + norm: a copy, so the
@@ -59,6 +72,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::Tenso
   at::Tensor x;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const int64_t* fmt = formats.data() + l * kLinearsPerLayer;
     const at::Tensor& key_cache = key_caches[l];
     const at::Tensor& value_cache = value_caches[l];
     const int64_t head_dim = key_cache.size(3);
@@ -66,7 +80,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::Tenso
 
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
-    at::Tensor qkv = ES_NS::direct_linear_small(h, w[1]);
+    at::Tensor qkv = project(h, w[1], fmt[0]);
     ES_NS::direct_rope_write_kv_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                  num_heads, num_kv_heads);
     // As CpuKernels.paged_attention: q handed over in fp32, the output cast back.
@@ -76,10 +90,9 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::Tenso
                                                     query_start_loc, seq_lens, scale,
                                                     rows_per_item);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
-    at::Tensor o = ES_NS::direct_linear_small(attn, w[2]);
+    at::Tensor o = project(attn, w[2], fmt[1]);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
-    x = ES_NS::direct_linear_small(ES_NS::direct_silu_mul(ES_NS::direct_linear_small(h, w[4])),
-                                   w[5]);
+    x = project(ES_NS::direct_silu_mul(project(h, w[4], fmt[2])), w[5], fmt[3]);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
   return ES_NS::direct_add_rms_norm_(residual, x, final_norm, eps);
@@ -88,7 +101,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::Tenso
 }  // namespace
 
 ES_LIBRARY_FRAGMENT(m) {
-  m.def("decoder_stack(Tensor x, Tensor[] weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+  m.def("decoder_stack(Tensor x, Tensor[] weights, int[] formats, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, float eps, float scale, "
         "int num_heads, int num_kv_heads, int rows_per_item) -> Tensor");

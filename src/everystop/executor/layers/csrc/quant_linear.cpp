@@ -630,3 +630,12 @@ ES_LIBRARY_IMPL(m) {
   m.impl("linear_q_small_path", &linear_q_small_path);
   m.impl("round_int8_blocks", &round_int8_blocks);
 }
+
+// With external linkage for the decoder stack (see the note at the end of fused_ops.cpp): the
+// block-weight GEMV the layers call for a decode (linear_q_small with int8_decode_dot off).
+namespace ES_NS {
+at::Tensor direct_linear_q_small_fp32(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                      int64_t k) {
+  return linear_q_small_path(x, w, fmt, k, kFloatPath);
+}
+}  // namespace ES_NS
