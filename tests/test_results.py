@@ -65,7 +65,6 @@ AWAITING_RERUN = {
     "single_fp32.json": "bench throughput",
     "vs_llamacpp_bf16.json": "bench vs-llamacpp",
     "vs_llamacpp_bf16_32slots.json": "bench vs-llamacpp",
-    "latency_vs_load.json": "bench sweep",
     "serve_smoke.json": "bench serve",
     "compare/compare.json": "bench compare",
     "profile_bf16.json": "bench profile",
@@ -90,7 +89,6 @@ AWAITING_RERUN = {
     "sim/repeats/calibration_real_seed1.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_seed2.json": "bench sim-calibrate",
     # Short runs, queued for the shared CPU lock but not reached (helper, session 7).
-    "attention_bench.json": "bench attention",
     "preemption_bench.json": "bench preemption",
     "health_under_load.json": "bench health-under-load",
     "structured_output.json": "bench structured-output",
