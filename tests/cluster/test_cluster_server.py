@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import openai
-import psutil
 import pytest
 
-from tests.server.conftest import ServerProcess, free_port
+from tests.cluster.ray_server import ray_server
+from tests.server.conftest import ServerProcess
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 KEY = "cluster-test-key"
@@ -37,21 +37,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
            "--max-num-seqs", "2",
            "--max-queued-per-tenant", "1", "--max-num-batched-tokens", "256",
            "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
-    server = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("cluster") / "server.log")
-    try:
-        server.wait_ready(150)
-        _wait_for(lambda: len(_replicas(server)) == 2, 20, "two replicas reporting")
+    with ray_server(cmd, tmp_path_factory.mktemp("cluster") / "server.log",
+                    lambda s: _wait_for(lambda: len(_replicas(s)) == 2, 20,
+                                        "two replicas reporting")) as server:
         yield server
-    finally:
-        # Ray's processes are the server's descendants; whatever survives its shutdown goes.
-        try:
-            family = psutil.Process(server.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            family = []
-        server.stop()
-        _, alive = psutil.wait_procs(family, timeout=10)
-        for proc in alive:
-            proc.kill()
 
 
 def _wait_for(check: Any, timeout_s: float, what: str) -> None:

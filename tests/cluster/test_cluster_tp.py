@@ -14,7 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.server.conftest import ServerProcess, free_port
+from tests.cluster.ray_server import ray_server
+from tests.server.conftest import ServerProcess
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -24,19 +25,8 @@ def tp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     cmd = [sys.executable, "-m", "everystop", "serve", "--ray-address", "local",
            "--tensor-parallel-size", "2", "--threads", "1", "--log-level", "warning",
            "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--max-num-seqs", "4"]
-    server = ServerProcess(cmd, free_port(), tmp_path_factory.mktemp("tp") / "server.log")
-    try:
-        server.wait_ready(150)
+    with ray_server(cmd, tmp_path_factory.mktemp("tp") / "server.log") as server:
         yield server
-    finally:
-        try:
-            family = psutil.Process(server.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            family = []
-        server.stop()
-        _, alive = psutil.wait_procs(family, timeout=10)
-        for proc in alive:
-            proc.kill()
 
 
 def test_a_tensor_parallel_replica_serves_with_its_ranks_reserved(
