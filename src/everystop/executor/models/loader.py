@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from everystop.config import QUANTIZATIONS
 from everystop.executor.layers.linear import HeldWeight, VocabParallelEmbedding
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.layers.quant import (
@@ -40,7 +41,6 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 HF_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)  # llama.cpp exports Mistral as "llama" too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "bf16", "f16", "q8_0", "q4_0")
 # Held dense in 16 bits whatever the file stores, next to activations in the model dtype.
 HELD_16BIT = {"bf16": torch.bfloat16, "f16": torch.float16}
 # GGUF block types held as they are, and the native format every other quantized type is
