@@ -8,6 +8,8 @@ Both pools hold all layers in one tensor so a swap is one gather/scatter for all
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -24,13 +26,18 @@ class KVPool:
         # of start-up and touched every page. Every reader stays within each sequence's
         # written slots (the C++ kernel stops at the sequence length; the torch path zeroes
         # the V rows it gathers past it), so unwritten slots are never used.
-        self.device_pool = torch.empty(_with_blocks(shape, num_device_blocks), dtype=dtype,
-                                       device=device)
-        pin = device.type == "cuda"  # pinned host memory makes device<->host copies async
+        device_shape = _with_blocks(shape, num_device_blocks)
+        if device.type == "cpu":
+            self.device_pool = _untouched_host_tensor(device_shape, dtype)
+        else:
+            self.device_pool = torch.empty(device_shape, dtype=dtype, device=device)
         # Uninitialised on purpose: a host block is only read after a swap-out wrote it, and
         # untouched pages of a large swap space cost no memory until used.
-        self.host_pool = torch.empty(_with_blocks(shape, num_host_blocks), dtype=dtype,
-                                     pin_memory=pin)
+        host_shape = _with_blocks(shape, num_host_blocks)
+        if device.type == "cuda":  # pinned host memory makes device<->host copies async
+            self.host_pool = torch.empty(host_shape, dtype=dtype, pin_memory=True)
+        else:
+            self.host_pool = _untouched_host_tensor(host_shape, dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.device_pool[layer, 0], self.device_pool[layer, 1]) for layer in range(num_layers)]
 
@@ -60,6 +67,18 @@ class KVPool:
         if self.device.type == "cuda":
             blocks = blocks.pin_memory()
         self.device_pool[:, :, dst] = blocks.to(self.device, non_blocking=True)
+
+
+def _untouched_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor on its own anonymous mapping, so its pages cost memory only once written."""
+    # NOTE: torch.empty goes through malloc, which may hand back heap pages an earlier
+    # allocation already touched (CI saw a 64 MiB pool fully resident before any write); a
+    # mapping of our own makes "resident only once used" hold whatever the allocator does.
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # frombuffer keeps the mapping alive for as long as the tensor (and its views) live.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
