@@ -131,3 +131,29 @@ def test_cpu_pool_default_is_a_capped_share_of_available_memory(monkeypatch):
     runner = ModelRunner(ModelConfig(), CacheConfig(kv_cache_dtype="float16", swap_space_gib=0.0),
                          256)
     assert runner.num_gpu_blocks == (300 << 20) // runner.bytes_per_block
+
+
+def test_last_layer_on_output_rows_only_matches_all_rows(default_runner):
+    """The model given output rows runs its last layer on them alone: those rows' hidden
+    states equal the full pass's, and every layer's K/V is still written for every row."""
+    from everystop.executor.inputs import build_inputs
+
+    runner = default_runner
+    model, pool = runner.model, runner.pool
+    seqs = [_seq("p", PROMPT, 0, [70, 71, 72], sample=True),
+            ScheduledSequence("chunk", PROMPT[:21], 0, [73, 74], False, GREEDY),
+            _seq("q", PROMPT[5:], 0, [75, 76, 77], sample=True)]
+    inputs = build_inputs(seqs, runner.block_size, runner.device)
+    blocks = list(range(70, 78))
+
+    def run(rows):
+        hidden = model(inputs.input_ids, inputs.positions, pool.kv_caches, inputs.meta, rows)
+        return hidden, pool.device_pool[:, :, blocks].clone()
+
+    full, kv_full = run(None)
+    for rows in ([39, 60, 95], [0, 20, 39, 41, 70], [5], []):
+        wanted = torch.tensor(rows, dtype=torch.long)
+        part, kv_part = run(wanted)
+        assert part.shape == (len(rows), full.shape[1])
+        assert torch.allclose(part, full[wanted], atol=1e-4, rtol=1e-4), rows
+        assert torch.equal(kv_part, kv_full)

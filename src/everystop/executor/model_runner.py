@@ -242,8 +242,9 @@ class ModelRunner:
                 block_ids=list(range(i * per_seq, (i + 1) * per_seq)), sample=True,
                 sampling_params=_GREEDY))
         inputs = build_inputs(seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
-        self.model.compute_logits(hidden[inputs.sample_indices])
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta,
+                            inputs.sample_indices)
+        self.model.compute_logits(hidden)
 
     # --- micro-measurements for the preemption cost model ----------------------------------
 
@@ -287,13 +288,14 @@ class ModelRunner:
         output = ModelOutput()
         if sched.scheduled:
             seqs = sched.scheduled
-            inputs, hidden = self._forward(seqs)
+            inputs = build_inputs(seqs, self.block_size, self.device)
             sampled = [seqs[i] for i in inputs.sample_seq_indices]
             plan = plan_prompt_logprobs(seqs, inputs.meta.query_start_loc_list, self.device)
             rows = inputs.sample_indices if plan is None else torch.cat(
                 [inputs.sample_indices, plan.rows])
-            # NOTE: every tensor-parallel rank runs the LM head on the same rows.
-            logits = self.model.compute_logits(hidden[rows])
+            # NOTE: every tensor-parallel rank runs the same rows through the last layer and
+            # the LM head.
+            logits = self.model.compute_logits(self._forward_rows(inputs, rows))
             if plan is not None and logits is not None:
                 output.prompt_logprobs = score(logits[len(sampled):], plan)
                 logits = logits[:len(sampled)]
@@ -316,14 +318,17 @@ class ModelRunner:
         """Run the packed forward pass; return the sequences with `sample` set and their
         float32 logits [N, vocab] (lm_head runs only on those rows; None on ranks other than 0
         under tensor parallelism)."""
-        inputs, hidden = self._forward(seqs)
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        inputs = build_inputs(seqs, self.block_size, self.device)
+        logits = self.model.compute_logits(self._forward_rows(inputs, inputs.sample_indices))
         return [seqs[i] for i in inputs.sample_seq_indices], logits
 
-    def _forward(self, seqs: list[ScheduledSequence]) -> tuple[ModelInputs, torch.Tensor]:
-        inputs = build_inputs(seqs, self.block_size, self.device)
-        return inputs, self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
-                                  inputs.meta)
+    def _forward_rows(self, inputs: ModelInputs, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of `rows` (in that order, repeats allowed): the model
+        computes its last layer for those rows only, so it is given them sorted and unique."""
+        wanted, order = torch.unique(rows, sorted=True, return_inverse=True)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                            inputs.meta, wanted)
+        return hidden[order]
 
     @property
     def kv_caches(self) -> list[KVCache]:

@@ -50,6 +50,23 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
 
+    def for_rows(self, rows: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+        """The metadata that attends only the query rows `rows` (sorted token indices) of this
+        batch, each as a one-token query over its sequence's cache up to and including itself.
+        Used once every row's K/V is written, by a layer whose other rows' outputs are unused."""
+        seq_of_row = torch.searchsorted(self.query_start_loc, rows, right=True) - 1
+        seq_lens = positions[rows] + 1
+        seq_lens_list = seq_lens.tolist()
+        n = len(seq_lens_list)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows],
+            query_start_loc=torch.arange(n + 1, dtype=self.query_start_loc.dtype,
+                                         device=rows.device),
+            seq_lens=seq_lens, block_tables=self.block_tables[seq_of_row],
+            block_size=self.block_size, max_query_len=1 if n else 0,
+            max_seq_len=max(seq_lens_list, default=0),
+            query_start_loc_list=list(range(n + 1)), seq_lens_list=seq_lens_list)
+
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor,

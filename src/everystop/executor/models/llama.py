@@ -8,7 +8,7 @@ Parameter names follow Hugging Face's except two fused projections (see `fuse_hf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -75,6 +75,14 @@ class Backends:
 TORCH_ONLY = Backends()
 
 
+class OutputRows(NamedTuple):
+    """The rows of a batch whose final hidden states are used, and the attention metadata
+    that queries only them (AttentionMetadata.for_rows)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+
+
 class LlamaAttention(nn.Module):
     """Under tensor parallelism this rank's heads only (see `shard_heads`): the head counts and
     sizes below are local; o_proj sums the ranks' partial outputs."""
@@ -96,7 +104,8 @@ class LlamaAttention(nn.Module):
                                         (heads.q_start * args.head_dim, self.q_size), kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, only: OutputRows | None = None) -> torch.Tensor:
+        """Every row's K/V is written; the output is every row's, or only `only`'s rows'."""
         qkv = self.qkv_proj(x)
         kernels = self.backends.kernels
         key_cache, value_cache = kv_cache
@@ -113,6 +122,10 @@ class LlamaAttention(nn.Module):
             k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin, kernels)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             write_kv(key_cache, value_cache, k, v, meta.slot_mapping, meta.write_rows)
+        if only is not None:
+            if only.rows.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            q, meta = q[only.rows], only.meta
         out = paged_attention(q, key_cache, value_cache, meta, self.scale, kernels,
                               self.backends.attention)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -129,16 +142,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx, kernels)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                only: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings at layer 0, residual None).
         Returns this layer's MLP output and the residual stream it is to be added to: each add
-        is fused into the norm that follows it (the stream is updated in place)."""
+        is fused into the norm that follows it (the stream is updated in place). With `only`,
+        K/V are still written for every row but the outputs are `only`'s rows alone."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, only)
+        if only is not None:
+            residual = residual[only.rows]
+            if h.shape[0] == 0:
+                return h, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -184,17 +202,29 @@ class LlamaForCausalLM(nn.Module):
                                       self.args.rope_scaling, freq_factors).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for a packed batch of T tokens."""
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states for a packed batch of T tokens: [T, hidden], or only the rows
+        `output_rows` (sorted token indices), the ones whose logits are wanted.
+
+        Given output rows, the last layer runs its attention, MLP and norms on those rows alone:
+        the other rows only need their K/V written there (as llama.cpp does; a 280-token
+        prompt's prefill saves ~94% of one layer's work)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         if self._runs_decoder_stack(x, kv_caches, meta):
-            return self._decoder_stack(x, cos, sin, kv_caches, meta)
+            out = self._decoder_stack(x, cos, sin, kv_caches, meta)
+            return out if output_rows is None else out[output_rows]
+        only = None
+        if output_rows is not None and output_rows.numel() < x.shape[0]:
+            only = OutputRows(output_rows, meta.for_rows(output_rows, positions))
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, only if i == last else None)
         if residual is None:  # no layers
-            return self.model.norm(x)
+            x = self.model.norm(x)
+            return x if output_rows is None else x[output_rows]
         return self.model.norm(x, residual)[0]
 
     def _runs_decoder_stack(self, x: torch.Tensor, kv_caches: list[KVCache],
