@@ -31,7 +31,7 @@ lint: $(STAMP)
 # Two workers, a test module each at a time (module-scoped servers stay in one worker): most
 # tests wait on a server or a subprocess, so the two cores overlap them.
 test: lint
-	$(VPY) -m pytest -x -n 2 --dist loadfile --durations=15
+	$(VPY) -m pytest -x -n 2 --dist loadfile --durations=40
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not model and not server"

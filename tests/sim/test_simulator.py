@@ -141,7 +141,9 @@ def test_a_tpot_target_holds_on_the_modeled_a100_node():
     runs = {}
     for target in (0.0, 40.0):
         node = build_node("llama-3-70b", "a100-80gb", 4, "chunked", tpot_target_ms=target)
-        result = simulate(workload, node.setup, node.cost.latency, check=True)
+        # NOTE: no per-pass integrity check: this node has tens of thousands of blocks (the
+        # check walks all of them every pass, ~70 s here); the property tests check it.
+        result = simulate(workload, node.setup, node.cost.latency)
         runs[target] = (result, summarize(result, node.cost))
     (timed, with_target), (_, without) = runs[40.0], runs[0.0]
     assert with_target["num_finished"] == without["num_finished"] == 200

@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
                       "decode": sched.num_decode_tokens, "schedule_ms": 1e3 * (t1 - t0),
                       "execute_ms": 1e3 * (t3 - t2), "update_ms": 1e3 * (t4 - t3)})
 
+    if args.single and picked is not None:
+        picked["weight_stream"] = _weight_stream(engine, picked)
     full = [s for s in steps if s["seqs"] == 128]
     decode_only = [s for s in full if s["prefill"] == 0]
 
@@ -169,6 +171,27 @@ def run(args: argparse.Namespace) -> int:
                                    ("schedule_ms", "execute_ms", "update_ms")}}
     write_result(out, args.out)
     return 0
+
+
+def _weight_stream(engine: Any, picked: dict[str, Any]) -> dict[str, Any]:
+    """A single-stream decode step reads every weight once (a tied embedding as the LM head),
+    and its sequence's K/V: those bytes over the step's time (min wall, and the weight kernels'
+    profiled time alone), against the read bandwidth measured right after, same threads."""
+    from everystop.bench.roofline import read_bandwidth_gb_s
+
+    weight_bytes = engine.executor.weight_bytes
+    read_gb_s = read_bandwidth_gb_s()
+    step_gb_s = weight_bytes / picked["execute_ms_min"] / 1e6
+    kernels_ms = sum(picked["breakdown_ms"].get(k, 0.0) for k in
+                     ("decoder_stack", "lm_head", "linear"))
+    kernels_gb_s = weight_bytes / kernels_ms / 1e6 if kernels_ms else None
+    return {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": read_gb_s,
+            "step_gb_s": step_gb_s, "step_share_of_read_bandwidth": step_gb_s / read_gb_s,
+            "weight_kernels_ms": kernels_ms, "weight_kernels_gb_s": kernels_gb_s,
+            "weight_kernels_share_of_read_bandwidth":
+                kernels_gb_s / read_gb_s if kernels_gb_s else None,
+            "note": "step: the whole execute() (Python, sampling, attention included); "
+                    "kernels: decoder stack (+ its attention) and LM head, profiled"}
 
 
 def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, Any]:
