@@ -78,7 +78,10 @@ def _untouched_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # frombuffer keeps the mapping alive for as long as the tensor (and its views) live.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # Private: Python's default for an anonymous map is shared (shmem), which a forked child
+    # would share and which transparent huge pages treat differently.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
