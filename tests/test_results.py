@@ -88,16 +88,12 @@ AWAITING_RERUN = {
     # today's code cannot measure it again.
     "profile_before_fp32.json": "bench profile",
     # Cheap, not reached under the shared CPU lock in session 8.
-    "throughput_bf16.json": "bench throughput",
     "throughput_fp32.json": "bench throughput",
-    "single_bf16.json": "bench throughput",
-    "single_fp32.json": "bench throughput",
     "profile_bf16.json": "bench profile",
     "profile_fp32.json": "bench profile",
     "profile_128_bf16_session4.json": "bench profile",
     "profile_single_bf16_avx2.json": "bench profile",
     "profile_single_bf16_avx512bf16.json": "bench profile",
-    "health_under_load.json": "bench health-under-load",
 }
 
 
