@@ -7,6 +7,8 @@ passed to the cache manager as arguments.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +19,33 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KERNEL_CHOICES = ("auto", "off", "avx512bf16", "avx512", "avx2", "generic")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "reference")
 QUANTIZATIONS = ("auto", "none", "bf16", "f16", "q8_0", "q4_0")  # ModelConfig.quantization
+
+
+# Where converted tokenizers and measured preemption costs are kept between runs.
+CACHE_ENV = "EVERYSTOP_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """$EVERYSTOP_CACHE_DIR, else ~/.cache/everystop (read when called: a test may set it)."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                     "everystop")
+
+
+def default_openmp_wait() -> None:
+    """Set GOMP_SPINCOUNT=10000 unless the user chose how OpenMP threads wait.
+
+    NOTE: how OpenMP worker threads wait between parallel regions decides decode speed on CPU:
+    a decode step runs ~300 short regions. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a
+    wake-up per region (quiet 2-core machine: single-stream bf16 decode 67 ms/token); spinning
+    forever collapses when the cores are shared (a spinning thread holds the core its partner
+    needs: 2,024 ms/token measured under heavy load). A short spin (GOMP_SPINCOUNT=10000, then
+    sleep) gets the quiet-machine speed (22 ms/token) and, under heavy load, stays far from the
+    spinning collapse (112 ms/token; passive 43). On an oversubscribed machine set
+    OMP_WAIT_POLICY=PASSIVE (docs/perf/profile.md). Read once, when torch loads its OpenMP
+    runtime, so the package calls this on import, before anything imports torch; an explicit
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT (or torch imported first) wins."""
+    if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
 class ConfigError(ValueError):

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Sequence, Set
 from typing import Any, Protocol
 
+from everystop.config import cache_dir
+
 # End-of-turn markers of common chat templates: generation should stop at these too.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>",
                        "<|end|>", "<end_of_turn>")
@@ -275,9 +277,6 @@ def _load_cached(path: str) -> Tokenizer:
     return Tokenizer(hf, _generation_eos_ids(path))
 
 
-CACHE_ENV = "EVERYSTOP_CACHE_DIR"
-
-
 def _from_gguf(path: str) -> Any:
     """The tokenizer of a GGUF file, through a converted copy cached on disk.
 
@@ -289,9 +288,7 @@ def _from_gguf(path: str) -> Any:
 
     st = os.stat(path)
     key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                     "everystop")
-    cache = os.path.join(root, "tokenizers", key)
+    cache = os.path.join(cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cache, "tokenizer.json")):
         try:
             return _fast_tokenizer_class().from_pretrained(cache)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from everystop.executor.measured_costs import CACHE_ENV, cached_costs
+from everystop.config import CACHE_ENV
+from everystop.executor.measured_costs import cached_costs
 
 
 def test_measured_once_then_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

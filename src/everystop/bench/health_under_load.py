@@ -24,7 +24,7 @@ from typing import Literal
 
 import httpx
 
-from everystop.bench.servers import SRC, everystop_server
+from everystop.bench.servers import SRC, child_env, everystop_server
 from everystop.results import write_result
 from everystop.stats import percentile
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             load = subprocess.Popen([sys.executable, "-m", "everystop", "bench",
                                      "health-under-load", "--model-name", model, "--load-role",
                                      url, str(args.clients), str(args.max_tokens)],
-                                    env=dict(os.environ, PYTHONPATH=str(SRC)))
+                                    env=child_env(SRC))
             t0 = time.monotonic()
             while _metric(url, "everystop:num_requests_running") < args.max_num_seqs:
                 if time.monotonic() - t0 > args.saturate_timeout:

@@ -44,7 +44,7 @@ import psutil
 from everystop.bench.client import ServeOptions, run_serve
 from everystop.bench.metrics import distribution_ms
 from everystop.bench.routing_sim import add_sim_arguments, simulate_all
-from everystop.bench.servers import wait_healthy
+from everystop.bench.servers import child_env, wait_healthy
 from everystop.results import write_result
 from everystop.routing import POLICIES
 from everystop.workload import Workload, WorkloadRequest, english_corpus
@@ -65,8 +65,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{_free_port()}"
         # The serving process imports this very package (the tree under test, not an install).
         src = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1")
+        env = child_env(src, inherit_python_path=True, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "everystop", "serve", "--replicas", "2", "--threads", "1",
                "--routing-policy", policy, "--log-level", "warning",
                "--port", self.url.rsplit(":", 1)[1], *flags]

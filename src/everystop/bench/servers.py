@@ -55,6 +55,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_env(*python_path: str | Path, inherit_python_path: bool = False,
+              **extra: str) -> dict[str, str]:
+    """This process's environment for a child that must import the tree under test: PYTHONPATH
+    is `python_path` (then the inherited one, if asked), plus `extra` variables."""
+    paths = [str(p) for p in python_path]
+    if inherit_python_path and os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
+
+
 @contextmanager
 def everystop_server(flags: Sequence[str], *, src: str | Path = SRC,
                      argv: Sequence[str] = ("-m", "everystop", "serve"),
@@ -66,7 +76,7 @@ def everystop_server(flags: Sequence[str], *, src: str | Path = SRC,
     server module), `python_path` adds directories after `src`."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (src, *python_path)))
+    env = child_env(src, *python_path)
     cmd = [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, cwd=Path(src).parent, env=env)
     try:

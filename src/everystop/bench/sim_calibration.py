@@ -279,6 +279,86 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None)
 
 
+def _profile_phase(engine: LLMEngine, recorder: Recorder, args: argparse.Namespace,
+                   rng: random.Random) -> tuple[list[tuple[int, int, int]], list[dict], float,
+                                                 float]:
+    """Step 1: the grid of profile rounds (after a warm-up round whose passes are dropped);
+    returns the rounds, their pass records, the wall time and other processes' CPU share."""
+    profile(engine, [(2, 32, 4)], rng)  # warm-up: first passes pay one-time allocation costs
+    recorder.records.clear()
+    rounds = [(b, n, args.profile_output) for n in map(int, args.prompts.split(","))
+              for b in map(int, args.batches.split(","))]
+    others = OtherLoad()
+    profile(engine, rounds, rng)
+    if args.staggered:
+        profile(engine, rounds, rng, staggered=True)
+    profile_s, profile_others = others.stop()
+    return rounds, list(recorder.records), profile_s, profile_others
+
+
+def _discarded_replays(engine: LLMEngine, setup: SimSetup, cost: CostModel,
+                       args: argparse.Namespace, rng: random.Random) -> None:
+    """--warmup-runs live replays, run and thrown away. NOTE: in each of six attempts the first
+    live replay after start-up was the slowest against the model (its TTFT p50 13-33% above the
+    prediction, later runs scattered around it), so a discarded replay comes first: the model
+    is for a server in steady state."""
+    for k in range(args.warmup_runs):
+        base = synthetic(_with_seed(args.workload, 1000 + k))
+        run_live(engine, base.with_rate(args.load * _capacity(base, setup, cost), seed=999 - k),
+                 rng)
+
+
+def _measured_run(engine: LLMEngine, recorder: Recorder, setup: SimSetup, cost: CostModel,
+                  args: argparse.Namespace, k: int, rng: random.Random) -> dict:
+    """Steps 3 and 4 for repeat k: another length draw and other arrivals of the same mix, run
+    live at a rate below the fitted capacity and simulated; its passes stay in `recorder`. The
+    raw summaries ride along under "_raw" for pooling."""
+    base = synthetic(_with_seed(args.workload, k))
+    # Capacity of the fitted model on this draw (everything at t=0), then a rate below it.
+    capacity = _capacity(base, setup, cost)
+    rate = round(args.load * capacity, 4)
+    workload = base.with_rate(rate, seed=args.seed + 1 + k)
+    speed = speed_probe(engine, recorder, cost, rng)
+    recorder.records.clear()
+    others = OtherLoad()
+    live = run_live(engine, workload, rng)
+    live_s, live_others = others.stop()
+    scale = speed if args.scale_by_probe else 1.0
+    sim_result = simulate(workload, setup, lambda shape: scale * cost.latency(shape))
+    sim = sim_raw(sim_result)
+    scaled = sim if args.scale_by_probe else sim_raw(
+        simulate(workload, setup, lambda shape: speed * cost.latency(shape)))
+    m, p = summary_of([live]), summary_of([sim])
+    return {
+        "spec": workload.name, "capacity_req_per_s_fitted": round(capacity, 4),
+        "rate_req_per_s": rate, "num_requests": len(workload.requests),
+        "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
+        "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
+        "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others,
+        "speed_factor": round(speed, 4),
+        "num_passes": {"live": len(recorder.records),
+                       "simulated": len(sim_result.iterations)},
+        "measured": m, "predicted": p, "relative_error": rel_errors(p, m),
+        "relative_error_probe_scaled": rel_errors(summary_of([scaled]), m),
+        "_raw": (live, sim, scaled)}
+
+
+def _pool_quiet_runs(repeats: list[dict]) -> tuple[list[dict], dict, dict, dict, dict]:
+    """The runs that count toward the goal, their pooled measured and predicted summaries and
+    relative errors (plain and probe-scaled); drops each run's "_raw" and marks whether it
+    counted. A run during which other processes took a real share of the cores measured them,
+    not us: it is reported but left out of the pooled goal (unless every run was disturbed)."""
+    quiet = [r for r in repeats if r["other_processes_cpu"] < QUIET_OTHERS_CPU] or repeats
+    measured = summary_of([r["_raw"][0] for r in quiet])
+    predicted = summary_of([r["_raw"][1] for r in quiet])
+    errors = rel_errors(predicted, measured)
+    errors_scaled = rel_errors(summary_of([r["_raw"][2] for r in quiet]), measured)
+    for r in repeats:
+        r["in_pooled_goal"] = any(r is q for q in quiet)
+        del r["_raw"]
+    return quiet, measured, predicted, errors, errors_scaled
+
+
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batches, args.prompts, args.profile_output = "1,4", "16,48", 3
@@ -298,73 +378,19 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     recorder = Recorder()
     engine.iteration_listeners.append(recorder)
-    profile(engine, [(2, 32, 4)], rng)  # warm-up: first passes pay one-time allocation costs
-    recorder.records.clear()
-    rounds = [(b, n, args.profile_output) for n in map(int, args.prompts.split(","))
-              for b in map(int, args.batches.split(","))]
-    others = OtherLoad()
-    profile(engine, rounds, rng)
-    if args.staggered:
-        profile(engine, rounds, rng, staggered=True)
-    profile_s, profile_others = others.stop()
-    calib = list(recorder.records)
+    rounds, calib, profile_s, profile_others = _profile_phase(engine, recorder, args, rng)
 
     model = load_model("smollm2-135m")
     coeffs, stats = fit_coefficients(model, calib)
     cost = CostModel(model, 1, coeffs)
     setup = sim_setup(engine)
-    # NOTE: in each of six attempts the first live replay after start-up was the slowest against
-    # the model (its TTFT p50 13-33% above the prediction, later runs scattered around it), so
-    # a discarded replay comes first: the model is for a server in steady state.
-    for k in range(args.warmup_runs):
-        base = synthetic(_with_seed(args.workload, 1000 + k))
-        run_live(engine, base.with_rate(args.load * _capacity(base, setup, cost), seed=999 - k),
-                 rng)
+    _discarded_replays(engine, setup, cost, args, rng)
     repeats, live_passes, idle_stats = [], [], []
     for k in range(max(1, args.repeats)):
-        # Each repeat: another length draw and other arrivals of the same mix.
-        base = synthetic(_with_seed(args.workload, k))
-        # Capacity of the fitted model on this draw (everything at t=0), then a rate below it.
-        capacity = _capacity(base, setup, cost)
-        rate = round(args.load * capacity, 4)
-        workload = base.with_rate(rate, seed=args.seed + 1 + k)
-        speed = speed_probe(engine, recorder, cost, rng)
-        recorder.records.clear()
-        others = OtherLoad()
-        live = run_live(engine, workload, rng)
-        live_s, live_others = others.stop()
+        repeats.append(_measured_run(engine, recorder, setup, cost, args, k, rng))
         live_passes += recorder.records
         idle_stats.append(error_after_idle(cost, recorder.records))
-        scale = speed if args.scale_by_probe else 1.0
-        # The latency functions run inside simulate(), within this iteration (B023 is moot).
-        sim_result = simulate(workload, setup,
-                              lambda shape: scale * cost.latency(shape))  # noqa: B023
-        sim = sim_raw(sim_result)
-        scaled = sim if args.scale_by_probe else sim_raw(
-            simulate(workload, setup, lambda shape: speed * cost.latency(shape)))  # noqa: B023
-        m, p = summary_of([live]), summary_of([sim])
-        repeats.append({
-            "spec": workload.name, "capacity_req_per_s_fitted": round(capacity, 4),
-            "rate_req_per_s": rate, "num_requests": len(workload.requests),
-            "mean_prompt": sum(r.prompt_len for r in base.requests) / len(base.requests),
-            "mean_output": sum(r.max_tokens for r in base.requests) / len(base.requests),
-            "live_wall_s": round(live_s, 1), "other_processes_cpu": live_others,
-            "speed_factor": round(speed, 4),
-            "num_passes": {"live": len(recorder.records),
-                           "simulated": len(sim_result.iterations)},
-            "measured": m, "predicted": p, "relative_error": rel_errors(p, m),
-            "relative_error_probe_scaled": rel_errors(summary_of([scaled]), m),
-            "_raw": (live, sim, scaled)})
-    # A run during which other processes took a real share of the cores measured them, not
-    # us: it is reported but left out of the pooled goal (unless every run was disturbed).
-    quiet = [r for r in repeats if r["other_processes_cpu"] < QUIET_OTHERS_CPU] or repeats
-    measured = summary_of([r["_raw"][0] for r in quiet])
-    predicted = summary_of([r["_raw"][1] for r in quiet])
-    errors = rel_errors(predicted, measured)
-    errors_scaled = rel_errors(summary_of([r["_raw"][2] for r in quiet]), measured)
-    for r in repeats:
-        r["in_pooled_goal"] = any(r is q for q in quiet)
-        del r["_raw"]
+    quiet, measured, predicted, errors, errors_scaled = _pool_quiet_runs(repeats)
     report["machine"]["load_avg_1m_end"] = load_avg()
     report.update({
         "mode": "real engine" + (" (--quick smoke run: numbers meaningless)" if args.quick else ""),
@@ -409,4 +435,3 @@ def run(args: argparse.Namespace) -> int:
                                       "total_wall_s")}
     print(json.dumps(summary, indent=2))
     return 0
-

@@ -9,7 +9,6 @@ median, and the load average go into the result JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import subprocess
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from everystop.bench.servers import wait_healthy
+from everystop.bench.servers import child_env, wait_healthy
 from everystop.results import write_result
 
 PROMPT = "What is the capital of France?"
@@ -50,14 +49,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _env(src: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": src}
-
-
 def _time_generate(src: str, max_tokens: int) -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "everystop", "generate", PROMPT, "--max-tokens",
-                    str(max_tokens)], env=_env(src), check=True, capture_output=True)
+                    str(max_tokens)], env=child_env(src), check=True, capture_output=True)
     return time.perf_counter() - t0
 
 
@@ -67,7 +62,7 @@ def _time_serve(src: str) -> float:
         port = s.getsockname()[1]
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "everystop", "serve", "--host", "127.0.0.1",
-                             "--port", str(port)], env=_env(src), stdout=subprocess.DEVNULL,
+                             "--port", str(port)], env=child_env(src), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", "the server exited before /health",

@@ -74,9 +74,13 @@ class ClusterEngine:
         self.num_watchdog_aborts = 0  # the replicas' own watchdogs do this work
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, **kw: Any) -> Request:
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *,
+                     request_id: str | None = None, priority: int = 1, tenant: str = "default",
+                     max_tokens_to_context: bool = False) -> Request:
         return new_request(self._tokenizer, self.max_model_len, prompt, params,
-                           arrival_time=time.monotonic(), **kw)
+                           request_id=request_id, priority=priority, tenant=tenant,
+                           arrival_time=time.monotonic(),
+                           max_tokens_to_context=max_tokens_to_context)
 
     def submit(self, req: Request) -> None:
         raise TypeError("a cluster front routes asynchronously: use `await submit_routed(req)`")

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from everystop.config import CacheConfig, SchedulerConfig
 from everystop.core.outputs import RequestOutput
@@ -119,8 +119,13 @@ class AsyncEngine:
                              daemon=True).start()
 
     # -- consumer side (event-loop thread) ------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, **kw: Any) -> Request:
-        return self.engine.make_request(prompt, params, **kw)
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *,
+                     request_id: str | None = None, priority: int = 1, tenant: str = "default",
+                     max_tokens_to_context: bool = False) -> Request:
+        """Tokenize and build a Request off the engine thread (`LLMEngine.make_request`)."""
+        return self.engine.make_request(prompt, params, request_id=request_id,
+                                        priority=priority, tenant=tenant,
+                                        max_tokens_to_context=max_tokens_to_context)
 
     def submit(self, req: Request) -> None:
         """Admit a request for streaming. Raises RequestRejected, QueueFull, EngineDraining,
@@ -158,9 +163,11 @@ class AsyncEngine:
             else:
                 self.abort(request_id)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       **kw: Any) -> AsyncIterator[RequestOutput]:
-        req = self.make_request(prompt, params, **kw)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, *,
+                       request_id: str | None = None, priority: int = 1,
+                       tenant: str = "default") -> AsyncIterator[RequestOutput]:
+        req = self.make_request(prompt, params, request_id=request_id, priority=priority,
+                                tenant=tenant)
         self.submit(req)
         async for out in self.stream(req.request_id):
             yield out

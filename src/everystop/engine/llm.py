@@ -12,7 +12,7 @@ from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from everystop.tokenizer import Tokenizer
+    from everystop.tokenizer import EngineTokenizer, Tokenizer
 
 Message = dict[str, str]
 # A text, token ids, or vLLM's dict prompt ({"prompt": ...} / {"prompt_token_ids": [...]}).
@@ -34,7 +34,7 @@ class LLM:
         llm.config, llm.engine = engine.config, engine
         return llm
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> EngineTokenizer:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],

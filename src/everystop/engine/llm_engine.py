@@ -13,12 +13,14 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.intake import model_len_limit
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import (
+    FinishListener,
+    IterationListener,
     IterationRecord,
     ModelOutput,
     RequestOutput,
@@ -28,7 +30,7 @@ from everystop.core.outputs import (
 from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
-from everystop.engine.output_processor import OutputProcessor
+from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
 
@@ -38,10 +40,8 @@ if TYPE_CHECKING:  # the executor package imports torch when used; the engine do
 
 logger = logging.getLogger("everystop.engine")
 
-IterationListener = Callable[[IterationRecord, SchedulerOutput], None]
-FinishListener = Callable[[Request, RequestOutput], None]
 T = TypeVar("T")
-_NO_LOCK: AbstractContextManager[Any] = contextlib.nullcontext()
+_NO_LOCK: AbstractContextManager[object] = contextlib.nullcontext()
 
 
 class LLMEngine:
@@ -111,9 +111,13 @@ class LLMEngine:
                            max_tokens_to_context=max_tokens_to_context)
 
     def add_request(self, prompt: str | list[int] | Request,
-                    params: SamplingParams | None = None, **kwargs: Any) -> Request:
+                    params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 1, tenant: str = "default",
+                    arrival_time: float | None = None) -> Request:
         """Queue a request; it joins at the next step. Raises RequestRejected or QueueFull."""
-        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, **kwargs)
+        req = prompt if isinstance(prompt, Request) else self.make_request(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant,
+            arrival_time=arrival_time)
         self.scheduler.add_request(req)
         self.outputs.add(req)
         self._live[req.request_id] = req
@@ -146,7 +150,7 @@ class LLMEngine:
         return list(self.scheduler.requests)
 
     # -- the loop -------------------------------------------------------------------------------
-    def step(self, lock: AbstractContextManager[Any] = _NO_LOCK) -> list[RequestOutput]:
+    def step(self, lock: AbstractContextManager[object] = _NO_LOCK) -> list[RequestOutput]:
         """One iteration. `lock` guards scheduler state around schedule() and the update; the
         forward pass runs outside it, so a caller on another thread (AsyncEngine) can add and
         abort requests meanwhile."""
@@ -344,14 +348,14 @@ class LLMEngine:
             self.finish_listeners.remove(on_finish)
 
 
-def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Any]:
+def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Detokenizer]:
     """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
     would tie the engine, and its KV pool, into a reference cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own
     if factory is not None:
         return factory
 
-    def new() -> Any:
+    def new() -> Detokenizer:
         from everystop.tokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(tokenizer)
     return new

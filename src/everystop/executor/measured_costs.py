@@ -15,7 +15,7 @@ import os
 import platform
 from collections.abc import Callable
 
-CACHE_ENV = "EVERYSTOP_CACHE_DIR"  # the same directory the tokenizer cache uses
+from everystop.config import cache_dir
 
 
 def _cpu_name() -> str:
@@ -30,9 +30,7 @@ def _cpu_name() -> str:
 
 
 def _cache_file() -> str:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                     "everystop")
-    return os.path.join(root, "preemption_costs.json")
+    return os.path.join(cache_dir(), "preemption_costs.json")
 
 
 def cached_costs(model_path: str, settings: dict[str, object],

@@ -7,10 +7,11 @@ lock) both satisfy `ObservedEngine`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from everystop.config import CacheConfig, SchedulerConfig
+    from everystop.core.outputs import FinishListener, IterationListener
     from everystop.core.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -41,6 +42,8 @@ class ObservedEngine(Protocol):
         """Run a read-only look at live scheduler state, under the engine lock if any."""
         ...
 
-    def add_listeners(self, on_iteration: Any = None, on_finish: Any = None) -> None: ...
+    def add_listeners(self, on_iteration: IterationListener | None = None,
+                      on_finish: FinishListener | None = None) -> None: ...
 
-    def remove_listeners(self, on_iteration: Any = None, on_finish: Any = None) -> None: ...
+    def remove_listeners(self, on_iteration: IterationListener | None = None,
+                         on_finish: FinishListener | None = None) -> None: ...

@@ -30,10 +30,6 @@ class ParallelContext:
         if self.world_size > 1 and (self.group is None or self.cpu_group is None):
             raise ValueError("a tensor-parallel context needs its process groups")
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks, in place; returns it."""
         if self.world_size > 1:
