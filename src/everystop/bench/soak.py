@@ -21,7 +21,17 @@ RSS growth is counted net of the KV pools' resident pages (the server's
 untouched, so a block's pages become resident the first time it is used, which is bounded by
 the pool's size and is not growth; a calibration cannot be made to touch every block (the
 allocator picks them, and the host pool is only written by swap-outs). Raw growth and the pools'
-share are in the JSON too.
+share are in the JSON too. The judged start point is the first scrape --warmup-minutes into the
+mixed traffic (calibration sends no streams, disconnects, slow readers, bad bodies or tenants).
+
+What grows (traced with smaps, mallinfo2/malloc_info and tracemalloc, stop 28): libtorch's code
+pages (+9 MiB, first ~100 s, then flat); free chunks kept in per-thread malloc arenas (now
+returned by the server's heap trimmer); and malloc'd memory in use, outside Python's objects
+(tracemalloc: ~9 MiB of the growth). An engine alone (no server), 24 random-token prompts a
+round: the same set three times +49, +19, 0 MiB in use; four new sets +63, +43, +33, +2; the
+first set again +30. So it follows content/shapes not seen lately, like a bounded cache
+filling, not a per-request leak. Not yet attributed (oneDNN's primitive cache and the C++
+kernels' per-shape state are the suspects left).
 
     everystop bench soak --minutes 20 --out benchmarks/results/soak.json
 
