@@ -1,15 +1,18 @@
 """The server's view of its own process: full GC pauses are timed and start-up objects frozen
 out of them (they stopped /health for ~170 ms each), and the KV pools' resident pages are
-counted so a soak can tell first touch from growth."""
+counted so a soak can tell first touch from growth; the C heap's free pages are handed back."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 from types import SimpleNamespace
 
 import torch
 
 from everystop.executor.kv_pool import KVPool
+from everystop.server.heap_trim import HeapTrimmer
 from everystop.server.metrics import _kv_pool_resident_bytes
 from everystop.server.runtime_stats import (
     _PAUSES,
@@ -67,3 +70,28 @@ def test_pool_pages_count_as_resident_only_once_written() -> None:
     assert resident_bytes(data.data_ptr(), MIB) >= MIB  # type: ignore[operator]
     assert _kv_pool_resident_bytes(SimpleNamespace(executor=None)) is None
 
+
+
+def test_heap_trim_hands_freed_heap_pages_back() -> None:
+    # 64 MiB in 64 KiB chunks (below glibc's mmap threshold: heap, not mappings), written, then
+    # freed except one chunk above them, so they are not the heap's free top that free() itself
+    # returns: only malloc_trim gives those pages back.
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    trimmer = HeapTrimmer(0.0)
+    assert trimmer.available  # glibc on Linux: the platform the server runs on
+    trimmer.trim_once()
+    chunks = [libc.malloc(64 << 10) for _ in range(1024)]
+    pin = libc.malloc(64 << 10)
+    for c in chunks:
+        ctypes.memset(c, 1, 64 << 10)
+    for c in chunks:
+        libc.free(c)
+    released = trimmer.trim_once()
+    libc.free(pin)
+    assert released >= 32 * MIB, released
+    names = {m.name: m.samples[0].value for m in trimmer.metrics()}
+    assert names["everystop:heap_trim_calls"] == 2
+    assert names["everystop:heap_trim_released_bytes"] == trimmer.released_bytes >= released
+    assert names["everystop:heap_trim_seconds"] > 0

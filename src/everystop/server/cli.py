@@ -21,6 +21,7 @@ import uvicorn
 
 from everystop.engine.args import add_engine_args, config_or_exit, parse_bytes
 from everystop.server.admission import AdmissionConfig
+from everystop.server.heap_trim import start_heap_trimming
 from everystop.server.limits import RequestLimits
 from everystop.server.runtime_stats import freeze_startup_heap
 
@@ -74,6 +75,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slow-reader-timeout", type=float, default=60.0,
                    help="seconds a client may leave its stream unread (tokens waiting) before "
                         "its request is aborted and its blocks freed; 0 = never")
+    g.add_argument("--heap-trim-interval", type=float, default=30.0,
+                   help="seconds between returns of the C heap's free pages to the kernel "
+                        "(glibc malloc_trim; see server/heap_trim.py); 0 = never")
     g.add_argument("--open-metrics", action="store_true",
                    help="serve /metrics without --api-key (a scraper on a private network)")
     lim = parser.add_argument_group("request limits (answered 413/400 naming the limit)")
@@ -156,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                     extensions=[observability])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                      log_level=args.log_level)
+                      log_level=args.log_level, heap_trim_interval_s=args.heap_trim_interval)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -218,7 +222,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 30.0,
-               log_level: str = "info") -> int:
+               log_level: str = "info", heap_trim_interval_s: float = 0.0) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a clean drain)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=max(1, int(grace_s) + 5),
@@ -227,6 +231,7 @@ def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 3
     # Everything alive now lives as long as the server: out of the collector's reach, so that a
     # full collection no longer stops the event loop for ~170 ms (see runtime_stats).
     freeze_startup_heap()
+    start_heap_trimming(heap_trim_interval_s)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises a captured Ctrl-C after its own shutdown

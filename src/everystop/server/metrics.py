@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput, SchedulerStats
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
+from everystop.server.heap_trim import HEAP_TRIMMER
 from everystop.server.live_window import LiveWindow
 from everystop.server.runtime_stats import (
     gc_pause_metrics,
@@ -272,6 +273,7 @@ def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
                                 "are allocated untouched; pages arrive as blocks are first used)",
                                 value=pool_resident)
     yield from gc_pause_metrics()
+    yield from HEAP_TRIMMER.metrics()
 
 
 def _kv_pool_resident_bytes(engine: Any) -> int | None:
