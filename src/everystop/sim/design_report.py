@@ -134,8 +134,11 @@ def _calibrations(args: argparse.Namespace) -> dict:
                         "relative_error": run["relative_error"],
                         "within_10pct": run["within_10pct"],
                         "speed_probe_factors": run.get("speed_probe", {}).get("factors", [])})
+    passes = read(args.calibration_real.with_name("pass_calibration.json"))
+    if passes is not None:
+        passes.pop("passes", None)  # the raw per-pass records stay in their own file
     return {"calibration": read(args.calibration), "calibration_real": real,
-            "calibration_real_repeats": repeats}
+            "calibration_real_repeats": repeats, "pass_calibration": passes}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
