@@ -42,9 +42,9 @@ GOAL = {"median_abs_rel_error": 0.05, "p90_abs_rel_error": 0.15}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="n=200,prompt=uniform:16:320,output=uniform:8:96,seed=3",
+    p.add_argument("--workload", default="n=120,prompt=uniform:16:256,output=uniform:8:96,seed=3",
                    help="synthetic spec of the live run (its arrivals: --rate)")
-    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=0.8, help="Poisson arrivals per second")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
