@@ -192,7 +192,10 @@ def render(r: dict) -> str:
         f"report as of its last refresh (every {r['stats_interval_s']} s here), corrected by "
         "its own count of requests sent and finished since, as the live router does. With one "
         "replica the fleet simulator reproduces the single-node simulator request for request "
-        "(`tests/sim/test_fleet.py`).",
+        "(`tests/sim/test_fleet.py`). Both routers describe a request the same way "
+        "(`routing.route_request`: its prompt's blocks plus its first sampled token's), and "
+        "a simulation's every routing call replayed through the Ray Serve router gets the "
+        "same ranking (`tests/cluster/test_cluster_units.py`).",
         "",
         f"Replicas: {r['tp']}x `{r['hardware']}` running `{r['model']}` (tensor parallel "
         f"{r['tp']}), chunked prefill, prefix caching on. Traffic: the design's shape (prompts "
