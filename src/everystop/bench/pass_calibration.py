@@ -21,8 +21,6 @@ import json
 import random
 import time
 
-import numpy as np
-
 from everystop.bench.sim_calibration import (
     OtherLoad,
     Recorder,
@@ -32,9 +30,8 @@ from everystop.bench.sim_calibration import (
     run_live,
 )
 from everystop.results import write_result
-from everystop.sim.cost_model import CostModel, IterationShape
-from everystop.sim.fit import fit_coefficients
-from everystop.sim.pass_fit import error_stats, features, fit_attention, residual_by_attention_share
+from everystop.sim.cost_model import IterationShape
+from everystop.sim.pass_fit import error_stats, fit_attention, predict, residual_by_attention_share
 from everystop.sim.specs import load_model
 from everystop.workload import synthetic
 
@@ -51,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--refit", default=None, metavar="JSON",
+                   help="no live run: judge the passes recorded in this file's JSON again "
+                        "(its run's details are kept)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers meaningless)")
     p.add_argument("--out", default=None)
 
@@ -59,19 +59,21 @@ def judge(records: list[dict]) -> dict:
     """Fit both forms on the even passes, judge them on the odd ones."""
     model = load_model("smollm2-135m")
     fit_recs, test_recs = records[0::2], records[1::2]
+    fit_shapes = [IterationShape.from_record(r) for r in fit_recs]
     test_shapes = [IterationShape.from_record(r) for r in test_recs]
     measured = [r["latency_s"] for r in test_recs]
-    base_coeffs, _ = fit_coefficients(model, fit_recs)
-    base = CostModel(model, 1, base_coeffs)
-    base_pred = [base.latency(s) for s in test_shapes]
-    attn = fit_attention(model, [IterationShape.from_record(r) for r in fit_recs],
-                         [r["latency_s"] for r in fit_recs])
-    attn_pred = [float(t) for t in attn.predict_features(
-        np.array([features(model, s) for s in test_shapes]))]
     out = {}
-    for name, coeffs, pred in (("base", base_coeffs.to_dict(), base_pred),
-                               ("attention", attn.to_dict(), attn_pred)):
+    for name, attention in (("base", False), ("attention", True)):
+        fit = fit_attention(model, fit_shapes, [r["latency_s"] for r in fit_recs],
+                            attention=attention)
+        pred = predict(model, fit, test_shapes, attention=attention)
         errors = error_stats(pred, measured)
+        coeffs = fit.to_dict()
+        if not attention:  # the simulator's form: one rate per side of the max
+            coeffs = {"sec_per_flop": coeffs["sec_per_dense_flop"],
+                      "sec_per_byte": coeffs["sec_per_weight_byte"],
+                      "overhead_s": coeffs["overhead_s"],
+                      "overhead_per_seq_s": coeffs["overhead_per_seq_s"]}
         out[name] = {"coefficients": coeffs, "holdout": errors,
                      "meets_goal": all(errors[k] <= v for k, v in GOAL.items()),
                      "residual_by_attention_share": residual_by_attention_share(
@@ -79,7 +81,21 @@ def judge(records: list[dict]) -> dict:
     return out
 
 
+def refit(args: argparse.Namespace) -> int:
+    with open(args.refit) as f:
+        saved = json.load(f)
+    keep = {k: v for k, v in saved.items()
+            if k not in ("base", "attention", "command", "git_commit", "roofline")}
+    keep["refit_of"] = {"file": args.refit, "command": saved.get("command"),
+                        "git_commit": saved.get("git_commit")}
+    result = write_result({**keep, **judge(saved["passes"])}, args.out, quiet=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "passes"}, indent=2))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.refit:
+        return refit(args)
     if args.quick:
         args.workload = "n=6,prompt=uniform:8:40,output=uniform:2:6,seed=3"
 

@@ -62,35 +62,58 @@ class AttentionFit:
 
 
 def fit_attention(model: ModelSpec, shapes: list[IterationShape], seconds: list[float],
-                  max_rounds: int = 50) -> AttentionFit:
-    """Least squares (coefficients >= 0) of the attention form. The max is fitted as
-    fit.py fits it: assign each pass to the side that binds, solve, reassign until stable,
-    from several starting splits; the lowest squared error wins."""
+                  max_rounds: int = 50, *, attention: bool = True) -> AttentionFit:
+    """Least squares (coefficients >= 0) of relative errors: each pass weighs 1/its time, so
+    a 6 ms decode counts as much as a 600 ms prefill (the goal is per pass). The max is fitted
+    as fit.py fits it: assign each pass to the side that binds, solve, reassign until stable,
+    from several starting splits; the lowest error wins.
+
+    `attention=False` fits the simulator's own form on the same terms: attention FLOPs inside
+    the compute side of the max, KV bytes inside the memory side (returned with e = f = 0 and
+    the pooled sides, to predict through `predict_pooled`)."""
     x = np.array([features(model, s) for s in shapes])
     y = np.asarray(seconds, dtype=float)
-    dense, weights = x[:, 0], x[:, 1]
+    w = 1.0 / y
+    if attention:
+        compute_side, memory_side, extra = x[:, 0], x[:, 1], x[:, 2:4]
+    else:
+        compute_side, memory_side = x[:, 0] + x[:, 2], x[:, 1] + x[:, 3]
+        extra = np.zeros((len(y), 2))
     best: tuple[float, np.ndarray] | None = None
     for q in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
-        # Start: the passes above the q-quantile of dense FLOPs are compute bound.
-        compute = dense > np.quantile(dense, q) if q < 1.0 else np.zeros(len(y), dtype=bool)
+        # Start: the passes above the q-quantile of the compute side are compute bound.
+        compute = (compute_side > np.quantile(compute_side, q) if q < 1.0
+                   else np.zeros(len(y), dtype=bool))
         coef = np.zeros(6)
         for _ in range(max_rounds):
-            cols = np.column_stack([np.where(compute, dense, 0.0),
-                                    np.where(compute, 0.0, weights), x[:, 2], x[:, 3],
+            cols = np.column_stack([np.where(compute, compute_side, 0.0),
+                                    np.where(compute, 0.0, memory_side), extra,
                                     x[:, 4], x[:, 5]])
-            coef = _nnls(cols, y)
+            coef = _nnls(cols * w[:, None], y * w)
             if coef[0] <= 0 or coef[1] <= 0:
                 break
-            new = coef[0] * dense >= coef[1] * weights
+            new = coef[0] * compute_side >= coef[1] * memory_side
             if (new == compute).all():
                 break
             compute = new
-        fit = AttentionFit(*map(float, coef))
-        sse = float(((fit.predict_features(x) - y) ** 2).sum())
-        if best is None or sse < best[0]:
-            best = (sse, coef)
+        pred = (np.maximum(coef[0] * compute_side, coef[1] * memory_side) + extra @ coef[2:4]
+                + coef[4] + coef[5] * x[:, 5])
+        err = float((((pred - y) * w) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, coef)
     assert best is not None
     return AttentionFit(*map(float, best[1]))
+
+
+def predict(model: ModelSpec, fit: AttentionFit, shapes: list[IterationShape], *,
+            attention: bool = True) -> list[float]:
+    """Seconds per pass of a fit made with the same `attention` flag."""
+    x = np.array([features(model, s) for s in shapes])
+    if not attention:  # the pooled sides of the simulator's form
+        x = x.copy()
+        x[:, 0], x[:, 1] = x[:, 0] + x[:, 2], x[:, 1] + x[:, 3]
+        x[:, 2] = x[:, 3] = 0.0
+    return [float(t) for t in fit.predict_features(x)]
 
 
 def error_stats(predicted: list[float], measured: list[float]) -> dict:
@@ -105,8 +128,9 @@ def error_stats(predicted: list[float], measured: list[float]) -> dict:
 def residual_by_attention_share(model: ModelSpec, shapes: list[IterationShape],
                                 predicted: list[float], measured: list[float],
                                 bins: int = 4) -> list[dict]:
-    """Mean signed (measured - predicted) / predicted per quantile bin of the passes' attention
-    share of FLOPs: a model that misprices attention shows a trend across the bins."""
+    """Median signed (measured - predicted) / predicted per quantile bin of the passes'
+    attention share of FLOPs: a model that misprices attention shows a trend across the bins
+    (the median: a pass slowed 10x by another process must not swing its bin)."""
     share = []
     for s in shapes:
         f = features(model, s)
@@ -120,5 +144,5 @@ def residual_by_attention_share(model: ModelSpec, shapes: list[IterationShape],
         res = [(measured[i] - predicted[i]) / predicted[i] for i in idx]
         out.append({"attention_share_from": round(share[idx[0]], 4),
                     "attention_share_to": round(share[idx[-1]], 4), "num_passes": len(idx),
-                    "mean_rel_residual": round(sum(res) / len(res), 4)})
+                    "median_rel_residual": round(percentile(res, 50), 4)})
     return out

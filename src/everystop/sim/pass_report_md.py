@@ -39,15 +39,15 @@ def pass_calibration_lines(cal: dict | None) -> list[str]:
                    f"| {_pct(h['p90_abs_rel_error'])} | {_pct(h['mean_abs_rel_error'])} "
                    f"| {100 * h['total_rel_error']:+.1f}% "
                    f"| {'met' if cal[name]['meets_goal'] else 'not met'} |")
-    out += ["", "Mean signed residual (measured - predicted) / predicted by attention share of "
+    out += ["", "Median signed residual (measured - predicted) / predicted by attention share of "
             "the pass's FLOPs (quartiles of the held-out passes):", "",
             "| attention share | passes | simulator's form | with attention term |",
             "|---|---|---|---|"]
     for b, a in zip(cal["base"]["residual_by_attention_share"],
                     cal["attention"]["residual_by_attention_share"]):
         out.append(f"| {_pct(b['attention_share_from'])}-{_pct(b['attention_share_to'])} "
-                   f"| {b['num_passes']} | {100 * b['mean_rel_residual']:+.1f}% "
-                   f"| {100 * a['mean_rel_residual']:+.1f}% |")
+                   f"| {b['num_passes']} | {100 * b['median_rel_residual']:+.1f}% "
+                   f"| {100 * a['median_rel_residual']:+.1f}% |")
     c = cal["attention"]["coefficients"]
     out += ["", "Fitted attention-form coefficients: "
             + ", ".join(f"{k} {v:.3g}" for k, v in c.items()) + "."]
