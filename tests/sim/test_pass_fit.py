@@ -6,13 +6,13 @@ import random
 
 import numpy as np
 
-from everystop.sim.cost_model import CostModel, IterationShape
-from everystop.sim.fit import fit_coefficients
+from everystop.sim.cost_model import IterationShape
 from everystop.sim.pass_fit import (
     AttentionFit,
     error_stats,
     features,
     fit_attention,
+    predict,
     residual_by_attention_share,
 )
 from everystop.sim.specs import load_model
@@ -49,13 +49,13 @@ def test_the_attention_form_recovers_its_coefficients_and_beats_the_base_form():
     fit = fit_attention(model, train, y_train)
     assert abs(fit.sec_per_attention_flop / TRUE.sec_per_attention_flop - 1) < 0.1
     assert abs(fit.overhead_s / TRUE.overhead_s - 1) < 0.2
-    pred = list(fit.predict_features(np.array([features(model, s) for s in test])))
+    pred = predict(model, fit, test)
     attn = error_stats(pred, y_test)
     assert attn["median_abs_rel_error"] < 0.02 and attn["p90_abs_rel_error"] < 0.04
 
-    records = [{**s.to_dict(), "latency_s": t} for s, t in zip(train, y_train)]
-    base = CostModel(model, 1, fit_coefficients(model, records)[0])
-    base_pred = [base.latency(s) for s in test]
+    base_fit = fit_attention(model, train, y_train, attention=False)
+    assert base_fit.sec_per_attention_flop == base_fit.sec_per_kv_byte == 0.0
+    base_pred = predict(model, base_fit, test, attention=False)
     assert error_stats(base_pred, y_test)["median_abs_rel_error"] > attn["median_abs_rel_error"]
     bins = residual_by_attention_share(model, test, base_pred, y_test)
     assert len(bins) == 4 and bins[-1]["median_rel_residual"] > bins[0]["median_rel_residual"]
