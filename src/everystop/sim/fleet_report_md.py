@@ -127,13 +127,16 @@ def _speed() -> list[str]:
         "Why 600 s is out of reach as built: in a profiled 12,000-request run at 64 replicas the "
         "scheduler ran 18,772 passes itself (1.56 per request: a prompt's prefill chunks, while "
         "every other row of the replica decodes), with ~60 rows each (1.12 M rows emitted), and "
-        "the real `schedule()` + `update_from_output()` cost ~5-7 CPU-us per row: ~0.5-0.65 "
-        "CPU-ms per request before any routing, stretch or event-queue work, against the 0.6 "
-        "CPU-ms per request that 1M requests in 600 s allow. Meeting it needs mixed passes "
+        "the real `schedule()` + `update_from_output()` cost ~7.5 CPU-us per row (session 7's "
+        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request before any routing, "
+        "stretch or event-queue work, above the 0.6 CPU-ms per request that 1M requests in "
+        "600 s allow. Meeting it needs mixed passes "
         "whose decode rows are applied in bulk as a stretch applies them (the scheduler deciding "
         "only the prefill rows), or a cheaper scheduler row: not done.",
         "",
-        "Where the time goes (cProfile, share of self time): "
+        "Where the time goes (cProfile of the command's --profile-requests run, share of self "
+        "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
+        "short run): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
     ]
@@ -143,17 +146,6 @@ def _speed_long() -> list[str]:
     if not LONG_SPEED_JSON.exists():
         return []
     s = json.loads(LONG_SPEED_JSON.read_text())
-    short = json.loads(SPEED_JSON.read_text()) if SPEED_JSON.exists() else {}
-    b = short.get("baseline") or {}
-    # The long run predates the short run's speed-up when it is slower than the short run's
-    # baseline per request would suggest: scale it by the measured speed-up (an estimate).
-    scaled = ([f" Scaled by the {b['speedup_cpu']:.2f}x measured above (the long run predates "
-               "it): an estimated **"
-               f"{s['cpu_ms_per_request'] / b['speedup_cpu'] * s['target_requests'] / 1e3:,.0f}"
-               " CPU-s** for 1,000,000 requests, against 600 s: "
-               + ("met." if s['cpu_ms_per_request'] / b['speedup_cpu'] * s['target_requests']
-                  / 1e3 < 600 else "**not met**.")]
-              if b and short.get("long_run_predates_speedup") else [])
     return [
         "",
         f"A longer run, `{s['command']}`: {s['cpu_s']:,} CPU-s ({s['wall_s']:,} s wall, load "
@@ -161,7 +153,7 @@ def _speed_long() -> list[str]:
         f"{s['cpu_ms_per_request']} CPU-ms per request; extrapolated to "
         f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
         " against 600 s: " + ("met." if s["meets_target_extrapolated"] else "**not met**.")
-        + (f" ({s['source_note']}.)" if s.get("source_note") else "") + "".join(scaled),
+        + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
 
 
