@@ -104,11 +104,10 @@ def run(args: argparse.Namespace) -> int:
     from everystop.config import EngineConfig
     from everystop.engine.llm_engine import LLMEngine
 
-    torch.set_num_threads(args.threads)
     load_start = load_avg()
     wall0 = time.monotonic()
     engine = LLMEngine.from_config(EngineConfig.from_options(
-        dtype="float32", max_num_seqs=args.max_num_seqs,
+        dtype="float32", num_threads=args.threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
         max_model_len=args.max_model_len))
     rng = random.Random(args.seed)

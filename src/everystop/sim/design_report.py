@@ -135,9 +135,12 @@ def _calibrations(args: argparse.Namespace) -> dict:
                         "relative_error": run["relative_error"],
                         "within_10pct": run["within_10pct"],
                         "speed_probe_factors": run.get("speed_probe", {}).get("factors", [])})
-    passes = read(args.calibration_real.with_name("pass_calibration.json"))
-    if passes is not None:
-        passes.pop("passes", None)  # the raw per-pass records stay in their own file
+    # Calibration (a): every per-pass run kept, newest file name last.
+    passes = []
+    for path in sorted(args.calibration_real.parent.glob("pass_calibration*.json")):
+        run = read(path)
+        run.pop("passes", None)  # the raw per-pass records stay in their own file
+        passes.append({**run, "file": path.name})
     return {"calibration": read(args.calibration), "calibration_real": real,
             "calibration_real_repeats": repeats, "pass_calibration": passes}
 

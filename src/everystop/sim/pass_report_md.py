@@ -18,13 +18,20 @@ def pass_calibration_lines(cal: dict | None) -> list[str]:
                 "--markdown-only`."]
     m, wl, goal = cal["machine"], cal["workload"], cal["goal"]
     out = [
-        f"Written by `{cal.get('command', PASS_COMMAND)}` ({cal['total_wall_s']:.0f} s wall): "
+        f"`{cal.get('file', '')}`: written by `{cal.get('command', PASS_COMMAND)}`"
+        + (f" (re-judging the passes of `{cal['refit_of']['command']}`)"
+           if cal.get("refit_of") else "")
+        + f" ({cal['total_wall_s']:.0f} s wall): "
         f"{cal['model']}, {m['torch_threads']} torch threads on an {m['cpu']}. One live run of "
         f"{wl['num_requests']} requests (`{wl['spec']}`, Poisson at {wl['rate_req_per_s']} "
         f"req/s, {cal['live_wall_s']:.0f} s), {cal['num_passes']} passes; {cal['split']}. "
         f"Load average {m['load_avg_1m_start']:.2f} at the start, {m['load_avg_1m_end']:.2f} "
         f"at the end; other processes used {_pct(cal['other_processes_cpu'])} of the cores "
-        "during the run. Goal: median |error| <= "
+        "during the run"
+        + (" (**a disturbed run: these timings are not meaningful**)"
+           if cal["other_processes_cpu"] > 0.05 else "")
+        + (f" ({cal['source_note']})" if cal.get("source_note") else "")
+        + ". Goal: median |error| <= "
         f"{_pct(goal['median_abs_rel_error'])}, p90 <= {_pct(goal['p90_abs_rel_error'])}.",
         "",
         "| fit | held-out passes | median abs error | p90 abs error | mean abs error "

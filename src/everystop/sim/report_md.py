@@ -433,7 +433,8 @@ def render(d: dict) -> str:
     lines += _real_calibration(d.get("calibration_real"))
     lines += _repeatability(d.get("calibration_real"), d.get("calibration_real_repeats") or [])
     lines += ["", "### 4.2 Pass by pass on a live run (calibration (a))", ""]
-    lines += pass_calibration_lines(d.get("pass_calibration"))
+    for run in d.get("pass_calibration") or [None]:
+        lines += pass_calibration_lines(run) + [""]
     lines += ["", "### 4.3 Synthetic self-test (a pipeline check, not a measurement)", ""]
     lines += _calibration(d.get("calibration"))
     lines += [
