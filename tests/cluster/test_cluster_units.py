@@ -157,3 +157,78 @@ def test_the_single_engine_server_does_not_import_ray() -> None:
             "everystop.server.admin, everystop.routing\n"
             "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _record_calls(router: Any) -> list[tuple[Any, ...]]:
+    """Log a policy's rank / on_sent / on_finished calls (with rank's answer) as they happen."""
+    calls: list[tuple[Any, ...]] = []
+    rank, sent, finished = router.rank, router.on_sent, router.on_finished
+
+    def recording_rank(route: Any, loads: Any) -> list[str]:
+        order = rank(route, loads)
+        calls.append(("rank", route, list(loads), order))
+        return order
+
+    def recording_sent(rid: str, route: Any) -> None:
+        calls.append(("sent", rid, route))
+        sent(rid, route)
+
+    def recording_finished(rid: str, route: Any) -> None:
+        calls.append(("finished", rid, route))
+        finished(rid, route)
+
+    router.rank, router.on_sent, router.on_finished = (recording_rank, recording_sent,
+                                                       recording_finished)
+    return calls
+
+
+def test_the_simulator_and_the_ray_router_make_the_same_choices() -> None:
+    """A fleet simulation's every routing call replayed through the Ray Serve router: the same
+    load reports and the same sends and finishes give the same ranking and the same
+    `RouteRequest` (the one `route_request` both build), for every policy."""
+    from everystop.routing import POLICIES, make_router
+    from everystop.sim.fleet import simulate_fleet
+    from everystop.sim.fleet_workload import fleet_traffic
+    from everystop.sim.node import build_node
+
+    # Prompts of every length mod 16 (the block count's edge), stale reports, a pool that fills.
+    specs = list(fleet_traffic("n=120,prompt=uniform:1:400,output=uniform:2:60,rate=30,"
+                               "prefix=0.5:48,sessions=0.3:3:0.5,seed=5"))
+    node = build_node("llama-3-8b", "a100-80gb", 1, num_gpu_blocks=200, max_num_seqs=8)
+    for policy in POLICIES:
+        sim_router = make_router(policy)
+        calls = _record_calls(sim_router)
+        result = simulate_fleet(iter(specs), node.setup, node.cost.latency, 3, sim_router,
+                                stats_interval_s=0.5)
+        assert not result.rejected and len(result.finished) == len(specs)
+
+        ray = _router(policy)
+        arrivals = iter(specs)
+        key_of: dict[int, str] = {}  # id of the simulator's RouteRequest -> Ray's request key
+        pending: Any = None
+        for call in calls:
+            if call[0] == "rank":
+                _, route, loads, order = call
+                spec = next(arrivals)
+                req = Request(spec.request_id, spec.prompt_token_ids,
+                              SamplingParams(max_tokens=spec.max_tokens))
+                pending = _pending(req)
+                replicas = [_replica(ld.replica_id, {
+                    "seq": ld.seq, "prefill_tokens_queued": ld.prefill_tokens_queued,
+                    "stats": {"num_waiting": ld.num_waiting, "num_running": ld.num_running,
+                              "num_swapped": ld.num_swapped, "num_free_blocks": ld.free_kv_blocks,
+                              "num_total_blocks": ld.total_kv_blocks}}) for ld in loads]
+                ranks = asyncio.run(ray.choose_replicas(replicas, pending))
+                assert [r.replica_id.unique_id for g in ranks for r in g] == order, policy
+                ray_route = ray._in_flight[pending.metadata.internal_request_id][1]
+                same = ("kv_blocks_needed", "num_prompt_tokens") + (
+                    ("prefix_hashes",) if policy == "prefix-affinity" else ())
+                assert [getattr(ray_route, f) for f in same] == [getattr(route, f) for f in same]
+                key_of[id(route)] = pending.metadata.internal_request_id
+            elif call[0] == "sent":
+                if call[1] != ray._in_flight[key_of[id(call[2])]][0]:  # QueueFull: the next
+                    ray.on_request_routed(pending, SimpleNamespace(unique_id=call[1]), None)
+            else:
+                ray.on_request_completed(SimpleNamespace(unique_id=call[1]), key_of[id(call[2])])
+        assert not ray._in_flight, policy
+        assert next(arrivals, None) is None

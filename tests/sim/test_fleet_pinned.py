@@ -18,7 +18,9 @@ TRAFFIC = ("n=260,prompt=uniform:20:700,output=uniform:5:200,rate=40,tiers=0.3:0
 
 # Re-pinned when #20 changed what replicas report (the prompt left of a running prefill) and
 # prefix-affinity's margin (2 -> 4), and again when its score weighed queued prefill tokens over
-# request counts (session 7): routing decisions, not the hot path; round-robin's holds.
+# request counts (session 7): routing decisions, not the hot path; round-robin's holds. Unchanged
+# when the simulator's RouteRequest took the Ray router's block count, ceil((L + 1) / 16), from
+# `route_request` (session 8): no ranking in these runs turned on the one-block difference.
 CASES = {
     # scheduling, KV blocks, scheduler options, router, stats interval, digest
     "chunked-swap": ("chunked", 700, {"preemption_mode": "auto"}, "prefix-affinity", 0.5,

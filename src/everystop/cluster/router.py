@@ -19,7 +19,7 @@ from everystop.routing import (
     ReplicaLoad,
     RouteRequest,
     make_router,
-    prefix_block_hashes,
+    route_request,
 )
 
 _MAX_REMEMBERED = 65536
@@ -129,8 +129,5 @@ class EveryStopRouter(RequestRouter):
         if pending is None or not pending.args or not isinstance(pending.args[0], Request):
             return RouteRequest(0), frozenset(), None
         req: Request = pending.args[0]
-        tokens = req.prompt_token_ids
-        route = RouteRequest(kv_blocks_needed=-(-(len(tokens) + 1) // self.block_size),
-                             prefix_hashes=prefix_block_hashes(tokens, self.block_size),
-                             num_prompt_tokens=len(tokens))
+        route = route_request(req.prompt_token_ids, self.block_size)
         return route, frozenset(pending.kwargs.get("exclude", ())), req.request_id

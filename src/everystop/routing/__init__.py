@@ -5,7 +5,7 @@ simulator (`everystop.sim`) run the very same policy."""
 
 from everystop.routing.load import ReplicaLoad, RouteRequest, ScoreWeights
 from everystop.routing.policies import DEFAULT_AFFINITY_MARGIN, POLICIES, Router, make_router
-from everystop.routing.prefix import prefix_block_hashes
+from everystop.routing.prefix import prefix_block_hashes, route_request
 
 __all__ = ["DEFAULT_AFFINITY_MARGIN", "POLICIES", "ReplicaLoad", "RouteRequest", "Router",
-           "ScoreWeights", "make_router", "prefix_block_hashes"]
+           "ScoreWeights", "make_router", "prefix_block_hashes", "route_request"]

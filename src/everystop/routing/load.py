@@ -93,6 +93,20 @@ def score(c: Corrected, request: RouteRequest, w: ScoreWeights) -> float:
             + c.prefill_tokens / w.prefill_tokens_per_unit + w.kv_pressure * used_after / total)
 
 
+def tier_and_score(c: Corrected, request: RouteRequest, w: ScoreWeights) -> tuple[int, float]:
+    """`(tier(...), score(...))` in one go, the very same numbers (the router's hot path)."""
+    load = c.load
+    total = load.total_kv_blocks
+    free_after = c.free_blocks - request.kv_blocks_needed
+    used = total - free_after
+    rank = 2 if free_after < 0 else 0 if used <= w.kv_high_water * total else 1
+    own_passes = max(1.0, request.num_prompt_tokens / w.prefill_tokens_per_unit)
+    return rank, (w.waiting * c.waiting + w.swapped * load.num_swapped
+                  + w.running * own_passes * c.running
+                  + c.prefill_tokens / w.prefill_tokens_per_unit
+                  + w.kv_pressure * min(total, used) / total)
+
+
 def depth(c: Corrected) -> int:
     """Requests on the replica (what Ray's power-of-two compares)."""
     return c.waiting + c.running + c.load.num_swapped

@@ -21,8 +21,7 @@ from everystop.routing.load import (
     RouteRequest,
     ScoreWeights,
     depth,
-    score,
-    tier,
+    tier_and_score,
 )
 
 POLICIES = ("least-loaded", "prefix-affinity", "power-of-two", "round-robin")
@@ -44,6 +43,10 @@ class _Books:
     # Requests finished since that report though sent before it: the report still counts them.
     finished: int = 0
     finished_blocks: int = 0
+    # Bumped by every send and finish: a cached correction of an unchanged report holds until then.
+    version: int = 0
+    # The last correction made: (the report, the version it saw, the result).
+    cached: tuple[ReplicaLoad, int, Corrected] | None = None
 
 
 class Router:
@@ -65,21 +68,30 @@ class Router:
     def __init__(self, weights: ScoreWeights | None = None) -> None:
         self.weights = weights or ScoreWeights()
         self._books: dict[str, _Books] = {}
+        self._keys: dict[str, tuple[int, float]] = {}  # this rank()'s (tier, score) per replica
         # The score of each replica at the last rank(), for metrics and logs.
         self.last_scores: dict[str, float] = {}
 
     def rank(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[str]:
         """Replica ids, best first. Every replica in `loads` appears exactly once."""
+        # NOTE: once per request over every replica (the fleet simulator's hot path at 64
+        # replicas): a replica's correction is redone only when its report or books changed,
+        # and its (tier, score) is computed once here for the ordering and the metrics alike.
         corrected = [self._correct(load) for load in loads]
-        self.last_scores = {c.load.replica_id: score(c, request, self.weights) for c in corrected}
+        w = self.weights
+        self._keys = keys = {c.load.replica_id: tier_and_score(c, request, w)
+                             for c in corrected}
+        self.last_scores = {rid: key[1] for rid, key in keys.items()}
         return self._order(request, corrected)
 
     def on_sent(self, replica_id: str, request: RouteRequest) -> None:
         books = self._books.setdefault(replica_id, _Books())
         books.outstanding[id(request)] = (request, books.seq)
+        books.version += 1
 
     def on_finished(self, replica_id: str, request: RouteRequest) -> None:
         books = self._books.setdefault(replica_id, _Books())
+        books.version += 1
         entry = books.outstanding.pop(id(request), None)
         if entry is not None and entry[1] < books.seq:
             # Sent before the last report, so that report most likely still counts it.
@@ -96,12 +108,22 @@ class Router:
         return [c.load.replica_id for c in self._least_loaded(request, corrected)]
 
     def _least_loaded(self, request: RouteRequest, corrected: list[Corrected]) -> list[Corrected]:
-        w = self.weights
-        return sorted(corrected, key=lambda c: (tier(c, request, w), score(c, request, w),
-                                                c.load.replica_id))
+        keys = self._keys  # rank()'s (tier, score) of this request on each replica
+        return sorted(corrected, key=lambda c: (*keys[c.load.replica_id], c.load.replica_id))
 
     def _correct(self, load: ReplicaLoad) -> Corrected:
-        books = self._books.setdefault(load.replica_id, _Books())
+        books = self._books.get(load.replica_id)
+        if books is None:
+            books = self._books[load.replica_id] = _Books()
+        cached = books.cached
+        if cached is not None and cached[1] == books.version and (
+                cached[0] is load or cached[0] == load):
+            return cached[2]
+        corrected = self._correct_anew(load, books)
+        books.cached = (load, books.version, corrected)
+        return corrected
+
+    def _correct_anew(self, load: ReplicaLoad, books: _Books) -> Corrected:
         if load.seq != books.seq:
             books.seq, books.finished, books.finished_blocks = load.seq, 0, 0
         running = max(0, load.num_running - books.finished)
@@ -155,9 +177,9 @@ class PrefixAffinityRouter(Router):
             return [c.load.replica_id for c in ranked]
         best = ranked[0]
         mine = next(c for c in ranked if c.load.replica_id == owner)
-        w = self.weights
-        if (tier(mine, request, w) <= tier(best, request, w)
-                and score(mine, request, w) <= score(best, request, w) + self.affinity_margin):
+        (mine_tier, mine_score), (best_tier, best_score) = (self._keys[mine.load.replica_id],
+                                                            self._keys[best.load.replica_id])
+        if mine_tier <= best_tier and mine_score <= best_score + self.affinity_margin:
             ranked.remove(mine)
             ranked.insert(0, mine)
         return [c.load.replica_id for c in ranked]

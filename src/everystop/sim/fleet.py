@@ -40,7 +40,7 @@ from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected, Scheduler
-from everystop.routing import ReplicaLoad, Router, RouteRequest, prefix_block_hashes
+from everystop.routing import ReplicaLoad, Router, RouteRequest, route_request
 from everystop.routing.policies import PrefixAffinityRouter
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import IterationShape
@@ -348,9 +348,7 @@ def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
            block_size: int, wake: Callable[[Replica, float], None],
            cut: Callable[[Replica, float], None]) -> None:
     tokens = spec.prompt_token_ids
-    route = RouteRequest(kv_blocks_needed=-(-len(tokens) // block_size),
-                         prefix_hashes=prefix_block_hashes(tokens, block_size) if want_hashes
-                         else (), num_prompt_tokens=len(tokens))
+    route = route_request(tokens, block_size, with_hashes=want_hashes)
     reason = "no replica"
     for replica_id in router.rank(route, loads):
         r = replicas[int(replica_id.removeprefix("r"))]

@@ -116,11 +116,27 @@ def _speed() -> list[str]:
         "`KVCacheManager`, finishes through `Scheduler.finish_request`) applied lazily, where the "
         "per-pass loop would show them. The results are the same as running every pass through "
         "the scheduler (tests/sim/test_decode_stretch.py, and the pinned digests of "
-        "tests/sim/test_fleet_pinned.py). What is left is what a stretch cannot skip: each "
-        "arrival's routing (the production router scores every replica) and the passes the "
-        "scheduler runs itself (admissions and prefill chunks), each over every running row.",
+        "tests/sim/test_fleet_pinned.py). The router (`routing/policies.py`) redoes a "
+        "replica's in-flight correction only when that replica's report or its books changed "
+        "(one send and about one finish per request, instead of all 64 replicas on every "
+        "request), and scores each replica once per request: the same rankings (the pinned "
+        "digests, and a test replaying a simulation's every routing call through the Ray Serve "
+        "router). What is left is what neither can skip: the passes the scheduler runs itself "
+        "(admissions and prefill chunks), each over every running row.",
         "",
-        "Where the time goes (cProfile, share of self time): "
+        "Why 600 s is out of reach as built: in a profiled 12,000-request run at 64 replicas the "
+        "scheduler ran 18,772 passes itself (1.56 per request: a prompt's prefill chunks, while "
+        "every other row of the replica decodes), with ~60 rows each (1.12 M rows emitted), and "
+        "the real `schedule()` + `update_from_output()` cost ~7.5 CPU-us per row (session 7's "
+        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request before any routing, "
+        "stretch or event-queue work, above the 0.6 CPU-ms per request that 1M requests in "
+        "600 s allow. Meeting it needs mixed passes "
+        "whose decode rows are applied in bulk as a stretch applies them (the scheduler deciding "
+        "only the prefill rows), or a cheaper scheduler row: not done.",
+        "",
+        "Where the time goes (cProfile of the command's --profile-requests run, share of self "
+        "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
+        "short run): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
     ]
@@ -179,7 +195,10 @@ def render(r: dict) -> str:
         f"report as of its last refresh (every {r['stats_interval_s']} s here), corrected by "
         "its own count of requests sent and finished since, as the live router does. With one "
         "replica the fleet simulator reproduces the single-node simulator request for request "
-        "(`tests/sim/test_fleet.py`).",
+        "(`tests/sim/test_fleet.py`). Both routers describe a request the same way "
+        "(`routing.route_request`: its prompt's blocks plus its first sampled token's), and "
+        "a simulation's every routing call replayed through the Ray Serve router gets the "
+        "same ranking (`tests/cluster/test_cluster_units.py`).",
         "",
         f"Replicas: {r['tp']}x `{r['hardware']}` running `{r['model']}` (tensor parallel "
         f"{r['tp']}), chunked prefill, prefix caching on. Traffic: the design's shape (prompts "

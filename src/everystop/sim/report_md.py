@@ -3,6 +3,8 @@ numbers (everystop.sim.design_report)."""
 
 from __future__ import annotations
 
+from everystop.sim.pass_report_md import pass_calibration_lines
+
 # The design's published table (seed design, section on batching), beside the simulated rows.
 DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
           "continuous": ("6,200", "$0.37", "~450 ms", "17 ms"),
@@ -430,7 +432,10 @@ def render(d: dict) -> str:
     lines += ["### 4.1 The real engine on this CPU", ""]
     lines += _real_calibration(d.get("calibration_real"))
     lines += _repeatability(d.get("calibration_real"), d.get("calibration_real_repeats") or [])
-    lines += ["", "### 4.2 Synthetic self-test (a pipeline check, not a measurement)", ""]
+    lines += ["", "### 4.2 Pass by pass on a live run (calibration (a))", ""]
+    for run in d.get("pass_calibration") or [None]:
+        lines += pass_calibration_lines(run) + [""]
+    lines += ["", "### 4.3 Synthetic self-test (a pipeline check, not a measurement)", ""]
     lines += _calibration(d.get("calibration"))
     lines += [
         "",

@@ -1,0 +1,148 @@
+"""Per-pass latency fits for calibration (a): the cost model's own form, and the same form with
+the attention work on a coefficient of its own, judged on passes the fit did not see.
+
+    base        t = max(a * flops, b * bytes) + c0 + c1 * seqs            (fit.py's form)
+    attention   t = max(a * dense_flops, b * weight_bytes)
+                    + e * attention_flops + f * kv_bytes + c0 + c1 * seqs
+
+In the base form attention's FLOPs ride in `flops` at the GEMMs' rate and its KV reads in
+`bytes`, inside the max: on a CPU the paged-attention kernel runs far below the GEMMs'
+efficiency and does not overlap with them, so the residuals grew with the attention share of a
+pass (session 6's notes). The attention form prices it apart, outside the max.
+
+    dense_flops      2 * layer_params * tokens + 2 * lm_head_params * sampled
+    attention_flops  4 * layers * heads * head_dim * attention_pairs
+    weight_bytes     the weights read once per pass
+    kv_bytes         (context read + tokens written) * KV bytes per token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from everystop.sim.cost_model import IterationShape
+from everystop.sim.fit import _nnls
+from everystop.sim.specs import ModelSpec
+from everystop.stats import percentile
+
+FEATURES = ("dense_flops", "weight_bytes", "attention_flops", "kv_bytes", "one", "seqs")
+
+
+def features(model: ModelSpec, s: IterationShape) -> tuple[float, ...]:
+    """The attention form's terms of one pass, in `FEATURES` order."""
+    m = model
+    return (2.0 * m.layer_params * s.num_tokens + 2.0 * m.lm_head_params * s.num_sampled,
+            float(m.pass_weight_bytes),
+            4.0 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs,
+            float((s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token),
+            1.0, float(s.num_seqs))
+
+
+@dataclass(frozen=True)
+class AttentionFit:
+    """The attention form's coefficients (seconds per unit of each feature)."""
+
+    sec_per_dense_flop: float
+    sec_per_weight_byte: float
+    sec_per_attention_flop: float
+    sec_per_kv_byte: float
+    overhead_s: float
+    overhead_per_seq_s: float
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray:
+        """Predicted seconds of passes given as rows of `features`."""
+        return (np.maximum(self.sec_per_dense_flop * x[:, 0], self.sec_per_weight_byte * x[:, 1])
+                + self.sec_per_attention_flop * x[:, 2] + self.sec_per_kv_byte * x[:, 3]
+                + self.overhead_s + self.overhead_per_seq_s * x[:, 5])
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
+
+
+def fit_attention(model: ModelSpec, shapes: list[IterationShape], seconds: list[float],
+                  max_rounds: int = 50, *, attention: bool = True) -> AttentionFit:
+    """Least squares (coefficients >= 0) of relative errors: each pass weighs 1/its time, so
+    a 6 ms decode counts as much as a 600 ms prefill (the goal is per pass). The max is fitted
+    as fit.py fits it: assign each pass to the side that binds, solve, reassign until stable,
+    from several starting splits; the lowest error wins.
+
+    `attention=False` fits the simulator's own form on the same terms: attention FLOPs inside
+    the compute side of the max, KV bytes inside the memory side (returned with e = f = 0 and
+    the pooled sides, to predict through `predict_pooled`)."""
+    x = np.array([features(model, s) for s in shapes])
+    y = np.asarray(seconds, dtype=float)
+    w = 1.0 / y
+    if attention:
+        compute_side, memory_side, extra = x[:, 0], x[:, 1], x[:, 2:4]
+    else:
+        compute_side, memory_side = x[:, 0] + x[:, 2], x[:, 1] + x[:, 3]
+        extra = np.zeros((len(y), 2))
+    best: tuple[float, np.ndarray] | None = None
+    for q in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+        # Start: the passes above the q-quantile of the compute side are compute bound.
+        compute = (compute_side > np.quantile(compute_side, q) if q < 1.0
+                   else np.zeros(len(y), dtype=bool))
+        coef = np.zeros(6)
+        for _ in range(max_rounds):
+            cols = np.column_stack([np.where(compute, compute_side, 0.0),
+                                    np.where(compute, 0.0, memory_side), extra,
+                                    x[:, 4], x[:, 5]])
+            coef = _nnls(cols * w[:, None], y * w)
+            if coef[0] <= 0 or coef[1] <= 0:
+                break
+            new = coef[0] * compute_side >= coef[1] * memory_side
+            if (new == compute).all():
+                break
+            compute = new
+        pred = (np.maximum(coef[0] * compute_side, coef[1] * memory_side) + extra @ coef[2:4]
+                + coef[4] + coef[5] * x[:, 5])
+        err = float((((pred - y) * w) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, coef)
+    assert best is not None
+    return AttentionFit(*map(float, best[1]))
+
+
+def predict(model: ModelSpec, fit: AttentionFit, shapes: list[IterationShape], *,
+            attention: bool = True) -> list[float]:
+    """Seconds per pass of a fit made with the same `attention` flag."""
+    x = np.array([features(model, s) for s in shapes])
+    if not attention:  # the pooled sides of the simulator's form
+        x = x.copy()
+        x[:, 0], x[:, 1] = x[:, 0] + x[:, 2], x[:, 1] + x[:, 3]
+        x[:, 2] = x[:, 3] = 0.0
+    return [float(t) for t in fit.predict_features(x)]
+
+
+def error_stats(predicted: list[float], measured: list[float]) -> dict:
+    """|predicted - measured| / measured over passes: median, p90, mean; and the signed total."""
+    rel = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    return {"num_passes": len(rel), "median_abs_rel_error": round(percentile(rel, 50), 4),
+            "p90_abs_rel_error": round(percentile(rel, 90), 4),
+            "mean_abs_rel_error": round(sum(rel) / len(rel), 4),
+            "total_rel_error": round((sum(predicted) - sum(measured)) / sum(measured), 4)}
+
+
+def residual_by_attention_share(model: ModelSpec, shapes: list[IterationShape],
+                                predicted: list[float], measured: list[float],
+                                bins: int = 4) -> list[dict]:
+    """Median signed (measured - predicted) / predicted per quantile bin of the passes'
+    attention share of FLOPs: a model that misprices attention shows a trend across the bins
+    (the median: a pass slowed 10x by another process must not swing its bin)."""
+    share = []
+    for s in shapes:
+        f = features(model, s)
+        share.append(f[2] / (f[0] + f[2]) if f[0] + f[2] else 0.0)
+    order = sorted(range(len(shapes)), key=share.__getitem__)
+    out = []
+    for k in range(bins):
+        idx = order[k * len(order) // bins:(k + 1) * len(order) // bins]
+        if not idx:
+            continue
+        res = [(measured[i] - predicted[i]) / predicted[i] for i in idx]
+        out.append({"attention_share_from": round(share[idx[0]], 4),
+                    "attention_share_to": round(share[idx[-1]], 4), "num_passes": len(idx),
+                    "median_rel_residual": round(percentile(res, 50), 4)})
+    return out
