@@ -68,10 +68,10 @@ class SchedulerConfig:
     tpot_target_ms_per_tier: tuple[float | None, float | None, float | None] = (None, None, None)
     # TTFT aging (core/step_budget.py rules 5 and 6): a prompt whose lateness (time waited plus
     # the least time its remaining prompt can take) passes half this target may stretch its
-    # step's TPOT target, up to tpot_max_stretch times it at lateness = this target. None:
+    # step's TPOT target, up to tpot_max_stretch times it at lateness = this target. "auto":
     # derived per step from the live step-cost fit; 0 (the default): off, steps keep within
     # the TPOT target alone.
-    ttft_target_ms: float | None = 0.0
+    ttft_target_ms: float | Literal["auto"] = 0.0
     # The most a TTFT-aged step may stretch its TPOT target (1 = never): every step, and so
     # every TPOT, stays within this multiple of the target (short of the rule-4 floor).
     tpot_max_stretch: float = 4.0
@@ -104,8 +104,9 @@ class SchedulerConfig:
                                     for t in (self.tpot_target_ms, *targets)):
             raise ConfigError("tpot_target_ms takes a number of ms >= 0 (0 = off) or None, "
                               "tpot_target_ms_per_tier three of them (tiers 0, 1, 2)")
-        if self.ttft_target_ms is not None and not self.ttft_target_ms >= 0:
-            raise ConfigError("ttft_target_ms takes a number of ms >= 0 (0 = off) or None")
+        if self.ttft_target_ms != "auto" and not (
+                isinstance(self.ttft_target_ms, (int, float)) and self.ttft_target_ms >= 0):
+            raise ConfigError("ttft_target_ms takes a number of ms >= 0 (0 = off) or 'auto'")
         if not self.tpot_max_stretch >= 1:
             raise ConfigError(f"tpot_max_stretch must be >= 1, got {self.tpot_max_stretch!r}")
 

@@ -56,7 +56,8 @@ def test_decode_tokens_precede_prefill_and_limits_hold() -> None:
 
 # TTFT aging off (the default): chunk_size binds; on: a 4000-token prompt is late from the
 # start (step_budget.py rule 5), its chunks grow to what the token cap leaves the decodes.
-@pytest.mark.parametrize(("ttft_target_ms", "max_chunk"), [(0.0, 256), (None, 512 - 4)])
+@pytest.mark.parametrize(("ttft_target_ms", "max_chunk"),
+                         [(0.0, 256), ("auto", 512 - 4)])
 def test_long_prompt_is_chunked_while_running_sequences_keep_decoding(ttft_target_ms,
                                                                       max_chunk) -> None:
     h = make_harness(num_blocks=2048, block_size=16, max_num_seqs=8,

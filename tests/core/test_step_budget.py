@@ -237,7 +237,7 @@ def _premium_run(slowdown: float) -> tuple[dict[int, list[float]], dict[int, lis
     h = make_harness(num_blocks=4096, block_size=16, max_num_seqs=32,
                      max_num_batched_tokens=2048, chunk_size=512, step_cost=StepCostModel(true),
                      cost_fn=cost, tpot_target_ms=100, tpot_target_ms_per_tier=PREMIUM_TARGETS_MS,
-                     aging_interval_s=5.0, ttft_target_ms=None)  # TTFT aging on: rule 5 too
+                     aging_interval_s=5.0, ttft_target_ms="auto")  # TTFT aging on: rule 5 too
     rng = random.Random(7)
     arrivals, t = [], 0.0
     for i in range(40):
@@ -310,7 +310,25 @@ def test_the_stretch_starts_at_half_the_ttft_target_and_is_capped() -> None:
     assert ttft_stretch(9.0, 0.0, 4.0) == 1.0  # no TTFT target: never
 
 
-def _late_prompt_run(ttft_target_ms: float | None) -> tuple[list[SchedulerOutput], float]:
+def test_the_ttft_flags_reach_the_config() -> None:
+    import argparse
+
+    from everystop.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def sched(*argv: str) -> SchedulerConfig:
+        return engine_config_from_args(parser.parse_args(list(argv))).scheduler
+
+    assert sched().ttft_target_ms == 0.0 and sched().tpot_max_stretch == 4.0  # off by default
+    assert sched("--ttft-target-ms", "auto").ttft_target_ms == "auto"
+    assert sched("--ttft-target-ms", "300", "--tpot-max-stretch", "2").tpot_max_stretch == 2.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ttft-target-ms", "-1"])
+
+
+def _late_prompt_run(ttft_target_ms: float | str) -> tuple[list[SchedulerOutput], float]:
     """Four sequences decoding under a 60 ms target, then a 700-token prompt arrives: the
     passes from its arrival until its first token, and that TTFT."""
     h = make_harness(num_blocks=1024, block_size=16, max_num_seqs=8,
@@ -353,7 +371,7 @@ def test_a_prompt_not_late_yet_is_not_stretched() -> None:
 
 def test_with_nothing_decoding_a_prompt_is_not_chunked() -> None:
     """Rule 6: chunks interleave prefill with decodes; alone, a cut only adds a step."""
-    for ttft, passes in ((None, 1), (0.0, 3)):
+    for ttft, passes in (("auto", 1), (0.0, 3)):
         h = make_harness(num_blocks=1024, block_size=16, max_num_seqs=8,
                          max_num_batched_tokens=1024, chunk_size=256, step_cost=exact_model(),
                          cost_fn=true_cost, tpot_target_ms=60, ttft_target_ms=ttft)
@@ -372,7 +390,7 @@ def test_with_nothing_decoding_a_prompt_is_not_chunked() -> None:
 @given(requests=st.lists(st.tuples(st.integers(0, 40), st.integers(2, 600), st.integers(1, 10),
                                    st.integers(0, 2)), min_size=1, max_size=8),
        target_ms=st.sampled_from([30.0, 60.0, 150.0]),
-       ttft_ms=st.sampled_from([None, 50.0, 300.0, 2000.0]),
+       ttft_ms=st.sampled_from(["auto", 50.0, 300.0, 2000.0]),
        max_stretch=st.sampled_from([1.0, 2.0, 4.0]),
        premium_ms=st.sampled_from([None, 20.0]))
 def test_ttft_aging_starves_neither_side_and_keeps_its_cap(requests, target_ms, ttft_ms,

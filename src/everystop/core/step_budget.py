@@ -191,11 +191,11 @@ class StepBudget:
             return 0.0
         return c.fixed + c.prefill_token * n + c.context_token * (start_pos + n)
 
-    def ttft_target_s(self, configured_ms: float | None, tier: int, chunk_size: int) -> float:
-        """Rule 5's T for a prompt of `tier`: configured, or the larger of the tier's TPOT
-        target and an empty step prefilling one full chunk (0: aging off)."""
-        if configured_ms is not None:
-            return configured_ms / 1000.0
+    def ttft_target_s(self, configured_ms: float | str, tier: int, chunk_size: int) -> float:
+        """Rule 5's T for a prompt of `tier`: configured, or ("auto") the larger of the tier's
+        TPOT target and an empty step prefilling one full chunk (0: aging off)."""
+        if configured_ms != "auto":
+            return float(configured_ms) / 1000.0
         return max(self.targets_s[tier] or 0.0, self.alone_s(chunk_size, 0))
 
     def may_stretch(self, tier: int) -> bool:

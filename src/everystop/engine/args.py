@@ -175,8 +175,8 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if tpot is not None:  # one flag, two config fields
         options["tpot_target_ms"], options["tpot_target_ms_per_tier"] = tpot
     ttft: float | str | None = getattr(args, "ttft_target", None)
-    if ttft is not None:  # "auto" is the config's None
-        options["ttft_target_ms"] = None if ttft == "auto" else ttft
+    if ttft is not None:
+        options["ttft_target_ms"] = ttft
     return options
 
 
