@@ -22,8 +22,9 @@ request - sent at, prompt length, TTFT, TPOT, longest token gap - and the load a
 the run) and a plot. The servers can be started by the command itself (their
 command lines go into the JSON's meta.server_commands); the side-by-side run of the issue:
 
-    everystop bench sweep --start-everystop "--dtype bfloat16 --tpot-target-ms 200 \
-        --ttft-target-ms auto" --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
+    everystop bench sweep \
+        --start-everystop "--dtype bfloat16 --tpot-target-ms 200 --ttft-target-ms auto" \
+        --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
         --workload benchmarks/workloads/mixed-128.json --num-requests 48 --token-ids \
         --out benchmarks/results/latency_vs_load.json
 """
