@@ -95,6 +95,15 @@ class SchedulerConfig:
     tpot_target_ms: float | None = None
     # Per tier (0 premium, 1 standard, 2 best-effort); None: that tier uses tpot_target_ms.
     tpot_target_ms_per_tier: tuple[float | None, float | None, float | None] = (None, None, None)
+    # TTFT aging (core/step_budget.py rules 5 and 6): a prompt whose lateness (time waited plus
+    # the least time its remaining prompt can take) passes half this target may stretch its
+    # step's TPOT target, up to tpot_max_stretch times it at lateness = this target. "auto":
+    # derived per step from the live step-cost fit; 0 (the default): off, steps keep within
+    # the TPOT target alone.
+    ttft_target_ms: float | Literal["auto"] = 0.0
+    # The most a TTFT-aged step may stretch its TPOT target (1 = never): every step, and so
+    # every TPOT, stays within this multiple of the target (short of the rule-4 floor).
+    tpot_max_stretch: float = 4.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
@@ -124,6 +133,11 @@ class SchedulerConfig:
                                     for t in (self.tpot_target_ms, *targets)):
             raise ConfigError("tpot_target_ms takes a number of ms >= 0 (0 = off) or None, "
                               "tpot_target_ms_per_tier three of them (tiers 0, 1, 2)")
+        if self.ttft_target_ms != "auto" and not (
+                isinstance(self.ttft_target_ms, (int, float)) and self.ttft_target_ms >= 0):
+            raise ConfigError("ttft_target_ms takes a number of ms >= 0 (0 = off) or 'auto'")
+        if not self.tpot_max_stretch >= 1:
+            raise ConfigError(f"tpot_max_stretch must be >= 1, got {self.tpot_max_stretch!r}")
 
     def replace(self, **changes: object) -> SchedulerConfig:
         """A validated copy with some fields changed (hot reload goes through here)."""

@@ -54,9 +54,15 @@ def test_decode_tokens_precede_prefill_and_limits_hold() -> None:
         assert kinds == sorted(kinds, reverse=True)
 
 
-def test_long_prompt_is_chunked_while_running_sequences_keep_decoding() -> None:
+# TTFT aging off (the default): chunk_size binds; on: a 4000-token prompt is late from the
+# start (step_budget.py rule 5), its chunks grow to what the token cap leaves the decodes.
+@pytest.mark.parametrize(("ttft_target_ms", "max_chunk"),
+                         [(0.0, 256), ("auto", 512 - 4)])
+def test_long_prompt_is_chunked_while_running_sequences_keep_decoding(ttft_target_ms,
+                                                                      max_chunk) -> None:
     h = make_harness(num_blocks=2048, block_size=16, max_num_seqs=8,
-                     max_num_batched_tokens=512, chunk_size=256, max_model_len=8192)
+                     max_num_batched_tokens=512, chunk_size=256, max_model_len=8192,
+                     ttft_target_ms=ttft_target_ms)
     for i in range(4):
         h.add(f"d{i}", list(range(i, i + 20)), 200)
     for _ in range(3):
@@ -69,9 +75,9 @@ def test_long_prompt_is_chunked_while_running_sequences_keep_decoding() -> None:
         assert decodes == {f"d{i}" for i in range(4)}  # every running sequence advanced
         big = [e for e in sched.scheduled if e.request_id == "big"]
         if big:
-            assert big[0].num_tokens <= 256
+            assert big[0].num_tokens <= max_chunk
             chunks += 1
-    assert chunks >= 4000 // 256
+    assert chunks >= 4000 // max_chunk
 
 
 def test_outputs_equal_running_alone() -> None:

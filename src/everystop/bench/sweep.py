@@ -17,11 +17,13 @@ its own ("[llamacpp at 0.5] "): the same requests at every load, but no run find
 prompts in a server's prefix or prompt cache (llama-server keeps each slot's last prompt;
 everystop caches prefixes). Without it a later run measures cache hits - and a target that ran
 the capacity run had seen the prompts before anything was measured.
-Writes one JSON (per target and load: the client's summary, per-tier breakdown and the load
-average around the run) and a plot. The servers can be started by the command itself (their
+Writes one JSON (per target and load: the client's summary, per-tier breakdown, one row per
+request - sent at, prompt length, TTFT, TPOT, longest token gap - and the load average around
+the run) and a plot. The servers can be started by the command itself (their
 command lines go into the JSON's meta.server_commands); the side-by-side run of the issue:
 
-    everystop bench sweep --start-everystop "--dtype bfloat16" \
+    everystop bench sweep \
+        --start-everystop "--dtype bfloat16 --tpot-target-ms 200 --ttft-target-ms auto" \
         --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
         --workload benchmarks/workloads/mixed-128.json --num-requests 48 --token-ids \
         --out benchmarks/results/latency_vs_load.json
@@ -146,11 +148,25 @@ async def run_sweep(workload: Workload, targets: dict[str, str], loads: list[flo
             runs[name][f"{load:g}"] = {"offered_rps": load * capacity_rps,
                                        "summary": report["summary"],
                                        "by_priority": report["by_priority"],
+                                       "requests": request_rows(report["requests"]),
                                        "load_average_before": before,
                                        "load_average_after": _load_average()}
             if on_progress is not None:
                 on_progress(result)
     return result
+
+
+def request_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per request, what says why a percentile is what it is: when it was sent, its prompt
+    length, TTFT, TPOT and its longest gap between tokens (ms), in sending order."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1e3 * x, 1)
+
+    return [{"id": r["id"], "prompt_len": r["prompt_len"], "output_tokens": r["output_tokens"],
+             "sent_s": round(r["sent_s"], 3), "ttft_ms": ms(r["ttft_s"]),
+             "tpot_ms": ms(r["tpot_s"]), "itl_max_ms": ms(max(r["itl_s"], default=None)),
+             **({} if r["success"] else {"error": r["error"]})}
+            for r in sorted(rows, key=lambda r: r["sent_s"])]
 
 
 def merge_sweeps(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

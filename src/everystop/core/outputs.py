@@ -79,10 +79,11 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_padding_tokens: int = 0
     # The step budget's view of this pass (core/step_budget.py): its predicted wall time, the
-    # TPOT target it was built under (None: no target) and the prefill tokens the target left
-    # after the decodes.
+    # TPOT target it was built under (None: no target; stretched by TTFT aging, rule 5, by
+    # tpot_stretch) and the prefill tokens the unstretched target left after the decodes.
     predicted_time_s: float = 0.0
     tpot_target_s: float | None = None
+    tpot_stretch: float = 1.0
     prefill_budget_tokens: int = 0
 
     @property

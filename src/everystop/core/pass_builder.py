@@ -6,12 +6,13 @@ Made fresh inside every schedule() call and dropped at its end, so no scheduler 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from everystop.config import SchedulerConfig
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.core.request import Request
-from everystop.core.step_budget import StepBudget
+from everystop.core.step_budget import StepBudget, ttft_stretch
 
 
 @dataclass
@@ -23,6 +24,8 @@ class PassBuilder:
     prefills: dict[str, ScheduledSequence] = field(default_factory=dict)
     # Requests that joined the running batch in this pass: never preempted within it.
     admitted_now: set[str] = field(default_factory=set)
+    # Rule 5 stretch each prefill size was granted under, until its row is emitted.
+    stretched: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -34,13 +37,31 @@ class PassBuilder:
         remaining = req.num_tokens - start
         if self.budget.tokens_left <= 0 or remaining <= 0:
             return 0
+        budget = self.budget
         waited_since = req.preemption_times[-1] if req.preemption_times else req.arrival_time
-        starving = self.now - waited_since >= cfg.aging_interval_s
+        waited = self.now - waited_since
+        starving = waited >= cfg.aging_interval_s
         if cfg.enable_chunked_prefill:
-            return min(remaining, cfg.chunk_size, self.budget.room(start, starving))
+            chunk = cfg.chunk_size
+            stretch = 1.0
+            if (cfg.ttft_target_ms != 0 and budget.timed
+                    and budget.targets_s[req.priority] is not None):
+                if not self.decodes:
+                    chunk = budget.max_tokens  # rule 6: nothing to interleave with
+                elif cfg.tpot_max_stretch > 1.0 and budget.may_stretch(req.priority):
+                    lateness = waited + budget.alone_s(remaining, start)  # rule 5
+                    stretch = ttft_stretch(lateness, budget.ttft_target_s(
+                        cfg.ttft_target_ms, req.priority, cfg.chunk_size), cfg.tpot_max_stretch)
+                    # the chunk cap grows with the stretch, to the token cap at the most
+                    grow = (stretch - 1.0) / (cfg.tpot_max_stretch - 1.0)
+                    chunk += max(0, math.floor((budget.max_tokens - chunk) * grow))
+            n = min(remaining, chunk, budget.room(start, starving, stretch))
+            if budget.last_room_stretch > 1.0:
+                self.stretched[req.request_id] = budget.last_room_stretch
+            return n
         # Whole prompts only; one oversized prompt may run alone, a starving one may overshoot
         # the target (a floor chunk cannot help a prompt that must run whole).
-        room = self.budget.tokens_left if starving else self.budget.room(start)
+        room = budget.tokens_left if starving else budget.room(start)
         if remaining <= room or self.is_empty:
             return remaining
         return 0
@@ -63,6 +84,9 @@ class PassBuilder:
         is_decode = n == 1 and end == num_tokens
         (self.decodes if is_decode else self.prefills)[req.request_id] = entry
         self.budget.add(n, start, decode=is_decode, tier=req.priority)
+        stretch = self.stretched.pop(req.request_id, 1.0)
+        if stretch > 1.0 and not is_decode:
+            self.budget.use_stretch(stretch)
 
     def emit_padding(self, req: Request, block_ids: list[int]) -> None:
         """A finished static-batch member recomputed at its last position (no sample)."""
@@ -88,6 +112,7 @@ class PassBuilder:
         out.num_padding_tokens = sum(e.padding for e in self.decodes.values())
         out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())
         out.predicted_time_s = budget.predicted_s
-        out.tpot_target_s = budget.target_s
+        out.tpot_target_s = budget.effective_target_s
+        out.tpot_stretch = budget.stretch
         out.prefill_budget_tokens = budget.prefill_budget_tokens
         return out

@@ -17,6 +17,35 @@ The rule, per `schedule()` call:
      tokens an otherwise empty step runs within the target, at least one KV block. It is
      offered once per step, so a step overshoots its target by at most about one target, and
      a starving prompt of L tokens is through prefill within L / floor steps.
+  5. TTFT aging trades TPOT headroom for prefill. A prompt's lateness is the time it has
+     waited (since arrival, or its last preemption) plus the least time its remaining prompt
+     can still take (an otherwise empty step prefilling all of it): a lower bound on its TTFT.
+     Against its TTFT target T (ttft_target_ms; `auto`: per step, the larger of its tier's
+     TPOT target and what an empty step prefilling one full chunk costs), its chunk may fill
+     a stretched target
+
+         stretch = 1 + (tpot_max_stretch - 1) * clamp((lateness / T - 1/2) / (1/2), 0, 1)
+
+     times the step's target: nothing below half of T, growing linearly, tpot_max_stretch
+     (default 4) from lateness = T on; its chunk cap grows in proportion from chunk_size to
+     max_num_batched_tokens (the hard cap, always). A prompt stretches only a step whose
+     target is no tighter than its own tier's: a late best-effort prompt never spends a
+     premium decode's headroom (rule 4's floor is its guarantee there). Each row is sized
+     against its own stretch, so no step is predicted over tpot_max_stretch times its target
+     unless a rule-4 floor chunk put it there: every decode still gets its token every step
+     (rule 1), and a TPOT - a mean of step times - stays within tpot_max_stretch times the
+     target. Stretch only ever adds room, so the floor and the aging bound of rule 4 hold as
+     before. The pass reports its stretched target (SchedulerOutput.tpot_target_s: the
+     TPOT-overrun alert compares steps with what the budget allowed them) and the stretch
+     (tpot_stretch).
+  6. With TTFT aging on, a prompt in a step with no decode row is not cut at chunk_size:
+     chunks exist to interleave prefill with decodes, and with none to interleave a cut only
+     adds a step's fixed cost to the prompt's TTFT. max_num_batched_tokens still binds (a
+     newcomer waits at most one step of that many tokens, as when several prompts share one).
+
+Rules 5 and 6 are off by default (ttft_target_ms=0): a TPOT target alone then keeps every
+step within it, short of rule 4 (the simulator's A100 tables read it so). They are for a
+deployment whose TTFT matters as much as its TPOT: `--ttft-target-ms auto` (or MS).
 
 With the target off (tpot_target_ms=0) only the token cap applies: the fixed budget of before.
 
@@ -69,6 +98,18 @@ class TierTargets:
         return self._targets
 
 
+# Rule 5: the fraction of its TTFT target a prompt's lateness must pass before it stretches.
+AGING_START = 0.5
+
+
+def ttft_stretch(lateness_s: float, ttft_target_s: float, max_stretch: float) -> float:
+    """Rule 5: the factor a prompt this late may stretch its step's TPOT target by."""
+    if max_stretch <= 1.0 or not ttft_target_s > 0:
+        return 1.0
+    x = (lateness_s / ttft_target_s - AGING_START) / (1.0 - AGING_START)
+    return 1.0 + (max_stretch - 1.0) * min(max(x, 0.0), 1.0)
+
+
 def prefill_room(coeffs: StepCoefficients, predicted_s: float, target_s: float,
                  start_pos: int) -> int:
     """The most prefill tokens, in one row starting at `start_pos`, that keep a step already
@@ -95,6 +136,10 @@ class StepBudget:
         self.floor_tokens = floor_tokens
         self.target_s: float | None = None
         self.floor_granted = False
+        # Rule 5: the largest stretch a row of this step used (1: none), and the stretch the
+        # last room() answer needed (applied by `use_stretch` once that row is emitted).
+        self.stretch = 1.0
+        self.last_room_stretch = 1.0
         self._decode_tokens = 0
         self._decode_s = 0.0
         self._prefill_s = 0.0
@@ -135,12 +180,43 @@ class StepBudget:
         else:
             self._prefill_s -= cost
 
-    def room(self, start_pos: int, starving: bool = False) -> int:
-        """Prefill tokens a row starting at start_pos may take now (rules 3 and 4)."""
+    @property
+    def timed(self) -> bool:
+        return self.coeffs is not None
+
+    def alone_s(self, n: int, start_pos: int) -> float:
+        """Predicted time of an otherwise empty step prefilling n tokens from start_pos."""
+        c = self.coeffs
+        if c is None:
+            return 0.0
+        return c.fixed + c.prefill_token * n + c.context_token * (start_pos + n)
+
+    def ttft_target_s(self, configured_ms: float | str, tier: int, chunk_size: int) -> float:
+        """Rule 5's T for a prompt of `tier`: configured, or ("auto") the larger of the tier's
+        TPOT target and an empty step prefilling one full chunk (0: aging off)."""
+        if configured_ms != "auto":
+            return float(configured_ms) / 1000.0
+        return max(self.targets_s[tier] or 0.0, self.alone_s(chunk_size, 0))
+
+    def may_stretch(self, tier: int) -> bool:
+        """Rule 5: a prompt trades only headroom of targets no tighter than its own tier's."""
+        own = self.targets_s[tier]
+        return own is not None and self.target_s is not None and own <= self.target_s
+
+    def room(self, start_pos: int, starving: bool = False, stretch: float = 1.0) -> int:
+        """Prefill tokens a row starting at start_pos may take now (rules 3, 4 and 5: the
+        target stretched by `stretch`)."""
+        self.last_room_stretch = 1.0
         cap = max(self.tokens_left, 0)
         if self.coeffs is None or self.target_s is None:
             return cap
         n = prefill_room(self.coeffs, self.predicted_s, self.target_s, start_pos)
+        if stretch > 1.0:
+            stretched = prefill_room(self.coeffs, self.predicted_s, self.target_s * stretch,
+                                     start_pos)
+            if stretched > n and cap > n:
+                n = stretched
+                self.last_room_stretch = stretch
         if starving and not self.floor_granted:
             floor = max(self.floor_tokens,
                         prefill_room(self.coeffs, self.coeffs.fixed, self.target_s, start_pos))
@@ -148,6 +224,15 @@ class StepBudget:
                 self.floor_granted = True
                 n = floor
         return min(n, cap)
+
+    def use_stretch(self, stretch: float) -> None:
+        """A row sized under `stretch` (room's last_room_stretch) joined the pass."""
+        self.stretch = max(self.stretch, stretch)
+
+    @property
+    def effective_target_s(self) -> float | None:
+        """The target this step was built under, rule 5's stretch included."""
+        return None if self.target_s is None else self.target_s * self.stretch
 
     @property
     def prefill_budget_tokens(self) -> int:

@@ -99,6 +99,12 @@ class StepCostModel:
         c = [t / s for t, s in zip(self._theta, _SCALES)]
         return StepCoefficients(c[0], c[1], c[2], c[3])
 
+    def prefill_tokens_per_s(self) -> float:
+        """The rate the start-up measurement takes (one SEED_PROMPT_TOKENS prompt alone), as
+        this fit predicts it: what the preemption cost model's figure should be now."""
+        seconds = self.predict(StepShape(SEED_PROMPT_TOKENS, 0, SEED_PROMPT_TOKENS))
+        return SEED_PROMPT_TOKENS / seconds if seconds > 0 else math.inf
+
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients.as_tuple(), shape.features()))
 

@@ -51,6 +51,19 @@ def _tier_caps(text: str) -> tuple[int, int, int]:
 
 
 
+def _ttft_target(text: str) -> float | str:
+    """--ttft-target-ms: a number of ms, 'auto', or 'off' (0)."""
+    if text.lower() in ("auto", "off"):
+        return "auto" if text.lower() == "auto" else 0.0
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(f"expected MS >= 0, auto or off, got {text!r}")
+    return ms
+
+
 def parse_tpot_target(text: str) -> TpotTarget:
     """--tpot-target-ms (see config.parse_tpot_target), with argparse's error on a bad value."""
     try:
@@ -116,6 +129,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="step-time target: prefill gets what keeps a step within it "
                    "(default: derived from this machine at start-up; off: the fixed token "
                    "budget)")
+    g.add_argument("--ttft-target-ms", dest="ttft_target", type=_ttft_target, default=None,
+                   metavar="MS|auto|off", help="TTFT aging: a prompt later than half of this "
+                   "may stretch its step's TPOT target (auto: per step, the larger of the TPOT "
+                   "target and what a full chunk costs alone; default off)")
+    g.add_argument("--tpot-max-stretch", dest="tpot_max_stretch", type=float, default=None,
+                   help="the most a TTFT-aged step may stretch its TPOT target (default 4; "
+                   "1: never)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 2GiB (default: sized from available memory)")
@@ -143,6 +163,7 @@ ENGINE_OPTIONS = (
     "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
     "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
+    "tpot_max_stretch",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
     "quantization")
@@ -153,6 +174,9 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     tpot: TpotTarget | None = getattr(args, "tpot_target", None)
     if tpot is not None:  # one flag, two config fields
         options["tpot_target_ms"], options["tpot_target_ms_per_tier"] = tpot
+    ttft: float | str | None = getattr(args, "ttft_target", None)
+    if ttft is not None:
+        options["ttft_target_ms"] = ttft
     return options
 
 

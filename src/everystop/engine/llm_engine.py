@@ -30,6 +30,7 @@ from everystop.core.outputs import (
 from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
+from everystop.core.step_cost import SEED_PROMPT_TOKENS
 from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
@@ -42,6 +43,11 @@ logger = logging.getLogger("everystop.engine")
 
 T = TypeVar("T")
 _NO_LOCK: AbstractContextManager[object] = contextlib.nullcontext()
+# The start-up prefill measurement is checked against the live step-cost fit once, after this
+# many passes that carried a real prompt chunk (the fit has then seen prefill, not only
+# decodes), and replaced when they differ by more than this factor either way.
+LIVE_RATE_CHECK_PASSES = 50
+LIVE_RATE_FACTOR = 3.0
 
 
 class LLMEngine:
@@ -66,6 +72,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._live: dict[str, Request] = {}
         self.num_steps = 0
+        self._prefill_passes = 0  # counted up to LIVE_RATE_CHECK_PASSES, then the check runs
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
                                                   sorted(tokenizer.eos_token_ids))
 
@@ -228,9 +235,31 @@ class LLMEngine:
                 if req is not None:
                     self._notify_finished(req, out)
         self.num_steps += 1
+        if (self._prefill_passes < LIVE_RATE_CHECK_PASSES and result.execute_time_s > 0
+                and sched.num_prefill_tokens >= SEED_PROMPT_TOKENS):
+            self._prefill_passes += 1
+            if self._prefill_passes == LIVE_RATE_CHECK_PASSES:
+                self._check_start_up_prefill_rate()
         if self.iteration_listeners:
             self._notify_iteration(sched, start, result.execute_time_s)
         return outputs
+
+    def _check_start_up_prefill_rate(self) -> None:
+        """The start-up prefill rate (cached per machine) seeds the step-cost prior and prices
+        recompute; one measured under contention would mislead every later start. Where the
+        live fit disagrees by more than LIVE_RATE_FACTOR, take the live figure here and keep it
+        for the next start-up (the executor's cache)."""
+        sched = self.scheduler
+        cached = sched.cost_model.prefill_tokens_per_s
+        live = sched.step_cost.prefill_tokens_per_s()
+        if not (0 < live < float("inf")) or max(live / cached, cached / live) <= LIVE_RATE_FACTOR:
+            return
+        logger.warning("start-up prefill measurement %.0f tok/s is off the live step-cost fit "
+                       "(%.0f tok/s): using and caching the live figure", cached, live)
+        sched.cost_model = dataclasses.replace(sched.cost_model, prefill_tokens_per_s=live)
+        record = getattr(self.executor, "record_live_prefill_rate", None)
+        if record is not None:
+            record(live)
 
     def _notify_iteration(self, sched: SchedulerOutput, start: float, execute_s: float) -> None:
         stats = self.scheduler.stats()

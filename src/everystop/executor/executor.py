@@ -110,15 +110,29 @@ class RunnerExecutor:
         from everystop.executor.measured_costs import cached_costs
 
         runner = self._live_runner()
-        cfg = runner.model_config
-        settings = {"dtype": cfg.dtype, "kv_dtype": str(runner.kv_dtype), "device": cfg.device,
-                    "threads": runner.num_threads, "block_size": runner.block_size,
-                    "executor": type(self).__name__}
         prefill, swap = cached_costs(
-            self.model_path, settings,
+            self.model_path, self._cost_settings(runner),
             lambda: (self._measure_prefill(runner), runner.measure_swap_bytes_per_s()))
         return PreemptionCostModel(prefill_tokens_per_s=prefill, swap_bytes_per_s=swap,
                                    bytes_per_block=runner.bytes_per_block)
+
+    def _cost_settings(self, runner: ModelRunner) -> dict[str, object]:
+        """What the cached cost measurements depend on, besides the machine and model file."""
+        from everystop.executor.measured_costs import kernel_build_id
+
+        cfg = runner.model_config
+        return {"dtype": cfg.dtype, "kv_dtype": str(runner.kv_dtype), "device": cfg.device,
+                "quantization": cfg.quantization, "backends": repr(runner.backends),
+                "kernel_build": kernel_build_id(), "threads": runner.num_threads,
+                "block_size": runner.block_size, "executor": type(self).__name__}
+
+    def record_live_prefill_rate(self, prefill_tokens_per_s: float) -> None:
+        """The live step-cost fit disagrees with the cached start-up measurement: keep the
+        live figure for the next start-up on this machine."""
+        from everystop.executor.measured_costs import record_live_prefill_rate
+
+        record_live_prefill_rate(self.model_path, self._cost_settings(self._live_runner()),
+                                 prefill_tokens_per_s)
 
     def check_health(self) -> None:
         """One process: healthy while it runs."""
