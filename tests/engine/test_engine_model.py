@@ -25,26 +25,17 @@ def _prompts(n: int) -> list[str]:
     return out
 
 
-ALL_PROMPTS = _prompts(64)
-PROMPTS = ALL_PROMPTS[:32]
+# 16 mixed-length prompts: each concurrent run and the one-at-a-time reference is an engine run
+# of ~10-30 s here (CI's budget); tests/engine/test_engine_preemption_model.py runs 64.
+PROMPTS = _prompts(16)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def alone() -> list[list[int]]:
-    """Each of the 32 prompts run by itself (max_num_seqs=1): the reference."""
+    """Each of the prompts run by itself (max_num_seqs=1): the reference."""
     llm = LLM(max_num_seqs=1, max_num_batched_tokens=512, enable_prefix_caching=False)
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def ample(alone) -> list[list[int]]:
-    """All 64 prompts at once with ample KV memory: the reference for the starved runs."""
-    llm = LLM(max_num_seqs=64, max_num_batched_tokens=1024, enable_prefix_caching=False)
-    outs = [o.token_ids for o in llm.generate(ALL_PROMPTS, GREEDY, use_tqdm=False)]
-    assert outs[:32] == alone
-    assert llm.engine.scheduler.num_preemptions == {"recompute": 0, "swap": 0}
-    return outs
 
 
 # Every pair of values of the three settings appears in some case (6 cases instead of all 12
@@ -73,26 +64,6 @@ def test_prefix_cache_shared_system_prompt() -> None:
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 64 for o in rest)  # the system prompt's full blocks
     assert [first.token_ids] + [o.token_ids for o in rest] == expected
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_kv_starved_engine_preempts_and_matches(ample, mode: str) -> None:
-    """A pool far smaller than the load needs: 64 concurrent greedy requests still give the same
-    tokens as with ample memory, preemptions happen, and the pool ends whole."""
-    llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, block_size=16,
-              num_gpu_blocks_override=40, swap_space_gib=0.05, preemption_mode=mode,
-              recompute_threshold_tokens=32, enable_prefix_caching=False)
-    outs = llm.generate(ALL_PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == ample
-    sched = llm.engine.scheduler
-    total = sched.num_preemptions["recompute"] + sched.num_preemptions["swap"]
-    assert total > 0
-    if mode == "swap":
-        assert sched.num_preemptions["swap"] > 0 and sched.num_swap_in_blocks > 0
-    if mode == "recompute":
-        assert sched.num_preemptions["swap"] == 0
-    assert llm.engine.kv.pool.num_used_blocks == 0 and llm.engine.kv.num_swapped_blocks == 0
-    llm.engine.scheduler.check_integrity()
 
 
 def test_static_padding_rows_leave_outputs_and_cache_intact(alone) -> None:
