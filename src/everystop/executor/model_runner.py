@@ -325,6 +325,9 @@ class ModelRunner:
     def _forward_rows(self, inputs: ModelInputs, rows: torch.Tensor) -> torch.Tensor:
         """The final hidden states of `rows` (in that order, repeats allowed): the model
         computes its last layer for those rows only, so it is given them sorted and unique."""
+        if rows is inputs.sample_indices:  # one last row per sampled sequence: already so
+            return self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                              inputs.meta, rows)
         wanted, order = torch.unique(rows, sorted=True, return_inverse=True)
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
                             inputs.meta, wanted)
