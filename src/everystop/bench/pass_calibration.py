@@ -24,6 +24,7 @@ import time
 from everystop.bench.sim_calibration import (
     OtherLoad,
     Recorder,
+    add_live_engine_arguments,
     cpu_name,
     load_avg,
     profile,
@@ -42,12 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="n=120,prompt=uniform:16:256,output=uniform:8:96,seed=3",
                    help="synthetic spec of the live run (its arrivals: --rate)")
     p.add_argument("--rate", type=float, default=0.8, help="Poisson arrivals per second")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
+    add_live_engine_arguments(p)
     p.add_argument("--refit", default=None, metavar="JSON",
                    help="no live run: judge the passes recorded in this file's JSON again "
                         "(its run's details are kept)")

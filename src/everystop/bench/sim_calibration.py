@@ -250,6 +250,16 @@ def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
             "total_time_rel_error": round((total - measured) / measured, 4)}
 
 
+def add_live_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The live engine a calibration runs against (shared with bench/pass_calibration.py)."""
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # 192 requests per run: a p99 over 48 rested on one request.
     p.add_argument("--workload", default="n=192,prompt=uniform:16:200,output=uniform:4:32,seed=7",
@@ -261,12 +271,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-output", type=int, default=10, help="profile output tokens")
     p.add_argument("--no-staggered", dest="staggered", action="store_false",
                    help="profile only rounds whose requests all arrive at once")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
+    add_live_engine_arguments(p)
     p.add_argument("--repeats", type=int, default=3,
                    help="measured workloads (other lengths and arrival seeds each); the goal is "
                         "judged on all their requests pooled")
