@@ -121,18 +121,29 @@ def _speed() -> list[str]:
         "(one send and about one finish per request, instead of all 64 replicas on every "
         "request), and scores each replica once per request: the same rankings (the pinned "
         "digests, and a test replaying a simulation's every routing call through the Ray Serve "
-        "router). What is left is what neither can skip: the passes the scheduler runs itself "
-        "(admissions and prefill chunks), each over every running row.",
+        "router). The cyclic garbage collector is off while the fleet runs (`sim/fleet.py`, "
+        "`_gc_frozen`): the run makes almost no reference cycles, but each of Python's full "
+        "collections re-walked its growing heap of requests, prefix hashes and finished records "
+        "(the same 20,000-request command: 1.15x less CPU, the same summary; more on longer "
+        "runs, whose full collections walk more). What is left is what none of these can skip: "
+        "the passes the scheduler runs itself (admissions and prefill chunks), each over every "
+        "running row, and the stretches' block-boundary work.",
         "",
         "Why 600 s is out of reach as built: in a profiled 12,000-request run at 64 replicas the "
         "scheduler ran 18,772 passes itself (1.56 per request: a prompt's prefill chunks, while "
         "every other row of the replica decodes), with ~60 rows each (1.12 M rows emitted), and "
         "the real `schedule()` + `update_from_output()` cost ~7.5 CPU-us per row (session 7's "
-        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request before any routing, "
-        "stretch or event-queue work, above the 0.6 CPU-ms per request that 1M requests in "
-        "600 s allow. Meeting it needs mixed passes "
-        "whose decode rows are applied in bulk as a stretch applies them (the scheduler deciding "
-        "only the prefill rows), or a cheaper scheduler row: not done.",
+        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request, above the 0.6 CPU-ms "
+        "per request that 1M requests in 600 s allow. Nor is that the only obstacle: in an "
+        "8,000-request cProfile with the collector off (session 9, pool building left out), "
+        "the scheduler's own passes were 49% of the time, the decode stretches 38% (block "
+        "growth through `KVCacheManager.allocate` and prefix-cache registration at every 16th "
+        "token of every row, planning, and a new stretch over every row after each mixed "
+        "pass), routing 8%: the half outside the scheduler's passes alone comes to ~1.3 CPU-ms "
+        "per request at the 20,000-request figure above, twice the budget. Meeting it needs "
+        "mixed passes whose decode rows are applied in bulk (the scheduler deciding only the "
+        "prefill rows: a change to the production scheduler, not done) and block growth and "
+        "registration several times cheaper, or the same work out of Python: not done.",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
