@@ -342,8 +342,8 @@ def _gc_frozen() -> Iterator[None]:
     The run makes almost no reference cycles (at 2,000 requests x 64 replicas the collector
     found 183 objects in 2,681 passes, none in its full passes; at 20,000 none in 58 full
     passes), but a full pass re-walks every live object, and those grow with the run (finished
-    records, the prefix cache's hashes): 13% of the CPU of a 20,000-request run at 64 replicas,
-    27% at 50,000 (paired runs, benchmarks/results/sim/fleet_speed.json and _ab_50k.json). The
+    records, the prefix cache's hashes): 13-18% of the CPU of a 20,000-request run at 64
+    replicas, 27% at 50,000 (paired runs, as in benchmarks/results/sim/fleet_speed.json). The
     few cycles left are collected once it is back on."""
     was_enabled = gc.isenabled()
     gc.freeze()

@@ -124,7 +124,7 @@ def _speed() -> list[str]:
         "router). The cyclic garbage collector is off while the fleet runs (`sim/fleet.py`, "
         "`_gc_frozen`): the run makes almost no reference cycles, but each of Python's full "
         "collections re-walked its growing heap of requests, prefix hashes and finished records "
-        "(the same summary and 1.15x less CPU at 20,000 requests; 1.38x at 50,000, "
+        "(paired with the commit before it: the figures above at 20,000 requests; 1.38x at 50,000, "
         "`fleet_speed_ab_50k.json`: 3.10 against 4.27 CPU-ms per request, the full collections "
         "walking more the longer the run). What is left is what none of these can skip: "
         "the passes the scheduler runs itself (admissions and prefill chunks), each over every "
