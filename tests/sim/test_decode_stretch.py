@@ -1,10 +1,12 @@
 """Decode stretches change how much work the fleet simulator does, never what it decides: with
 and without them every finished request's timings, every rejection, every replica's passes and
 busy time are identical, where stretches are cut by arrivals, end in finishes, grow blocks,
-share prefix-cache blocks, run the pool dry, and replay the step-cost fit (a TPOT target on)."""
+share prefix-cache blocks, run the pool dry, and replay the step-cost fit (a TPOT target on),
+with TTFT aging stretching passes and priority aging reordering the queues around them."""
 
 import pytest
 
+from everystop.core.scheduler import Scheduler
 from everystop.routing import make_router
 from everystop.sim.fleet import FleetResult, Replica, simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
@@ -26,11 +28,20 @@ CASES = {
     "odd-interval": ("continuous", 2000, {}, "round-robin", 0.1, TRAFFIC),
     "pool-runs-dry": ("chunked", 160, {"preemption_mode": "auto"}, "least-loaded", 0.5,
                       LONG_REPLIES),
+    # Rule 5 on, per-tier targets: late prompts stretch the passes they join (checked below).
+    "ttft-aging": ("chunked", 900, {"tpot_target_ms": 20.0, "ttft_target_ms": 150.0,
+                                    "tpot_target_ms_per_tier": (15.0, None, 40.0)},
+                   "least-loaded", 0.25, TRAFFIC),
+    # Queues that wait past a short aging interval on a tight pool: priority aging reorders
+    # them (the results differ with aging off, checked below) and starving prompts get floors.
+    "priority-aging": ("chunked", 300, {"aging_interval_s": 0.3, "preemption_mode": "auto"},
+                       "round-robin", 0.3, TRAFFIC),
 }
 
 
-def _run(case: str, stretches: bool) -> FleetResult:
+def _run(case: str, stretches: bool, **override: object) -> FleetResult:
     scheduling, blocks, options, router, interval, traffic = CASES[case]
+    options = {**options, **override}
     node = build_node("llama-3-8b", "a100-80gb", 1, scheduling, num_gpu_blocks=blocks,
                       max_num_seqs=32, swap_space_bytes=2 * 2**30, **options)
     replicas = 2 if traffic is LONG_REPLIES else 3
@@ -56,12 +67,25 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
         stretched.append(self.stretch is not None)
         return event
 
+    schedule = Scheduler.schedule
+    tpot_stretches = []
+
+    def schedule_spy(self):
+        out = schedule(self)
+        tpot_stretches.append(out.tpot_stretch)
+        return out
+
     monkeypatch.setattr(Replica, "begin", spy)
+    monkeypatch.setattr(Scheduler, "schedule", schedule_spy)
     fast = _run(case, True)
     assert sum(stretched) >= 10  # stretches really ran
     slow = _run(case, False)
     assert len(fast.finished) >= 60 and fast.num_preemptions >= 0
     assert _facts(fast) == _facts(slow)
+    if case == "ttft-aging":
+        assert max(tpot_stretches) > 1.0  # rule 5 fired
+    if case == "priority-aging":
+        assert _facts(_run(case, True, aging_interval_s=1e6)) != _facts(fast)  # aging decided
 
 
 def test_a_report_between_passes_sees_what_single_passes_left():

@@ -174,3 +174,28 @@ def test_a_replica_reports_the_prompt_left_of_a_running_prefill():
     replica.start_pass()  # the first 256-token chunk
     replica.end_pass()
     assert replica.sched.running and replica.load(1).prefill_tokens_queued == 1000 - 256
+
+
+def test_the_cyclic_collector_is_off_during_a_run_and_back_on_after():
+    """simulate_fleet keeps gc off while it runs (full passes re-walk its growing heap and find
+    nothing) and restores it, also when the run fails."""
+    import gc
+
+    node = build_node("llama-3-8b", "a100-80gb", 1, "chunked", num_gpu_blocks=400)
+    seen = []
+
+    def latency(shape):
+        seen.append(gc.isenabled())
+        return node.cost.latency(shape)
+
+    traffic = fleet_traffic("n=20,prompt=uniform:20:100,output=uniform:5:20,rate=20,seed=1")
+    simulate_fleet(traffic, node.setup, latency, 2, make_router("least-loaded"))
+    assert seen and not any(seen) and gc.isenabled()
+
+    def failing(shape):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        simulate_fleet(fleet_traffic("n=3,seed=1"), node.setup, failing, 1,
+                       make_router("least-loaded"))
+    assert gc.isenabled()

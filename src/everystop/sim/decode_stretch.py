@@ -222,6 +222,7 @@ class DecodeStretch:
         """The start of pass boundary+1: rows at a block boundary get their next block."""
         self.started = boundary
         self.sched.num_steps += 1
+        self.kv.begin_step()  # as schedule() does: host blocks a swap-in read are free again
         rows = self.on_start.pop(boundary, None)
         if not rows:
             return

@@ -121,24 +121,54 @@ def _speed() -> list[str]:
         "(one send and about one finish per request, instead of all 64 replicas on every "
         "request), and scores each replica once per request: the same rankings (the pinned "
         "digests, and a test replaying a simulation's every routing call through the Ray Serve "
-        "router). What is left is what neither can skip: the passes the scheduler runs itself "
-        "(admissions and prefill chunks), each over every running row.",
+        "router). The cyclic garbage collector is off while the fleet runs (`sim/fleet.py`, "
+        "`_gc_frozen`): the run makes almost no reference cycles, but each of Python's full "
+        "collections re-walked its growing heap of requests, prefix hashes and finished records "
+        "(paired with the commit before it: the figures above at 20,000 requests; 1.38x at 50,000, "
+        "`fleet_speed_ab_50k.json`: 3.10 against 4.27 CPU-ms per request, the full collections "
+        "walking more the longer the run). What is left is what none of these can skip: "
+        "the passes the scheduler runs itself (admissions and prefill chunks), each over every "
+        "running row, and the stretches' block-boundary work.",
         "",
         "Why 600 s is out of reach as built: in a profiled 12,000-request run at 64 replicas the "
         "scheduler ran 18,772 passes itself (1.56 per request: a prompt's prefill chunks, while "
         "every other row of the replica decodes), with ~60 rows each (1.12 M rows emitted), and "
         "the real `schedule()` + `update_from_output()` cost ~7.5 CPU-us per row (session 7's "
-        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request before any routing, "
-        "stretch or event-queue work, above the 0.6 CPU-ms per request that 1M requests in "
-        "600 s allow. Meeting it needs mixed passes "
-        "whose decode rows are applied in bulk as a stretch applies them (the scheduler deciding "
-        "only the prefill rows), or a cheaper scheduler row: not done.",
+        "quiet measurement): 1.56 x 60 x 7.5 us = ~0.7 CPU-ms per request, above the 0.6 CPU-ms "
+        "per request that 1M requests in 600 s allow.",
+        *_speed_split(s),
+        "Meeting 600 s needs mixed passes whose decode rows are applied in bulk (the scheduler "
+        "deciding only the prefill rows: a change to the production scheduler, not done) and "
+        "block growth and registration several times cheaper, or the same work out of Python: "
+        "not done.",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
         "short run): "
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
+    ]
+
+
+def _speed_split(s: dict) -> list[str]:
+    """The timed run's CPU split between the scheduler's own passes and the rest, if recorded."""
+    if "scheduler_pass_cpu_ms_per_request" not in s:
+        return []
+    sched, other = s["scheduler_pass_cpu_ms_per_request"], s["other_cpu_ms_per_request"]
+    over = [name for name, v in (("the scheduler's passes", sched), ("the rest", other))
+            if v / 1e3 * s["target_requests"] > s["target_s"]]
+    if len(over) == 2:
+        verdict = "each alone above the budget"
+    else:
+        verdict = f"{over[0]} alone above the budget" if over else "both within the budget"
+    return [
+        f"Split without a profiler in the timed run above (process time around every "
+        f"replica's `start_pass` and `end_pass`): the scheduler's own passes took {sched} "
+        f"CPU-ms per request ({sched / s['cpu_ms_per_request']:.0%}) and everything else "
+        f"{other}: {verdict}. In an 8,000-request cProfile (session 9) the rest is mostly the "
+        "decode stretches (block growth through `KVCacheManager.allocate` and prefix-cache "
+        "registration at every 16th token of every row, planning, and a new stretch over "
+        "every row after each mixed pass), then routing.",
     ]
 
 
