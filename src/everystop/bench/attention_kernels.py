@@ -26,20 +26,21 @@ from everystop.results import write_result
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SPREAD = 9, 3, 64, 16, 8, 4
 
 
-def build(seqs: list[tuple[int, int]], dtype: Any, seed: int = 0) -> tuple[Any, ...]:
+def build(seqs: list[tuple[int, int]], dtype: Any, seed: int = 0,
+          block_size: int = BLOCK) -> tuple[Any, ...]:
     import torch
 
     from everystop.executor.layers.attention import AttentionMetadata
 
     rng = random.Random(seed)
-    need = [(n + BLOCK - 1) // BLOCK for n, _ in seqs]
+    need = [(n + block_size - 1) // block_size for n, _ in seqs]
     pool_blocks = SPREAD * sum(need)
     ids = rng.sample(range(pool_blocks), sum(need))  # scattered through a larger pool
     tables = torch.zeros((len(seqs), max(need)), dtype=torch.long)
     for i, n in enumerate(need):
         tables[i, :n] = torch.tensor(ids[:n])
         ids = ids[n:]
-    shape = (pool_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (pool_blocks, block_size, KV_HEADS, HEAD_DIM)
     layers = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
               for _ in range(LAYERS)]
     qsl = [0]
@@ -50,7 +51,7 @@ def build(seqs: list[tuple[int, int]], dtype: Any, seed: int = 0) -> tuple[Any, 
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
         query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(lens), block_tables=tables,
-        block_size=BLOCK, max_query_len=max(ql for _, ql in seqs), max_seq_len=max(lens),
+        block_size=block_size, max_query_len=max(ql for _, ql in seqs), max_seq_len=max(lens),
         query_start_loc_list=qsl, seq_lens_list=lens)
     # K/V bytes a step must read at least once: every context token, K and V, all kv heads,
     # every layer.

@@ -48,6 +48,8 @@ MEASUREMENTS = [
      "model's projection shapes"),
     ("attention", "everystop.bench.attention_kernels", "paged attention: torch vs each CPU "
      "kernel build, per KV dtype"),
+    ("kv-read-ceiling", "everystop.bench.kv_read_ceiling", "K/V read in paged order vs a "
+     "sequential read, per block size, beside the attention kernel"),
     ("preemption", "everystop.bench.preemption_modes", "KV-starved workload: recompute vs swap "
      "vs the cost model"),
     ("scheduler", "everystop.bench.scheduler_cost", "scheduler cost per iteration; decode "
