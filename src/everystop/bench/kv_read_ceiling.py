@@ -9,7 +9,8 @@ sequential read of as many bytes (the machine's read bandwidth, measured in the 
   paged_read:    every byte of each sequence's K and V blocks, block-table order, next block
                  prefetched (no arithmetic: what the access pattern alone allows)
   contiguous:    the same bytes with each sequence's blocks adjacent (the layout's own cost)
-  kernel-ISA:    the paged-attention kernel on those blocks
+  kernel-ISA:    the paged-attention kernel on those blocks (and the best ISA's on the
+                 adjacent blocks: what an allocator keeping sequences contiguous would buy)
 
 Each reports its share of the sequential read (median over rounds: the machine is shared, so
 each round's ratio is taken within the same seconds). Tells apart "the kernel is slow" from
@@ -23,6 +24,7 @@ Writes benchmarks/results/kv_read_ceiling.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -127,13 +129,17 @@ def measure_block_size(block: int, rounds: int, kernels: dict[str, Any], reader:
         for kc, vc in layers:
             reader(kc, vc, adjacent, num_blocks, True)
 
-    def kernel(k: Any) -> Any:
-        return lambda: [paged_attention(q, kc, vc, meta, ak.HEAD_DIM ** -0.5, kernels=k,
+    adjacent_meta = dataclasses.replace(meta, block_tables=adjacent)
+
+    def kernel(k: Any, m: Any) -> Any:
+        return lambda: [paged_attention(q, kc, vc, m, ak.HEAD_DIM ** -0.5, kernels=k,
                                         backend="kernel") for kc, vc in layers]
 
     readers = {"paged_read": (paged, read_bytes), "contiguous_read": (contiguous, read_bytes)}
     for name, k in kernels.items():
-        readers[name] = (kernel(k), kv_bytes)
+        readers[name] = (kernel(k, meta), kv_bytes)
+    best_isa = next(iter(kernels))  # best first
+    readers[f"{best_isa}-contiguous"] = (kernel(kernels[best_isa], adjacent_meta), kv_bytes)
     for fn, _ in readers.values():  # warm-up
         fn()
     shares: dict[str, list[float]] = {name: [] for name in readers}
