@@ -218,6 +218,10 @@ class ModelConfig:
     # transformers' fp32 ones, which tests/executor/test_llama_vs_transformers.py holds within
     # 1e-3.
     int8_decode_dot: bool = False
+    # Entries in each of oneDNN's two caches of compiled GEMMs (one per batch shape, ~0.4 MiB
+    # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
+    # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
+    onednn_cache_capacity: int | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
@@ -229,6 +233,9 @@ class ModelConfig:
                                   f"{getattr(self, name)!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
+            raise ConfigError("onednn_cache_capacity must be >= 1 (0 would compile every GEMM "
+                              f"at every call), got {self.onednn_cache_capacity}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
 

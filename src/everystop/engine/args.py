@@ -102,6 +102,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="block weights meet activations rounded to int8 per 32 values (as "
                    "llama.cpp), single-row decodes through integer dot products (faster; logits "
                    "move up to ~0.7 from fp32 activations)")
+    g.add_argument("--onednn-cache-capacity", type=int, default=None, metavar="N",
+                   help="compiled oneDNN GEMMs kept per cache, one per batch shape, ~0.4 MiB "
+                   "each (default 64, or ONEDNN_PRIMITIVE_CACHE_CAPACITY / LRU_CACHE_CAPACITY "
+                   "if set): larger recompiles less often and holds more memory")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -166,7 +170,7 @@ ENGINE_OPTIONS = (
     "tpot_max_stretch",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
-    "quantization")
+    "quantization", "onednn_cache_capacity")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from everystop.executor.layers.linear import fp32_gemm_is_faster
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
+from everystop.executor.onednn_caches import bound_onednn_caches
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
 from everystop.executor.sampler import Sampler
 from everystop.sampling_params import SamplingParams
@@ -114,6 +115,8 @@ class ModelRunner:
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
+            # Before the first oneDNN GEMM of this process (the model load may run one).
+            bound_onednn_caches(model_config.onednn_cache_capacity)
             # Tensor-parallel CPU ranks share the cores: each takes its share.
             threads = model_config.num_threads or usable_cpus()
             torch.set_num_threads(max(1, threads // parallel.world_size))
