@@ -196,7 +196,7 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
 def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
                                   metrics: ServerMetrics, guards: RouteGuards,
                                   open_metrics: bool) -> None:
-    """/health (never behind the key: load balancers probe it) and Prometheus' /metrics."""
+    """/health (no key: probes carry none) and /metrics (behind the key unless open_metrics)."""
 
     @app.get("/health")
     async def health() -> Response:
