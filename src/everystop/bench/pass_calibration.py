@@ -23,9 +23,9 @@ import time
 
 from everystop.bench.sim_calibration import (
     OtherLoad,
-    Recorder,
     add_live_engine_arguments,
     cpu_name,
+    live_engine,
     load_avg,
     profile,
     run_live,
@@ -97,18 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch  # only the engine needs it; imported here so --help stays fast
 
-    from everystop.config import EngineConfig
-    from everystop.engine.llm_engine import LLMEngine
-
     load_start = load_avg()
     wall0 = time.monotonic()
-    engine = LLMEngine.from_config(EngineConfig.from_options(
-        dtype="float32", num_threads=args.threads, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
-        max_model_len=args.max_model_len))
+    engine, recorder = live_engine(args)
     rng = random.Random(args.seed)
-    recorder = Recorder()
-    engine.iteration_listeners.append(recorder)
     profile(engine, [(2, 32, 4), (4, 128, 8)], rng)  # warm-up: first passes pay allocations
     recorder.records.clear()
     workload = synthetic(args.workload).with_rate(args.rate, seed=args.seed + 1)

@@ -260,6 +260,18 @@ def add_live_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def live_engine(args: argparse.Namespace) -> tuple[LLMEngine, Recorder]:
+    """The engine a live calibration runs against (float32 on CPU, add_live_engine_arguments'
+    flags), and the recorder of its every pass."""
+    engine = LLMEngine.from_config(EngineConfig.from_options(
+        dtype="float32", num_threads=args.threads, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
+        max_model_len=args.max_model_len))
+    recorder = Recorder()
+    engine.iteration_listeners.append(recorder)
+    return engine, recorder
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # 192 requests per run: a p99 over 48 rested on one request.
     p.add_argument("--workload", default="n=192,prompt=uniform:16:200,output=uniform:4:32,seed=7",
@@ -376,13 +388,8 @@ def run(args: argparse.Namespace) -> int:
                                 "torch_threads": torch.get_num_threads(),
                                 "torch": torch.__version__, "load_avg_1m_start": load_avg()}}
     wall0 = time.monotonic()
-    engine = LLMEngine.from_config(EngineConfig.from_options(
-        dtype="float32", max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
-        max_model_len=args.max_model_len))
+    engine, recorder = live_engine(args)
     rng = random.Random(args.seed)
-    recorder = Recorder()
-    engine.iteration_listeners.append(recorder)
     rounds, calib, profile_s, profile_others = _profile_phase(engine, recorder, args, rng)
 
     model = load_model("smollm2-135m")

@@ -248,6 +248,39 @@ class Soak:
 
 def report(s: Soak, rate: float, capacity: float, state: tuple[dict[str, float], dict[str, float]],
            metrics: str, args: argparse.Namespace, uptime: tuple[str, str]) -> dict[str, Any]:
+    minutes = _per_minute(s, state[0])
+    valid = [e for e in s.events if e["kind"] != "bad"]
+    bad = [e for e in s.events if e["kind"] == "bad"]
+    kinds: dict[str, int] = defaultdict(int)
+    for e in s.events:
+        kinds[e["kind"]] += 1
+    five_xx_valid = sum(1 for e in valid if (e["status"] or 0) >= 500)
+    bad_not_4xx = sum(1 for e in bad if not 400 <= (e["status"] or 0) < 500)
+    leaked = _metric(metrics, "everystop:kv_cache_used_blocks")
+    worst_health = max((m["health_p99_ms"] for m in minutes), default=float("nan"))
+    memory, rss_growth = _memory_checks(s, state, args.warmup_minutes)
+    return {
+        "benchmark": "soak", "minutes": args.minutes, "capacity_req_s": round(capacity, 3),
+        "load": args.load, "rate_req_s": round(rate, 3), "arrivals": dict(kinds),
+        "status_counts": {str(k): v for k, v in sorted(_counts(s.events).items())},
+        "stream_errors": sum(1 for e in s.events if "stream_error" in e),
+        "transport_errors": sum(1 for e in s.events if "transport_error" in e),
+        "reloads": s.reloads, "per_minute": minutes,
+        "checks": {"valid_5xx": five_xx_valid, "bad_input_not_4xx": bad_not_4xx,
+                   "kv_blocks_in_use_after_drain": leaked, **memory,
+                   "worst_minute_health_p99_ms": worst_health},
+        "passed": {"no_5xx": five_xx_valid == 0, "bad_input_4xx": bad_not_4xx == 0,
+                   "no_leaked_blocks": leaked == 0,
+                   "rss_growth_under_2pct": rss_growth < 2,
+                   "health_p99_under_250ms": worst_health < 250},
+        "server_flags": args.server_flags,
+        "uptime_start_end": list(uptime),
+    }
+
+
+def _per_minute(s: Soak, start: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per minute of the mixed traffic (also printed as it is made): arrivals, /health
+    and TTFT p99 per tier, the load average, full GC pauses and the RSS net of the KV pools."""
     per_minute: dict[int, dict[str, Any]] = defaultdict(lambda: defaultdict(list))
     for ev in s.events:
         m = per_minute[s.minute(ev["at"])]
@@ -258,7 +291,7 @@ def report(s: Soak, rate: float, capacity: float, state: tuple[dict[str, float],
         per_minute[s.minute(at)]["health"].append(lat)
     for at, load in s.load:
         per_minute[s.minute(at)]["load"].append(load)
-    previous = state[0]
+    previous = start
     for at, now in s.server:  # per minute: pauses since the previous scrape, the last RSS
         m = per_minute[s.minute(at)]
         m["gc_full_pauses"].append(now["gc_full_pauses"] - previous["gc_full_pauses"])
@@ -282,57 +315,39 @@ def report(s: Soak, rate: float, capacity: float, state: tuple[dict[str, float],
             row[f"ttft_p99_s_tier{tier}"] = None if p99 is None else round(p99, 3)
         minutes.append(row)
         print(json.dumps(row), file=sys.stderr)
-    valid = [e for e in s.events if e["kind"] != "bad"]
-    bad = [e for e in s.events if e["kind"] == "bad"]
-    kinds: dict[str, int] = defaultdict(int)
-    for e in s.events:
-        kinds[e["kind"]] += 1
-    five_xx_valid = sum(1 for e in valid if (e["status"] or 0) >= 500)
-    bad_not_4xx = sum(1 for e in bad if not 400 <= (e["status"] or 0) < 500)
+    return minutes
+
+
+def _memory_checks(s: Soak, state: tuple[dict[str, float], dict[str, float]],
+                   warmup_minutes: float) -> tuple[dict[str, Any], float]:
+    """RSS growth (judged, raw and from calibration), the heap trims and the full GC pauses;
+    and the judged growth in percent, unrounded."""
     start, end = state
     raw_growth = (end["rss"] - start["rss"]) / start["rss"] * 100
     pool_growth = end["kv_pool_resident"] - start["kv_pool_resident"]
     from_calibration = (end["rss"] - start["rss"] - pool_growth) / start["rss"] * 100
-    warm = _warm_state(s, args.warmup_minutes * 60) or start
+    warm = _warm_state(s, warmup_minutes * 60) or start
     # Judged: net of the pools, from the end of the declared warm-up to the drained end.
     rss_growth = ((end["rss"] - end["kv_pool_resident"]) - (warm["rss"] - warm["kv_pool_resident"])
                   ) / warm["rss"] * 100
-    leaked = _metric(metrics, "everystop:kv_cache_used_blocks")
-    worst_health = max((m["health_p99_ms"] for m in minutes), default=float("nan"))
-    return {
-        "benchmark": "soak", "minutes": args.minutes, "capacity_req_s": round(capacity, 3),
-        "load": args.load, "rate_req_s": round(rate, 3), "arrivals": dict(kinds),
-        "status_counts": {str(k): v for k, v in sorted(_counts(s.events).items())},
-        "stream_errors": sum(1 for e in s.events if "stream_error" in e),
-        "transport_errors": sum(1 for e in s.events if "transport_error" in e),
-        "reloads": s.reloads, "per_minute": minutes,
-        "checks": {"valid_5xx": five_xx_valid, "bad_input_not_4xx": bad_not_4xx,
-                   "kv_blocks_in_use_after_drain": leaked,
-                   "rss_bytes_start_end": [start["rss"], end["rss"]],
-                   "kv_pool_resident_bytes_start_end": [start["kv_pool_resident"],
-                                                        end["kv_pool_resident"]],
-                   "rss_growth_definition": RSS_GROWTH_DEFINITION.format(
-                       warmup=args.warmup_minutes),
-                   "rss_bytes_at_warmup_end": warm["rss"],
-                   "kv_pool_resident_bytes_at_warmup_end": warm["kv_pool_resident"],
-                   "rss_growth_pct": round(rss_growth, 2),
-                   "rss_growth_raw_pct": round(raw_growth, 2),
-                   "rss_growth_net_of_kv_pool_from_calibration_pct": round(from_calibration, 2),
-                   "heap_trim_calls_released_mib_seconds": [
-                       end["heap_trim_calls"], round(end["heap_trim_released"] / 2**20, 1),
-                       round(end["heap_trim_s"], 3)],
-                   "gc_full_pauses_total": end["gc_full_pauses"] - start["gc_full_pauses"],
-                   "gc_full_pauses_over_100ms": (end["gc_full_pauses"]
-                                                 - end["gc_full_pauses_under_100ms"]
-                                                 - start["gc_full_pauses"]
-                                                 + start["gc_full_pauses_under_100ms"]),
-                   "worst_minute_health_p99_ms": worst_health},
-        "passed": {"no_5xx": five_xx_valid == 0, "bad_input_4xx": bad_not_4xx == 0,
-                   "no_leaked_blocks": leaked == 0, "rss_growth_under_2pct": rss_growth < 2,
-                   "health_p99_under_250ms": worst_health < 250},
-        "server_flags": args.server_flags,
-        "uptime_start_end": list(uptime),
-    }
+    checks = {"rss_bytes_start_end": [start["rss"], end["rss"]],
+              "kv_pool_resident_bytes_start_end": [start["kv_pool_resident"],
+                                                   end["kv_pool_resident"]],
+              "rss_growth_definition": RSS_GROWTH_DEFINITION.format(warmup=warmup_minutes),
+              "rss_bytes_at_warmup_end": warm["rss"],
+              "kv_pool_resident_bytes_at_warmup_end": warm["kv_pool_resident"],
+              "rss_growth_pct": round(rss_growth, 2),
+              "rss_growth_raw_pct": round(raw_growth, 2),
+              "rss_growth_net_of_kv_pool_from_calibration_pct": round(from_calibration, 2),
+              "heap_trim_calls_released_mib_seconds": [
+                  end["heap_trim_calls"], round(end["heap_trim_released"] / 2**20, 1),
+                  round(end["heap_trim_s"], 3)],
+              "gc_full_pauses_total": end["gc_full_pauses"] - start["gc_full_pauses"],
+              "gc_full_pauses_over_100ms": (end["gc_full_pauses"]
+                                            - end["gc_full_pauses_under_100ms"]
+                                            - start["gc_full_pauses"]
+                                            + start["gc_full_pauses_under_100ms"])}
+    return checks, rss_growth
 
 
 def _warm_state(s: Soak, after_s: float) -> dict[str, float] | None:

@@ -75,6 +75,14 @@ def parse_tpot_target(text: str) -> TpotTarget:
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags (all default to None: unset means the config default)."""
     g = parser.add_argument_group("engine")
+    _add_model_args(g)
+    _add_scheduler_args(g)
+    _add_cache_args(g)
+    return parser
+
+
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    """The model, its numbers and the kernels that compute it."""
     g.add_argument("--model", default=None,
                    help="GGUF file, or a directory of safetensors (default: SmolLM2-135M GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path if not next to the model")
@@ -106,6 +114,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compiled oneDNN GEMMs kept per cache, one per batch shape, ~0.4 MiB "
                    "each (default 64, or ONEDNN_PRIMITIVE_CACHE_CAPACITY / LRU_CACHE_CAPACITY "
                    "if set): larger recompiles less often and holds more memory")
+
+
+def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
+    """What one forward pass may hold, and who goes first."""
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one forward pass")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -140,6 +152,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tpot-max-stretch", dest="tpot_max_stretch", type=float, default=None,
                    help="the most a TTFT-aged step may stretch its TPOT target (default 4; "
                    "1: never)")
+
+
+def _add_cache_args(g: argparse._ArgumentGroup) -> None:
+    """The KV pool (size, element type, prefix caching, swap) and the tensor-parallel shards."""
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 2GiB (default: sized from available memory)")
@@ -156,7 +172,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="host swap space in GiB")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="shards (worker processes; one GPU each on CUDA, gloo on CPU)")
-    return parser
 
 
 # Flag destinations that are engine options (EngineConfig.from_options keys).

@@ -37,6 +37,37 @@ from everystop.server.serving import ServingContext, generate
 Extension = Callable[[FastAPI, AsyncEngine], Any]
 
 
+class RouteGuards:
+    """What every route checks before its own work: the API key, the model's name, the body."""
+
+    def __init__(self, served_model_name: str, aliases: Iterable[str], api_key: str | None,
+                 limits: RequestLimits) -> None:
+        self.served_model_name = served_model_name
+        # Other names the model answers to (e.g. the file's full stem); responses use the first.
+        self.known = {served_model_name, *aliases}
+        self.api_key = api_key
+        self.limits = limits
+
+    def check_auth(self, http: Request) -> None:
+        if self.api_key is None:
+            return
+        header = http.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           code="invalid_api_key")
+
+    async def parse(self, http: Request, model: type[Any]) -> Any:
+        raw = await http.body()
+        return await off_loop(parse_body, raw, model, self.limits.max_json_depth, size=len(raw))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.known:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{self.served_model_name!r}", param="model",
+                           code="model_not_found")
+
+
 def build_app(async_engine: AsyncEngine, served_model_name: str, *,
               aliases: Iterable[str] = (), api_key: str | None = None,
               admission: AdmissionConfig | None = None, metrics: ServerMetrics | None = None,
@@ -58,36 +89,31 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n)
     app.state.ctx = ctx
     app.state.engine = async_engine
+    guards = RouteGuards(served_model_name, aliases, api_key, limits)
+    add_generation_routes(app, ctx, guards)
+    add_model_routes(app, async_engine.max_model_len, guards)
+    add_tokenizer_routes(app, async_engine, guards)
+    add_health_and_metrics_routes(app, async_engine, metrics, guards, open_metrics)
+    for extend in extensions:
+        extend(app, async_engine)
+    install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
+                          ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                          ("POST", "/tokenize"): TokenizeRequest})
+    return app
+
+
+def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards) -> None:
+    """/v1/completions and /v1/chat/completions: parse, check, hand to `serving.generate`."""
+    async_engine = ctx.engine
     tokenizer = async_engine.tokenizer
-    max_model_len = async_engine.max_model_len
-
-    def check_auth(http: Request) -> None:
-        if api_key is None:
-            return
-        header = http.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                           code="invalid_api_key")
-
-    async def parse(http: Request, model: type[Any]) -> Any:
-        raw = await http.body()
-        return await off_loop(parse_body, raw, model, limits.max_json_depth, size=len(raw))
-
-    # Other names the model answers to (e.g. the file's full stem); responses use the first.
-    known = {served_model_name, *aliases}
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in known:
-            raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{served_model_name!r}", param="model",
-                           code="model_not_found")
+    served_model_name = guards.served_model_name
+    limits = guards.limits
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
-        check_auth(http)
-        body: CompletionRequest = await parse(http, CompletionRequest)
-        check_model(body.model)
+        guards.check_auth(http)
+        body: CompletionRequest = await guards.parse(http, CompletionRequest)
+        guards.check_model(body.model)
         prompts = body.prompts()
         check_fan_out(limits, len(prompts), body.n)
         fmt = CompletionFormat(served_model_name, tokenizer)
@@ -95,9 +121,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
-        check_auth(http)
-        body: ChatCompletionRequest = await parse(http, ChatCompletionRequest)
-        check_model(body.model)
+        guards.check_auth(http)
+        body: ChatCompletionRequest = await guards.parse(http, ChatCompletionRequest)
+        guards.check_model(body.model)
         check_fan_out(limits, 1, body.n)
         template = getattr(tokenizer, "apply_chat_template", None)
         if template is None:
@@ -113,23 +139,34 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
+
+def add_model_routes(app: FastAPI, max_model_len: int, guards: RouteGuards) -> None:
+    """/v1/models and /v1/models/{id}: the served model's card."""
+    served_model_name = guards.served_model_name
+
     @app.get("/v1/models")
     async def models(http: Request) -> JSONResponse:
-        check_auth(http)
+        guards.check_auth(http)
         return JSONResponse(model_list(served_model_name, max_model_len))
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str, http: Request) -> JSONResponse:
-        check_auth(http)
-        check_model(model_id)
+        guards.check_auth(http)
+        guards.check_model(model_id)
         return JSONResponse(model_info(model_id, max_model_len))
+
+
+def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteGuards) -> None:
+    """vLLM-style helpers over the served model's tokenizer."""
+    tokenizer = async_engine.tokenizer
+    max_model_len = async_engine.max_model_len
 
     @app.post("/tokenize")
     async def tokenize(http: Request) -> Response:
         """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
-        check_auth(http)
-        body = await parse(http, TokenizeRequest)
-        check_model(body.model)
+        guards.check_auth(http)
+        body = await guards.parse(http, TokenizeRequest)
+        guards.check_model(body.model)
         ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt),
                              add_special_tokens=bool(body.add_special_tokens))
         fields = {"count": len(ids), "max_model_len": max_model_len}
@@ -139,9 +176,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     @app.post("/detokenize")
     async def detokenize(http: Request) -> JSONResponse:
         """vLLM-style helper: {"tokens": [...]} -> {"prompt": str} (special tokens kept)."""
-        check_auth(http)
+        guards.check_auth(http)
         body = parse_body(await http.body(), DetokenizeRequest)
-        check_model(body.model)
+        guards.check_model(body.model)
         if any(t >= tokenizer.vocab_size for t in body.tokens):
             raise APIError(400, f"tokens: ids must be < {tokenizer.vocab_size}", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
@@ -149,11 +186,17 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     @app.get("/tokenizer_info")
     async def tokenizer_info(http: Request) -> JSONResponse:
         """vLLM-style helper: lm-eval's local-completions finds it and tokenizes remotely."""
-        check_auth(http)
+        guards.check_auth(http)
         info = getattr(tokenizer, "info", None)
         if info is None:
             raise APIError(404, "this tokenizer does not describe itself", code="not_found")
         return JSONResponse({**info(), "model_max_length": max_model_len})
+
+
+def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
+                                  metrics: ServerMetrics, guards: RouteGuards,
+                                  open_metrics: bool) -> None:
+    """/health (no key: probes carry none) and /metrics (behind the key unless open_metrics)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -167,13 +210,6 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     @app.get("/metrics")
     async def prometheus(http: Request) -> Response:
         if not open_metrics:
-            check_auth(http)
+            guards.check_auth(http)
         # Off the loop: with per-tenant histograms the text runs to hundreds of KB.
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
-
-    for extend in extensions:
-        extend(app, async_engine)
-    install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
-                          ("POST", "/v1/chat/completions"): ChatCompletionRequest,
-                          ("POST", "/tokenize"): TokenizeRequest})
-    return app

@@ -208,10 +208,7 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
 
     `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival.
     `decode_stretches=False`: every pass through the scheduler (the same results, slower)."""
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, not {num_replicas}")
-    if stats_interval_s < 0:
-        raise ValueError(f"stats_interval_s must be >= 0, not {stats_interval_s}")
+    _check_fleet_args(num_replicas, stats_interval_s)
     replicas = [Replica(i, setup, latency_fn) for i in range(num_replicas)]
     # The replicas' block tables are hundreds of thousands of objects that live as long as the
     # run, and requests, their hashes and their Finished records pile up as it goes: the cyclic
@@ -279,49 +276,71 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                 _route(spec, replicas, router, loads, rejected, want_hashes, setup.block_size,
                        wake, cut)
                 continue
-            r = replicas[index]
-            if token == PASS_END or token < PASS_END:
-                if token == PASS_END:
-                    done = r.end_pass()
-                elif token != r.stretch_token:
-                    continue  # a stretch event superseded by a cut
-                else:
-                    done, over = r.end_stretch_step()
-                    if not over:
-                        for req in done:
-                            router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
-                            finished.append(_finished(req, r.index))
-                        push(r, *r.stretch_event())
-                        continue
+            _replica_event(replicas[index], token, now, router, finished, rejected,
+                           decode_stretches, push, wake)
+        return _fleet_result(replicas, finished, rejected, now)
+
+
+def _check_fleet_args(num_replicas: int, stats_interval_s: float) -> None:
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, not {num_replicas}")
+    if stats_interval_s < 0:
+        raise ValueError(f"stats_interval_s must be >= 0, not {stats_interval_s}")
+
+
+def _replica_event(r: Replica, token: int, now: float, router: Router, finished: list[Finished],
+                   rejected: dict[str, str], decode_stretches: bool,
+                   push: Callable[[Replica, float, int], None],
+                   wake: Callable[[Replica, float], None]) -> None:
+    """A replica's event at `now`: a pass ends (or a stretch step, or a stale one is dropped),
+    or it wakes; then it starts its next pass, or sets the timeout that may unblock it."""
+    if token == PASS_END or token < PASS_END:
+        if token == PASS_END:
+            done = r.end_pass()
+        elif token != r.stretch_token:
+            return  # a stretch event superseded by a cut
+        else:
+            done, over = r.end_stretch_step()
+            if not over:
                 for req in done:
                     router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
                     finished.append(_finished(req, r.index))
-                for req in r.inbox:
-                    _add(r, req, router, rejected)
-                r.inbox.clear()
-            else:
-                if token != r.wake_token or r.busy:
-                    continue  # superseded by an earlier wake-up
-                r.wake_at = None
-                r.clock.now = max(r.clock.now, now)
-            event = r.begin(decode_stretches) if r.sched.has_unfinished else None
-            if event is not None:
-                push(r, *event)
-            elif r.sched.has_unfinished:
-                at = _static_timeout(r.sched, r.clock.now)
-                if at is not None:
-                    wake(r, at)
-        stuck = [r.replica_id for r in replicas if r.sched.has_unfinished]
-        if stuck:
-            raise RuntimeError(f"replicas {stuck} cannot run anything and no event is pending "
-                               "(a request larger than the KV pool?)")
-        return FleetResult(finished=finished, rejected=rejected,
-                           num_passes=[r.num_passes for r in replicas],
-                           busy_s=[r.busy_s for r in replicas],
-                           num_preemptions=sum(sum(r.sched.num_preemptions.values())
-                                               for r in replicas),
-                           end_time_s=max([now] + [r.clock.now for r in replicas]),
-                           num_routed=[r.num_routed for r in replicas])
+                push(r, *r.stretch_event())
+                return
+        for req in done:
+            router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
+            finished.append(_finished(req, r.index))
+        for req in r.inbox:
+            _add(r, req, router, rejected)
+        r.inbox.clear()
+    else:
+        if token != r.wake_token or r.busy:
+            return  # superseded by an earlier wake-up
+        r.wake_at = None
+        r.clock.now = max(r.clock.now, now)
+    event = r.begin(decode_stretches) if r.sched.has_unfinished else None
+    if event is not None:
+        push(r, *event)
+    elif r.sched.has_unfinished:
+        at = _static_timeout(r.sched, r.clock.now)
+        if at is not None:
+            wake(r, at)
+
+
+def _fleet_result(replicas: list[Replica], finished: list[Finished], rejected: dict[str, str],
+                  now: float) -> FleetResult:
+    """The run's result once no event is left (an error if a replica still holds work)."""
+    stuck = [r.replica_id for r in replicas if r.sched.has_unfinished]
+    if stuck:
+        raise RuntimeError(f"replicas {stuck} cannot run anything and no event is pending "
+                           "(a request larger than the KV pool?)")
+    return FleetResult(finished=finished, rejected=rejected,
+                       num_passes=[r.num_passes for r in replicas],
+                       busy_s=[r.busy_s for r in replicas],
+                       num_preemptions=sum(sum(r.sched.num_preemptions.values())
+                                           for r in replicas),
+                       end_time_s=max([now] + [r.clock.now for r in replicas]),
+                       num_routed=[r.num_routed for r in replicas])
 
 
 def _last_grid_point(now: float, interval: float) -> int:

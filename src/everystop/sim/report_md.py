@@ -110,13 +110,16 @@ def _calibration(cal: dict | None) -> list[str]:
 def _real_calibration(cal: dict | None) -> list[str]:
     if not cal:
         return [f"Not run yet: `{REAL_COMMAND}`, then `{COMMAND} --markdown-only`."]
+    return (_real_setup(cal) + _real_workloads(cal) + _real_runs(cal)
+            + _speed_probe(cal.get("speed_probe")) + _real_how_to_read(cal))
+
+
+def _real_setup(cal: dict) -> list[str]:
+    """Where and how the real engine ran, and the fit of its profile."""
     m, eng, prof, wl = cal["machine"], cal["engine"], cal["profile"], cal["workload"]
-    fit, hold, c = cal["fit"], cal["holdout_passes"], cal["fitted_coefficients"]
-    err = cal["relative_error"]
-    goal = [k for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms") if k in err]
-    worst = max(goal, key=lambda k: abs(err[k]))
+    fit, c = cal["fit"], cal["fitted_coefficients"]
     quiet = _quiet(cal)
-    out = [
+    return [
         f"Written by `{cal.get('command', REAL_COMMAND)}` ({cal['total_wall_s']:.0f} s of wall "
         "time): "
         f"{cal['model']}, on {m['cpu_count']} cores of an {m['cpu']} with "
@@ -146,8 +149,15 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"{100 * fit['fraction_compute_bound']:.0f}% of passes compute-bound. Coefficients: "
         f"{_coefficients(c, fit['fraction_compute_bound'])}.",
     ]
+
+
+def _real_workloads(cal: dict) -> list[str]:
+    """The measured workloads, measured against predicted, and the pooled goal."""
+    wl, hold, err = cal["workload"], cal["holdout_passes"], cal["relative_error"]
     runs = cal["live_runs"]
-    out += [
+    goal = [k for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms") if k in err]
+    worst = max(goal, key=lambda k: abs(err[k]))
+    out = [
         "",
         f"**Measured workloads (a different mix).** `{wl['spec']}` and {len(runs) - 1} more "
         "draws of the same mix (length seed +1, +2, ...), each with Poisson arrivals at "
@@ -175,6 +185,14 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"on average (p90 {100 * hold['p90_abs_rel_error']:.1f}%) on the measured workloads' "
         f"{hold['num_passes']} passes, and by {100 * hold['total_time_rel_error']:+.1f}% on their "
         "total time.",
+    ]
+    return out
+
+
+def _real_runs(cal: dict) -> list[str]:
+    """One row per measured run: its load, whether it counts, its errors."""
+    wl, err = cal["workload"], cal["relative_error"]
+    out = [
         "",
         f"Which runs count: {wl.get('quiet_rule', 'every run')}.",
         "",
@@ -183,15 +201,20 @@ def _real_calibration(cal: dict | None) -> list[str]:
         + " | ".join(f"{k} error" for k in err) + " |",
         "|---" * (7 + len(err)) + "|",
     ]
-    for i, run in enumerate(runs):
+    for i, run in enumerate(cal["live_runs"]):
         probe = f"{run['speed_factor']:.2f}x" if "speed_factor" in run else "-"
         out.append(f"| {i} | {run['num_requests']} | {run['rate_req_per_s']:.2f} | "
                    f"{_share(run.get('other_processes_cpu'))} | "
                    f"{'yes' if run.get('in_pooled_goal', True) else 'no'} | {probe} | "
                    f"{run['num_passes']['live']} / {run['num_passes']['simulated']} | "
                    + " | ".join(f"{100 * run['relative_error'][k]:+.1f}%" for k in err) + " |")
-    out += _speed_probe(cal.get("speed_probe"))
-    out += [
+    return out
+
+
+def _real_how_to_read(cal: dict) -> list[str]:
+    """Which of the errors say something about the cost model, and how much a p99 rests on."""
+    runs, fit = cal["live_runs"], cal["fit"]
+    return [
         "",
         "How to read it: below capacity, output tokens/s is set by the arrivals (the engine "
         "keeps up), so its error says little about the cost model; TTFT is the real test, since "
@@ -203,7 +226,6 @@ def _real_calibration(cal: dict | None) -> list[str]:
         f"fit finds the FLOP term binding in {100 * fit['fraction_compute_bound']:.0f}% of "
         "passes.",
     ]
-    return out
 
 
 def _repeatability(main: dict | None, repeats: list[dict]) -> list[str]:
@@ -290,12 +312,15 @@ def _grid(rounds: list) -> str:
 
 
 def render(d: dict) -> str:
-    cap = d["capacity"]
-    a100 = d["bounds"][0]
-    sat, loaded = d["saturated"], d["loaded"]
-    chunk = next(s for s in sat.values() if s["scheduling"] == "chunked")
-    static = next(s for s in sat.values() if s["scheduling"] == "static")
-    lines = [
+    """The whole page: one function per section, in the page's order."""
+    lines = (_intro() + _capacity_section(d["capacity"]) + _targets_section(d)
+             + _comparison_section(d) + _calibration_section(d) + _caveats())
+    return "\n".join(lines)
+
+
+def _intro() -> list[str]:
+    """How to regenerate the page, and what the simulator models."""
+    return [
         "# Simulator report: the everystop scheduler on a modeled 4x A100 80GB node",
         "",
         f"Regenerate everything here (numbers, plots, `benchmarks/results/sim/report.json`) with `{COMMAND}`.",
@@ -318,6 +343,12 @@ def render(d: dict) -> str:
         "assumptions (`src/everystop/sim/specs/hardware.json`, every figure with its source). "
         "The **roofline** columns drop the efficiencies, comm and overhead: no implementation can beat them.",
         "",
+    ]
+
+
+def _capacity_section(cap: list[dict]) -> list[str]:
+    """Section 1: KV blocks and sequences per variant, and the design's two slips."""
+    lines = [
         "## 1. KV capacity (the design's 'Scaling and Performance' arithmetic)",
         "",
         "| variant | KV budget | bytes/token/GPU | block | blocks | seqs at 2,048 tokens |",
@@ -341,9 +372,15 @@ def render(d: dict) -> str:
         f"**{cap[2]['num_blocks']:,} blocks, {cap[2]['max_seqs']} sequences**. The simulator uses "
         "the last row. Either way max_num_seqs = 128 sits well inside the memory ceiling, as the design says.",
         "",
-        "## 2. The design's targets against physics",
-        "",
     ]
+    return lines
+
+
+def _targets_section(d: dict) -> list[str]:
+    """Section 2: the roofline bounds per alternative and the verdict on each design target."""
+    a100 = d["bounds"][0]
+    chunk = _saturated(d, "chunked")
+    lines = ["## 2. The design's targets against physics", ""]
     lines += _bounds(d["bounds"])
     lines += [
         "",
@@ -377,6 +414,15 @@ def render(d: dict) -> str:
         f"with the modeled efficiency, {a100['max_prompt_for_ttft_80ms_alone']['modeled']} tokens. With "
         "prompts uniform on 128-1,024 the median prompt (576) already misses it.",
         "",
+    ]
+    return lines
+
+
+def _comparison_section(d: dict) -> list[str]:
+    """Section 3: static, continuous and chunked scheduling, saturated and at a set load."""
+    sat, loaded = d["saturated"], d["loaded"]
+    chunk, static = _saturated(d, "chunked"), _saturated(d, "static")
+    lines = [
         "## 3. The design's comparison table, re-derived",
         "",
         f"Workload: `{d['workload']}` (800 requests, prompts uniform 128-1,024 tokens, outputs uniform "
@@ -420,6 +466,13 @@ def render(d: dict) -> str:
         "hundreds of ms; pure decode passes at 128 sequences are ~35-40 ms (modeled).",
         *_tpot_target_note(loaded),
         "",
+    ]
+    return lines
+
+
+def _calibration_section(d: dict) -> list[str]:
+    """Section 4: the cost model fitted to the real engine, pass by pass, and the self-test."""
+    lines = [
         "## 4. Calibration against a real engine",
         "",
         "The same cost-model form is fitted by least squares to measured iterations "
@@ -448,6 +501,13 @@ def render(d: dict) -> str:
         "`--records iters.json --workload W.json --measured measured.json` plus the engine's "
         "--max-num-seqs, --max-num-batched-tokens, --chunk-size and --num-gpu-blocks.",
         "",
+    ]
+    return lines
+
+
+def _caveats() -> list[str]:
+    """What the model leaves out, and why real-engine timings need a quiet machine."""
+    return [
         "## Caveats",
         "",
         "- Efficiencies (60% MFU, 80% of HBM bandwidth, 75% of NVLink, 2 ms per-pass overhead) are "
@@ -463,4 +523,8 @@ def render(d: dict) -> str:
         "JSON shows whether a run was disturbed.",
         "",
     ]
-    return "\n".join(lines)
+
+
+def _saturated(d: dict, scheduling: str) -> dict:
+    """The saturated run's summary of the first configuration with this scheduling mode."""
+    return next(s for s in d["saturated"].values() if s["scheduling"] == scheduling)
