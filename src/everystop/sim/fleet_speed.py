@@ -43,7 +43,7 @@ SINGLE_REPLICA_RPS = 9.25  # `everystop simulate plan` at 1 s p99 TTFT / 50 ms p
 _BASELINE_DRIVER = """
 import json, sys, time
 from everystop.routing import make_router
-from everystop.sim.fleet import Replica, simulate_fleet
+from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
