@@ -30,6 +30,7 @@ import statistics
 import time
 from typing import Any
 
+from everystop.bench import attention_kernels as ak
 from everystop.results import write_result
 
 # A reader that sums every K and V byte of each sequence's blocks in block-table order, one
@@ -109,7 +110,6 @@ def measure_block_size(block: int, rounds: int, kernels: dict[str, Any], reader:
                        seqs: list[tuple[int, int]]) -> dict[str, Any]:
     import torch
 
-    from everystop.bench import attention_kernels as ak
     from everystop.executor.layers.attention import paged_attention
 
     q, layers, meta, kv_bytes = ak.build(seqs, torch.bfloat16, block_size=block)
@@ -184,16 +184,12 @@ def run(args: argparse.Namespace) -> int:
     results = [measure_block_size(int(b), args.rounds, kernels, reader, seqs)
                for b in args.block_sizes.split(",")]
     report = {
-        "scenario": f"decode {args.sequences} x 250-350 tokens, bf16 K/V, "
-                    f"{_shape()}, 8 layers, blocks scattered in a 4x pool",
+        "scenario": f"decode {args.sequences} x 250-350 tokens, bf16 K/V, {ak.HEADS} heads / "
+                    f"{ak.KV_HEADS} kv heads / head_dim {ak.HEAD_DIM}, {ak.LAYERS} layers, "
+                    f"blocks scattered in a {ak.SPREAD}x pool",
         "threads": threads, "rounds": args.rounds, "timing": "median of per-round ratios",
         "results": results,
     }
     write_result(report, args.out)
     return 0
 
-
-def _shape() -> str:
-    from everystop.bench import attention_kernels as ak
-
-    return f"{ak.HEADS} heads / {ak.KV_HEADS} kv heads / head_dim {ak.HEAD_DIM}"
