@@ -58,3 +58,35 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     path.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="magic"):
         GGUFFile(str(path))
+
+
+def _resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+            inside = len(head) >= 6 and head[5] == str(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+def test_release_drops_a_read_tensors_pages_and_its_bytes_read_back_unchanged(
+        tmp_path: Path) -> None:
+    path = tmp_path / "big.gguf"
+    w = GGUFWriter(str(path), "llama")
+    big = np.random.default_rng(1).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+    w.add_tensor("big", big)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFFile(str(path))
+    (tensor,) = reader.tensors
+    copy = np.array(tensor.data)  # what the loader does: its own copy, then release
+    touched = _resident_kib(path)
+    assert touched >= 4000  # the whole tensor was read in
+    reader.release(tensor)
+    assert _resident_kib(path) <= touched - 4000
+    assert np.array_equal(tensor.data, copy) and np.array_equal(copy, big)

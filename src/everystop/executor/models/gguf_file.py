@@ -1,6 +1,8 @@
 """A GGUF file's metadata and tensor table, read in one pass that skips what loading does not
 need (the tokenizer's vocabulary and merges: 100k strings the `gguf` package's reader turns
-into numpy objects one by one, seconds of start-up). Tensor data stays in a read-only memmap.
+into numpy objects one by one, seconds of start-up). Tensor data stays in a read-only mapping of
+the file; `release(tensor)` drops a tensor's pages from this process's resident memory once the
+loader holds its own copy, so loading never holds the file and the model in memory at once.
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", version u32, tensor count u64, metadata
 count u64; metadata as (key, type u32, value); tensor infos as (name, n_dims u32,
@@ -10,6 +12,7 @@ dims u64[n_dims] innermost first, type u32, offset u64); data from the next mult
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,8 @@ class GGUFTensor:
     shape: list[int]  # GGUF order: innermost dimension first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # plain types: values, rows outermost; quantized: uint8 [rows, bytes]
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
 
 
 class GGUFFile:
@@ -38,8 +43,9 @@ class GGUFFile:
         """Metadata whose key starts with `skip_prefix` is skipped, except `*_id` scalars."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        self._mm = np.memmap(path, mode="r")
-        buf = self._buf = memoryview(self._mm)
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = self._buf = memoryview(self._map)
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -78,7 +84,17 @@ class GGUFFile:
                 row_bytes = dims[0] // block * type_size
                 data = np.frombuffer(buf, np.uint8, n // block * type_size,
                                      begin).reshape(*rows[:-1], row_bytes)
-            self.tensors.append(GGUFTensor(name, dims, qtype, data))
+            self.tensors.append(GGUFTensor(name, dims, qtype, data, begin, data.nbytes))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the whole pages inside `tensor`'s bytes from this process's resident set (the
+        mapping is read-only and shared, so nothing is lost: a later read faults them back from
+        the page cache or the file). A no-op where madvise is unavailable."""
+        page = mmap.PAGESIZE
+        start = -(-tensor.offset // page) * page
+        end = (tensor.offset + tensor.nbytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _u32(self) -> int:
         (v,) = struct.unpack_from("<I", self._buf, self._pos)

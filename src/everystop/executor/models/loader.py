@@ -273,7 +273,8 @@ def _open_gguf(path: str, keep_blocks: bool = False
         if hf_name not in by_hf_name:
             raise KeyError(hf_name)
         tensor = by_hf_name[hf_name]
-        w = _read_gguf_tensor(tensor, keep_blocks)
+        w = _read_gguf_tensor(tensor, keep_blocks)  # always a private copy
+        reader.release(tensor)  # so the file's pages and the copy are never resident together
         # llama.cpp interleaves each Q/K head's rotary pairs on export; undo it to get back the
         # half-split layout our rope (and Hugging Face's) expects. (A row permutation: block
         # rows permute like any others.)
