@@ -9,6 +9,11 @@ llama.cpp is not built here: pass the binary (built outside this tree). Its serv
 request; `--slots N`, default 32, the rest queue) and is driven by an asyncio streaming client;
 its exact command line is recorded. everystop runs the same requests through its offline API
 (LLM.generate) in its own best configuration (`--everystop-max-num-seqs`, default 128).
+
+Another model (e.g. the 1B-shape GGUFs of scripts/make_llama1b_gguf.py, the same file for both
+engines): `--model FILE --quantization auto`, and `--length-scale F` to scale every prompt and
+output length of the workload by F (a bigger model's run kept to minutes). Each engine's peak
+resident memory (VmHWM) is recorded.
 """
 
 from __future__ import annotations
@@ -20,11 +25,39 @@ import math
 import os
 import subprocess
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from everystop.results import write_result
 from everystop.stats import percentile
 from everystop.workload import Workload
+
+
+def _memory_kib(pid: int | str = "self") -> dict[str, int]:
+    """Resident (VmRSS) and peak resident (VmHWM) memory of a process, in KiB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def scale_lengths(workload: Workload, factor: float) -> Workload:
+    """Every prompt cut to its first ceil(factor x length) token ids and every output budget
+    scaled by `factor` (at least one token each): the workload's mix, at another size."""
+    if factor == 1.0:
+        return workload
+    if not 0.0 < factor <= 1.0:
+        raise SystemExit(f"--length-scale must be in (0, 1], got {factor}")
+    reqs = []
+    for r in workload.requests:
+        n = max(1, math.ceil(r.prompt_len * factor))
+        ids = r.prompt_token_ids[:n] if r.prompt_token_ids is not None else None
+        reqs.append(replace(r, prompt_len=n, prompt_token_ids=ids,
+                            max_tokens=max(1, round(r.max_tokens * factor))))
+    return Workload(f"{workload.name}x{factor:g}", workload.seed, workload.spec, reqs)
 
 
 def _version(binary: str) -> str:
@@ -77,13 +110,15 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
     with llama_server(args.llama_server, args.gguf, flags, port=args.port,
                       log_path=args.server_log) as server:
         elapsed, results = asyncio.run(_drive(server.url, reqs))
+        memory = _memory_kib(server.proc.pid)
     n_out = sum(r["tokens"] for r in results)
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"engine": "llama.cpp server", "version": _version(args.llama_server),
             "command": server.command, "gguf": args.gguf, "elapsed_s": elapsed,
             "output_tokens": n_out, "output_tok_s": n_out / elapsed,
             "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
-            "ttft_p99_s": percentile(ttft, 99, empty=math.nan)}
+            "ttft_p99_s": percentile(ttft, 99, empty=math.nan),
+            "rss_end_bytes": memory["VmRSS"] * 1024, "peak_rss_bytes": memory["VmHWM"] * 1024}
 
 
 def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -91,23 +126,32 @@ def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any
     from everystop.bench.throughput import run_workload, warm_up_workload
 
     start = time.perf_counter()
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.everystop_max_num_seqs,
               kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), cpu_kernels=args.cpu_kernels,
               tpot_target_ms=args.tpot_target_ms, quantization=args.quantization)
     startup = time.perf_counter() - start
     run_workload(llm, warm_up_workload(workload), 0.0)
     res = run_workload(llm, workload, 0.0)
+    memory = _memory_kib()
     import torch
 
     return {"engine": "everystop", "dtype": args.dtype, "threads": torch.get_num_threads(),
             "cpu_kernels": args.cpu_kernels, "max_num_seqs": args.everystop_max_num_seqs,
             "tpot_target_ms": args.tpot_target_ms,
-            "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup, **res}
+            "model": args.model, "quantization": args.quantization,
+            "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup,
+            # This process's peak: the engine's, plus the small client llama.cpp's run used.
+            "rss_end_bytes": memory["VmRSS"] * 1024, "peak_rss_bytes": memory["VmHWM"] * 1024,
+            **res}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--llama-server", required=True, help="path to a llama-server binary")
     ap.add_argument("--gguf", required=True, help="GGUF for llama.cpp (e.g. an F16 conversion)")
+    ap.add_argument("--model", help="everystop's model (default: the default model); for a "
+                    "like-for-like run, the same GGUF as --gguf with --quantization auto")
+    ap.add_argument("--length-scale", type=float, default=1.0,
+                    help="scale every prompt and output length of the workload (0 < F <= 1)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--workload", help="workload JSON (default: the committed perf-mixed-128)")
     ap.add_argument("--num-requests", type=int, default=128)
@@ -135,9 +179,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from everystop.bench.throughput import load_perf_workload
 
-    workload = load_perf_workload(args)
+    workload = scale_lengths(load_perf_workload(args), args.length_scale)
     reqs = workload.to_dict()["requests"]  # llama.cpp's client sends their token ids
     out: dict[str, Any] = {"bench": "vs-llamacpp", "num_requests": len(reqs),
+                           "length_scale": args.length_scale,
                            "llamacpp_slots": args.slots,
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),
                            "expected_output_tokens": sum(r["max_tokens"] for r in reqs),
