@@ -189,6 +189,7 @@ def _speed_long() -> list[str]:
         " against 600 s: " + ("met." if s["meets_target_extrapolated"] else "**not met**.")
         + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
         *_speed_baseline(s),
+        "",
         *_speed_split(s),
     ]
 
