@@ -80,10 +80,6 @@ AWAITING_RERUN = {
     "preemption_bench.json": "bench preemption",
     "structured_output.json": "bench structured-output",
     "quant_accuracy.json": "bench quant-accuracy",
-    # The simulator's reports: the simulator is being changed in session 8 (#22); rerun them
-    # once that lands.
-    "sim/report.json": "simulate report",
-    "sim/fleet_report.json": "bench fleet-report",
     # A record of the tree before session 1's changes (profile.md's first table, "before"):
     # today's code cannot measure it again.
     "profile_before_fp32.json": "bench profile",

@@ -22,7 +22,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...])
     return hash((parent_hash, token_ids))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a simulated fleet holds millions of these
 class KVBlock:
     block_id: int
     ref_cnt: int = 0

@@ -109,12 +109,16 @@ class KVCacheManager:
         num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
         if num_full <= start:
             return
-        hashes = self._block_hashes(req, num_full)
-        bs = self.block_size
+        # NOTE: the hashes of blocks not hashed yet are made here, from the same token tuples
+        # the pool keeps (one slice per block, not two): what _block_hashes would compute.
+        hashes = self._block_hashes(req, start)  # those registered are hashed already
+        bs, cache_block = self.block_size, self.pool.cache_block
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
-            self.pool.cache_block(blocks[i], hashes[i], parent,
-                                  tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            if i == len(hashes):
+                hashes.append(hash_block_tokens(parent, tokens))
+            cache_block(blocks[i], hashes[i], parent, tokens)
         self._num_registered[req.request_id] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
@@ -138,13 +142,20 @@ class KVCacheManager:
                  reserve_watermark: bool = False) -> bool:
         """Grow the request's table to hold num_new_tokens more tokens (after `computed`, the
         cached prefix blocks it adopts). Returns False, changing nothing, if the pool is short."""
-        if not computed and req.request_id in self.req_blocks and (
-                req.num_computed_tokens + num_new_tokens
-                <= len(self.req_blocks[req.request_id]) * self.block_size):
+        # NOTE: the simulator's hot path: can_allocate's arithmetic inlined, computed once.
+        held_blocks = self.req_blocks.get(req.request_id)
+        held = len(held_blocks) if held_blocks is not None else 0
+        bs = self.block_size
+        if not computed and held_blocks is not None and (
+                req.num_computed_tokens + num_new_tokens <= held * bs):
             return True  # fits in the blocks it holds: the common decode step
-        if not self.can_allocate(req, num_new_tokens, computed, reserve_watermark):
+        total = req.num_computed_tokens + len(computed) * bs + num_new_tokens
+        need = max(0, -(-total // bs) - held - len(computed))
+        # Reusing a cached block that is currently free takes it out of the free pool.
+        taken = need + sum(1 for b in computed if b.ref_cnt == 0) if computed else need
+        reserve = self.watermark_blocks if reserve_watermark else 0
+        if taken > self.pool.num_free_blocks - reserve:
             return False
-        need = self.num_new_blocks_needed(req, num_new_tokens, computed)
         blocks = self.req_blocks.setdefault(req.request_id, [])
         ids = self._req_block_ids.setdefault(req.request_id, [])
         if computed:

@@ -56,7 +56,9 @@ def can_stretch(sched: Scheduler, num_inbox: int) -> bool:
             or len(sched.running) > sched.num_seats):
         return False
     running = RequestStatus.RUNNING
-    for req in sched.running:
+    # Newest first: a prompt still mid-prefill (the usual reason to say no once the queues are
+    # empty) was admitted last, so the scan stops at once rather than after every decode row.
+    for req in reversed(sched.running):
         params = req.sampling_params
         if (req.status is not running or not req.output_token_ids
                 or req.num_tokens - req.num_computed_tokens != 1
@@ -117,18 +119,24 @@ class DecodeStretch:
         self.grow_count: dict[int, int] = {}
         self.grow_frontier = 1
         self.unapplied_grows = 0
+        # NOTE: one loop per stretch over every row (a stretch starts after each mixed pass),
+        # so it binds what it uses once. Each row is filed under the next pass end that touches
+        # it (on_end): the one that fills its block (prefix caching on) or its last token's.
         held = self.kv.req_blocks
-        for i, req in enumerate(self.rows):
-            g = len(held.get(req.request_id, ())) * bs - self.base[i]  # pass g+1 needs a block
-            self.first_grow.append(g)
-            if g < self.finish_at[i]:
-                self.on_start.setdefault(g, []).append(i)
+        first_grow, grow_count, on_start = self.first_grow, self.grow_count, self.on_start
+        on_end, caching = self.on_end, self.caching
+        for i, (req, base, finish) in enumerate(zip(self.rows, self.base, self.finish_at)):
+            g = len(held.get(req.request_id, ())) * bs - base  # pass g+1 needs a block
+            first_grow.append(g)
+            if g < finish:
+                on_start.setdefault(g, []).append(i)
                 if g == 0:  # grows as pass 1 starts, next at boundary bs (voided if it ends)
                     self.unapplied_grows += 1
-                    self.grow_count[bs] = self.grow_count.get(bs, 0) + 1
+                    grow_count[bs] = grow_count.get(bs, 0) + 1
                 else:
-                    self.grow_count[g] = self.grow_count.get(g, 0) + 1
-            self._queue_update(i, 0)
+                    grow_count[g] = grow_count.get(g, 0) + 1
+            nxt = min(finish, 1 + (-(base + 1)) % bs) if caching else finish
+            on_end.setdefault(nxt, []).append(i)
         # The first pass's own growth must fit, or the scheduler would preempt in it.
         self.ok = self.unapplied_grows <= self.kv.pool.num_free_blocks
 
@@ -196,16 +204,31 @@ class DecodeStretch:
             if not rows:
                 continue
             self.clock.now = self.times[j]
-            for i in sorted(rows):
-                req = self._bring_up(i, j)
-                if self.caching and (self.base[i] + j) % bs == 0:
+            # NOTE: once per row per block it fills, so inline: the row's tokens are brought up
+            # to j (`at`), then it is filed under its next pass end that touches it.
+            caching, base, finish_at, at, all_rows = (self.caching, self.base, self.finish_at,
+                                                      self.at, self.rows)
+            on_end = self.on_end
+            if len(rows) > 1:
+                rows.sort()
+            for i in rows:
+                req = all_rows[i]
+                k = j - at[i]
+                if k:
+                    req.num_computed_tokens += k
+                    req.output_token_ids.extend([TOKEN] * k)
+                    at[i] = j
+                if caching and (base[i] + j) % bs == 0:
                     kv.cache_computed_blocks(req)
-                if j == self.finish_at[i]:
+                if j == finish_at[i]:
                     sched.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                     finished.append(req)
                     self._drop(i, j)
                 else:
-                    self._queue_update(i, j)
+                    nxt = finish_at[i]
+                    if caching:
+                        nxt = min(nxt, j + 1 + (-(base[i] + j + 1)) % bs)
+                    on_end.setdefault(nxt, []).append(i)
         if start_next and self.started < boundary:
             self._start(boundary)
         return finished
@@ -213,9 +236,12 @@ class DecodeStretch:
     def close(self, boundary: int) -> None:
         """The stretch ends at `boundary` (its pass end applied): rows brought up to it."""
         assert self.applied == boundary and self.started < boundary
-        for i in range(len(self.rows)):
-            if self.finish_at[i] > boundary:
-                self._bring_up(i, boundary)
+        tokens = TOKEN
+        for req, finish, at in zip(self.rows, self.finish_at, self.at):  # rows still running
+            if finish > boundary and at < boundary:
+                req.num_computed_tokens += boundary - at
+                req.output_token_ids.extend([tokens] * (boundary - at))
+        self.at = [boundary] * len(self.rows)
         self.clock.now = self.times[boundary]
 
     def _start(self, boundary: int) -> None:
@@ -227,28 +253,24 @@ class DecodeStretch:
         if not rows:
             return
         kv, nxt = self.kv, boundary + self.bs
-        for i in sorted(rows):
-            grew = kv.allocate(self._bring_up(i, boundary), 1)
+        allocate, finish_at, at, all_rows = kv.allocate, self.finish_at, self.at, self.rows
+        later = None
+        if len(rows) > 1:
+            rows.sort()
+        for i in rows:  # once per row per block it grows by: its tokens brought up, inline
+            req = all_rows[i]
+            k = boundary - at[i]
+            if k:
+                req.num_computed_tokens += k
+                req.output_token_ids.extend([TOKEN] * k)
+                at[i] = boundary
+            grew = allocate(req, 1)
             assert grew, "planned growth found the pool short"
-            self.unapplied_grows -= 1
-            if nxt < self.finish_at[i]:
-                self.on_start.setdefault(nxt, []).append(i)
-
-    def _queue_update(self, i: int, after: int) -> None:
-        """File row i under its next pass end after `after` that touches it."""
-        nxt = self.finish_at[i]
-        if self.caching:
-            nxt = min(nxt, after + 1 + (-(self.base[i] + after + 1)) % self.bs)
-        self.on_end.setdefault(nxt, []).append(i)
-
-    def _bring_up(self, i: int, boundary: int) -> Request:
-        req = self.rows[i]
-        k = boundary - self.at[i]
-        if k:
-            req.num_computed_tokens += k
-            req.output_token_ids.extend([TOKEN] * k)
-            self.at[i] = boundary
-        return req
+            if nxt < finish_at[i]:
+                if later is None:
+                    later = self.on_start.setdefault(nxt, [])
+                later.append(i)
+        self.unapplied_grows -= len(rows)
 
     def _drop(self, i: int, j: int) -> None:
         """Row i finished at boundary j (the plan stops at every finish, so j == planned)."""
