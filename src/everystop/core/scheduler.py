@@ -7,7 +7,7 @@ Each `schedule()` builds one pass (a `PassBuilder`, made fresh per call) under o
   2. prefill chunks for running sequences still working through their prompt;
   3. resumed sequences (swapped in from host, then recompute-preempted), ahead of
   4. new admissions, in priority-with-aging then arrival order, while sequence count, budget and
-     KV blocks above the watermark allow.
+     KV blocks above the watermark allow (room for the whole prompt, while others run).
 
 The budget (core/step_budget.py) is max_num_batched_tokens, a hard cap, and a step-time target:
 prefill gets only the tokens that keep the predicted step time (core/step_cost.py, fitted to
@@ -212,9 +212,16 @@ class Scheduler:
                     req, step):
                 return
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            n = step.prefill_size(self.config, req, len(computed) * self.kv.block_size)
+            start = len(computed) * self.kv.block_size
+            n = step.prefill_size(self.config, req, start)
             if not n:
                 return
+            # Start a prompt only if all of it fits while others run: else the decodes' growth
+            # preempts it mid-prompt, again and again (a starved pool thrashed under step budgets).
+            while self.running and not self.kv.can_allocate(
+                    req, req.num_tokens - start, computed, reserve_watermark=True):
+                if not self._preempt_worse_tier(req, step):
+                    return
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
                 if not self._preempt_worse_tier(req, step):
                     return  # head-of-line waits: lower tiers may not jump ahead of it
