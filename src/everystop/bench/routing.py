@@ -188,6 +188,9 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
             "routed": {k.split('replica="')[1].split('"')[0]: v for k, v in
                        _delta(after, before, "everystop_router_requests_total").items()},
             "retries": _delta(after, before, "everystop_router_retries_total"),
+            # Why the router chose as it did (prefix-affinity: affinity, margin, kv_tier, ...).
+            "decisions": {k.split('reason="')[1].split('"')[0]: v for k, v in
+                          _delta(after, before, "everystop_router_decisions_total").items()},
             "kv_blocks_per_replica": {k.split('replica="')[1].split('"')[0]: v for k, v in
                                       after.items()
                                       if k.startswith("everystop_replica_kv_cache_total_blocks")},
@@ -230,7 +233,8 @@ def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload
             print(f"{name} {policy}: ttft {result['ttft_ms']} short p99 "
                   f"{result['ttft_ms_short_prompts']['p99']:.0f} "
                   f"{result['output_tok_s']:.1f} tok/s hit "
-                  f"{result['prefix_cache']['hit_rate']:.2f} load {os.getloadavg()}", flush=True)
+                  f"{result['prefix_cache']['hit_rate']:.2f} routed {result['routed']} "
+                  f"decisions {result['decisions']} load {os.getloadavg()}", flush=True)
         finally:
             cluster.stop()
     return out
