@@ -94,6 +94,7 @@ def test_a_choice_made_again_and_a_completion_leave_the_books_even() -> None:
     other = "b" if first == "a" else "a"
     router.on_request_routed(pending, SimpleNamespace(unique_id=other), None)  # Ray chose else
     assert router.policy.in_flight(first) == 0 and router.policy.in_flight(other) == 1
+    assert +router.reasons == {"ray_placed": 1}
     router.on_request_completed(SimpleNamespace(unique_id=other), "ray-r0")
     assert router.policy.in_flight(other) == 0
 

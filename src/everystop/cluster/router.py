@@ -102,7 +102,7 @@ class EveryStopRouter(RequestRouter):
         if entry is not None and entry[0] != replica_id.unique_id:
             self._forget(key)
             _, _, request_id = self._route_of(pending_request)
-            self._record(key, replica_id.unique_id, entry[1], request_id)
+            self._record(key, replica_id.unique_id, entry[1], request_id, reason="ray_placed")
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._reasons.pop(internal_request_id, None)
@@ -116,9 +116,11 @@ class EveryStopRouter(RequestRouter):
         """Why requests went where they did: reason -> requests (see `Router.reasons`)."""
         return self.policy.reasons
 
-    def _record(self, key: str, rid: str, route: RouteRequest, request_id: str | None) -> None:
-        self._reasons[key] = self.policy.reason_for(rid, route)
-        self.policy.on_sent(rid, route)
+    def _record(self, key: str, rid: str, route: RouteRequest, request_id: str | None,
+                reason: str | None = None) -> None:
+        """Book a send; `reason` when Ray, not the policy, chose `rid` (`ray_placed`)."""
+        self._reasons[key] = reason = reason or self.policy.reason_for(rid, route)
+        self.policy.on_sent(rid, route, reason)
         self._in_flight[key] = (rid, route)
         self.decisions[rid] += 1
         if request_id is not None:

@@ -60,7 +60,8 @@ class Router:
 
     `reasons` counts why each request sent went where it went: `rank()`'s reason for its first
     choice (`last_reason`, one of the policy's `REASONS`) when the request went there,
-    `next_in_rank` when the first refused and a later one took it.
+    `next_in_rank` when the first refused and a later one took it, or the reason the caller
+    gives `on_sent` when something else chose (the Ray router's `ray_placed`).
 
     Between reports the router corrects each replica's numbers with its own books: requests it
     sent beyond what the report shows are counted as waiting (their prompts as prefill work,
@@ -98,11 +99,12 @@ class Router:
         self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
         return ranked
 
-    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
+    def on_sent(self, replica_id: str, request: RouteRequest, reason: str | None = None) -> None:
+        """`reason`: the caller's own, when the replica was not this router's pick (Ray's)."""
         books = self._books.setdefault(replica_id, _Books())
         books.outstanding[id(request)] = (request, books.seq)
         books.version += 1
-        self.reasons[self.reason_for(replica_id, request)] += 1
+        self.reasons[reason or self.reason_for(replica_id, request)] += 1
 
     def reason_for(self, replica_id: str, request: RouteRequest) -> str:
         """Why `request` went to `replica_id`, as `reasons` counts it."""
@@ -193,8 +195,8 @@ class PrefixAffinityRouter(Router):
         self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> replica, LRU order
         self.blocks_held: Counter[str] = Counter()  # replica -> hashes `_owner` gives it
 
-    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
-        super().on_sent(replica_id, request)
+    def on_sent(self, replica_id: str, request: RouteRequest, reason: str | None = None) -> None:
+        super().on_sent(replica_id, request, reason)
         owner, held = self._owner, self.blocks_held
         for h in request.prefix_hashes:
             before = owner.get(h)
