@@ -208,6 +208,8 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
             "kv_blocks_per_replica": {k.split('replica="')[1].split('"')[0]: v for k, v in
                                       after.items()
                                       if k.startswith("everystop_replica_kv_cache_total_blocks")},
+            # Each request's TTFT (ms, by id): which requests a p99 of few samples rests on.
+            "ttft_ms_by_request": {r["id"]: round(1000 * r["ttft_s"], 1) for r in rows},
             "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())}
 
 
