@@ -66,7 +66,6 @@ AWAITING_RERUN = {
     "quant_vs_llamacpp_default.json": "bench quant-vs-llamacpp",
     # Need Ray (two replicas) and more than 3 minutes.
     "routing_policies.json": "bench routing",
-    "routing_policies_skewed_rerun.json": "bench routing",
     # Longer than 3 minutes of the model: four offline modes, HF, online runs and the gate
     # (compare); three live 192-request replays each (sim-calibrate); six 60 s runs (preemption);
     # 164 s of generation alone at load 3.6 (structured-output); 32 prompts x 5 weight variants

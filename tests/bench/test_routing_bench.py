@@ -73,3 +73,22 @@ def test_the_simulated_run_measures_capacity_and_loads_from_it() -> None:
     (cell,) = out["skewed"]["by_rate_req_s"].items()
     assert capacity > 0 and math.isclose(float(cell[0]), 0.5 * capacity, rel_tol=1e-2)
     assert set(cell[1]) == {"least-loaded", "round-robin"}
+
+
+def test_the_simulated_shared_prefix_run_splits_its_misses_and_counts_reasons() -> None:
+    import argparse
+
+    from everystop.bench.routing import add_arguments
+    from everystop.bench.routing_sim import simulate_all
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--sim-rates", "2", "--sim-seeds", "1"])
+    server = {"max_num_seqs": 4, "max_num_batched_tokens": 512, "num_gpu_blocks": 200}
+    out = simulate_all(TOKENS, args, ["prefix-affinity"], {"shared_prefix": (
+        lambda seed: shared_prefix(TOKENS, 20, groups=3, prefix_len=64, seed=seed), server)})
+    (cell,) = out["shared_prefix"]["by_rate_req_s"].values()
+    pa = cell["prefix-affinity"]
+    assert pa["prefix_misses_first"] == 3  # each system prompt's first request
+    assert pa["prefix_misses_later"] == 0  # a pool of 200 blocks keeps all three
+    assert pa["decisions_new_prefix"] == 3 and pa["decisions_affinity"] == 17

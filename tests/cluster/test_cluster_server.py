@@ -117,6 +117,10 @@ def test_a_burst_is_spread_over_both_replicas(cluster: ServerProcess) -> None:
             if k.startswith("everystop_router_requests_total")}
     assert len(sent) == 2 and sum(sent.values()) == 6
     assert min(sent.values()) >= 2, sent  # least-loaded with in-flight correction spreads it
+    why = {k: after[k] - before.get(k, 0.0) for k in after
+           if k.startswith("everystop_router_decisions_total")}
+    assert sum(why.values()) == 6, why  # each request's reason counted once
+    assert all('reason="least_loaded"' in k for k, n in why.items() if n), why
     assert any(k.startswith("everystop_replica_kv_cache_total_blocks{") and 'replica="' in k
                for k in after)
 

@@ -90,11 +90,30 @@ def test_a_choice_made_again_and_a_completion_leave_the_books_even() -> None:
     first = _choose(router, replicas, pending)[0]
     _choose(router, replicas, pending)  # Ray backed off and asked again: not counted twice
     assert router.policy.in_flight(first) == 1 and sum(router.decisions.values()) == 1
+    assert +router.reasons == {"least_loaded": 1}
     other = "b" if first == "a" else "a"
     router.on_request_routed(pending, SimpleNamespace(unique_id=other), None)  # Ray chose else
     assert router.policy.in_flight(first) == 0 and router.policy.in_flight(other) == 1
+    assert +router.reasons == {"ray_placed": 1}
     router.on_request_completed(SimpleNamespace(unique_id=other), "ray-r0")
     assert router.policy.in_flight(other) == 0
+
+
+def test_the_metrics_say_why_the_router_chose() -> None:
+    from everystop.cluster.metrics import ClusterCollector
+
+    router = _router("prefix-affinity")
+    replicas = [_replica("a", _report(1)), _replica("b", _report(1))]
+    for i in range(3):  # the same 40-token prompt: a new prefix, then its replica twice
+        _choose(router, replicas, _pending(_req(i)))
+    front = SimpleNamespace(reports=lambda: {}, routers=lambda: [router], outcomes={},
+                            retries={})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in ClusterCollector(front).collect()  # type: ignore[arg-type]
+               for s in family.samples}
+    name = "everystop_router_decisions_total"
+    assert samples[(name, (("policy", "prefix-affinity"), ("reason", "new_prefix")))] == 1
+    assert samples[(name, (("policy", "prefix-affinity"), ("reason", "affinity")))] == 2
 
 
 def test_every_front_door_defaults_to_the_routing_floors_affinity_margin() -> None:

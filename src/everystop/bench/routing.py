@@ -166,14 +166,25 @@ def _delta(after: dict[str, float], before: dict[str, float], prefix: str) -> di
     return {k: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)}
 
 
+def _by_replica(series: dict[str, float]) -> dict[str, float]:
+    """{'name{replica="a",...}': v} -> {"a": v}, summed over the other labels."""
+    out: dict[str, float] = {}
+    for k, v in series.items():
+        rid = k.split('replica="')[1].split('"')[0]
+        out[rid] = out.get(rid, 0.0) + v
+    return out
+
+
 def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dict[str, Any]:
     load_before = os.getloadavg()
     before = cluster.metrics()
     report = _replay(cluster, workload, ids, rate)
     after = cluster.metrics()
     s = report["summary"]
-    hits = sum(_delta(after, before, "everystop_replica_prefix_cache_hits_total").values())
-    queries = sum(_delta(after, before, "everystop_replica_prefix_cache_queries_total").values())
+    hits_by = _by_replica(_delta(after, before, "everystop_replica_prefix_cache_hits_total"))
+    queries_by = _by_replica(_delta(after, before,
+                                    "everystop_replica_prefix_cache_queries_total"))
+    hits, queries = sum(hits_by.values()), sum(queries_by.values())
     rows = [r for r in report["requests"] if r["success"]]
     # Short prompts' TTFT is what routing changes most: a long prompt's own TTFT is mostly its
     # own prefill, wherever it goes.
@@ -184,13 +195,21 @@ def measure(cluster: Cluster, workload: Workload, ids: dict, rate: float) -> dic
             "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
             "ttft_ms_short_prompts": short, "ttft_ms_long_prompts": longs,
             "prefix_cache": {"hit_tokens": hits, "query_tokens": queries,
-                             "hit_rate": hits / queries if queries else 0.0},
-            "routed": {k.split('replica="')[1].split('"')[0]: v for k, v in
-                       _delta(after, before, "everystop_router_requests_total").items()},
+                             "hit_rate": hits / queries if queries else 0.0,
+                             # A replica holding more prefixes than its pool keeps shows here.
+                             "hit_rate_per_replica": {
+                                 rid: hits_by.get(rid, 0.0) / q
+                                 for rid, q in queries_by.items() if q}},
+            "routed": _by_replica(_delta(after, before, "everystop_router_requests_total")),
             "retries": _delta(after, before, "everystop_router_retries_total"),
+            # Why the router chose as it did (prefix-affinity: affinity, margin, kv_tier, ...).
+            "decisions": {k.split('reason="')[1].split('"')[0]: v for k, v in
+                          _delta(after, before, "everystop_router_decisions_total").items()},
             "kv_blocks_per_replica": {k.split('replica="')[1].split('"')[0]: v for k, v in
                                       after.items()
                                       if k.startswith("everystop_replica_kv_cache_total_blocks")},
+            # Each request's TTFT (ms, by id): which requests a p99 of few samples rests on.
+            "ttft_ms_by_request": {r["id"]: round(1000 * r["ttft_s"], 1) for r in rows},
             "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())}
 
 
@@ -230,7 +249,8 @@ def run_workload(name: str, workload: Workload, ids: dict, calib: tuple[Workload
             print(f"{name} {policy}: ttft {result['ttft_ms']} short p99 "
                   f"{result['ttft_ms_short_prompts']['p99']:.0f} "
                   f"{result['output_tok_s']:.1f} tok/s hit "
-                  f"{result['prefix_cache']['hit_rate']:.2f} load {os.getloadavg()}", flush=True)
+                  f"{result['prefix_cache']['hit_rate']:.2f} routed {result['routed']} "
+                  f"decisions {result['decisions']} load {os.getloadavg()}", flush=True)
         finally:
             cluster.stop()
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from collections import Counter
 from typing import Any
 
 from everystop.config import SchedulerConfig
@@ -48,18 +49,22 @@ def _requests(workload: Workload, ids: dict, rate: float, seed: int) -> list[Fle
 
 def simulate_policy(make: Any, policy: str, rate: float, args: argparse.Namespace,
                     setup: SimSetup) -> dict[str, float]:
-    """Mean over seeds of p99 TTFT (all, short, long prompts), hit rate and output tok/s."""
+    """Mean over seeds of p99 TTFT (all, short, long prompts), hit rate, output tok/s and the
+    router's decisions by reason."""
     step_s, token_s = args.sim_step_ms / 1000, args.sim_token_ms / 1000
 
     def latency(shape: IterationShape) -> float:
         return step_s + token_s * shape.num_tokens
 
     rows = []
+    reasons: Counter[str] = Counter()
     for seed in range(1, args.sim_seeds + 1):
         workload, ids = make(seed)
-        res = simulate_fleet(_requests(workload, ids, rate, seed), setup, latency, 2,
-                             make_router(policy, seed=seed),
+        router = make_router(policy, seed=seed)
+        res = simulate_fleet(_requests(workload, ids, rate, seed), setup, latency, 2, router,
                              stats_interval_s=args.sim_stats_interval_s)
+        reasons.update(router.reasons)
+        prefix_len = workload.spec.get("prefix_len")
         done = res.finished
         ttft = [(f.first_token_s or f.finished_s) - f.arrival_s for f in done]
         longs = [t for t, f in zip(ttft, done, strict=True) if f.num_prompt_tokens >= 1000]
@@ -71,8 +76,27 @@ def simulate_policy(make: Any, policy: str, rate: float, args: argparse.Namespac
             "hit_rate": sum(f.num_cached_tokens for f in done)
             / sum(f.num_prompt_tokens for f in done),
             "output_tok_s": sum(f.num_output_tokens for f in done)
-            / max(f.finished_s for f in done)})
-    return {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+            / max(f.finished_s for f in done),
+            **(_prefix_misses(done, ids, prefix_len) if prefix_len else {})})
+    means = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    # Why the router chose as it did, requests per seed (prefix-affinity: affinity, margin...).
+    return {**means, **{f"decisions_{k}": n / len(rows) for k, n in sorted(reasons.items())}}
+
+
+def _prefix_misses(done: list[Any], ids: dict, prefix_len: int) -> dict[str, float]:
+    """Shared-prefix requests whose system prompt was not (all) cached: the first request of
+    each prompt (no router can help those) and the later ones (evicted, or sent elsewhere)."""
+    seen: set[tuple[int, ...]] = set()
+    first = later = 0
+    for f in sorted(done, key=lambda f: f.arrival_s):
+        prefix = tuple(ids[f.request_id][:prefix_len])
+        if f.num_cached_tokens < prefix_len:
+            if prefix in seen:
+                later += 1
+            else:
+                first += 1
+        seen.add(prefix)
+    return {"prefix_misses_first": first, "prefix_misses_later": later}
 
 
 def simulated_capacity(make: Any, args: argparse.Namespace, setup: SimSetup) -> float:

@@ -1,6 +1,7 @@
 """Cluster series for the ingress's /metrics: each replica's load report with a `replica`
-label, the router's decisions (`everystop_router_requests_total{replica,policy}`, the score
-at the last decision), re-routes by reason, and every request's outcome."""
+label, the router's decisions (`everystop_router_requests_total{replica,policy}`, why it made
+them, `everystop_router_decisions_total{policy,reason}`, the score at the last decision),
+re-routes by reason, and every request's outcome."""
 
 from __future__ import annotations
 
@@ -79,13 +80,20 @@ class ClusterCollector(Collector):
         requests = CounterMetricFamily("everystop_router_requests",
                                        "Requests the router sent to each replica",
                                        labels=["replica", "policy"])
+        why = CounterMetricFamily("everystop_router_decisions",
+                                  "Requests the router sent, by why its policy chose that "
+                                  "replica (e.g. prefix-affinity: affinity, margin, kv_tier, "
+                                  "new_prefix)", labels=["policy", "reason"])
         score = GaugeMetricFamily("everystop_router_score",
                                   "Each replica's score at the router's last decision "
                                   "(lower is better)", labels=["replica", "policy"])
         for router in self.front.routers():
             for rid, n in sorted(router.decisions.items()):
                 requests.add_metric([rid, router.policy_name], n)
+            for reason, n in sorted(router.reasons.items()):
+                why.add_metric([router.policy_name, reason], n)
             for rid, value in sorted(router.last_score.items()):
                 score.add_metric([rid, router.policy_name], value)
         yield requests
+        yield why
         yield score

@@ -52,6 +52,8 @@ class EveryStopRouter(RequestRouter):
         # The ingress's request id -> the replica that took it (for retries after a death).
         self.placed: OrderedDict[str, str] = OrderedDict()
         self.decisions: Counter[str] = Counter()  # replica -> requests routed there
+        # Why each request in flight went where it did (the policy's `reasons` counts them all).
+        self._reasons: dict[str, str] = {}
         self.last_score: dict[str, float] = {}  # replica -> its score at the last decision
         registry.add(self)
 
@@ -100,16 +102,25 @@ class EveryStopRouter(RequestRouter):
         if entry is not None and entry[0] != replica_id.unique_id:
             self._forget(key)
             _, _, request_id = self._route_of(pending_request)
-            self._record(key, replica_id.unique_id, entry[1], request_id)
+            self._record(key, replica_id.unique_id, entry[1], request_id, reason="ray_placed")
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._reasons.pop(internal_request_id, None)
         entry = self._in_flight.pop(internal_request_id, None)
         if entry is not None:
             self.policy.on_finished(*entry)
 
     # -- internals -------------------------------------------------------------------------------
-    def _record(self, key: str, rid: str, route: RouteRequest, request_id: str | None) -> None:
-        self.policy.on_sent(rid, route)
+    @property
+    def reasons(self) -> Counter[str]:
+        """Why requests went where they did: reason -> requests (see `Router.reasons`)."""
+        return self.policy.reasons
+
+    def _record(self, key: str, rid: str, route: RouteRequest, request_id: str | None,
+                reason: str | None = None) -> None:
+        """Book a send; `reason` when Ray, not the policy, chose `rid` (`ray_placed`)."""
+        self._reasons[key] = reason = reason or self.policy.reason_for(rid, route)
+        self.policy.on_sent(rid, route, reason)
         self._in_flight[key] = (rid, route)
         self.decisions[rid] += 1
         if request_id is not None:
@@ -118,10 +129,14 @@ class EveryStopRouter(RequestRouter):
                 self.placed.popitem(last=False)
 
     def _forget(self, key: str) -> None:
+        """Undo `_record` (Ray chose again, or sent it elsewhere): not a send, not a decision."""
         entry = self._in_flight.pop(key, None)
         if entry is not None:
             self.policy.on_finished(*entry)
             self.decisions[entry[0]] -= 1
+            reason = self._reasons.pop(key, None)
+            if reason is not None:
+                self.policy.reasons[reason] -= 1
 
     def _route_of(self, pending: PendingRequest | None
                   ) -> tuple[RouteRequest, frozenset[str], str | None]:

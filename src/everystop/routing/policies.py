@@ -3,7 +3,9 @@ reports by the router's own count of requests sent and finished.
 
     least-loaded     lowest (KV tier, score); the design's policy and the default
     prefix-affinity  least-loaded, but the replica that last took the same leading prompt blocks
-                     goes first unless its score exceeds the best one's by `affinity_margin`
+                     goes first unless its score exceeds the best one's by `affinity_margin`;
+                     a prompt no replica holds goes, among equally loaded replicas, to the one
+                     holding the fewest prefix blocks
     power-of-two     two replicas drawn at random, the shorter queue first (Ray's built-in idea)
     round-robin      each replica in turn, blind to load
 """
@@ -11,7 +13,7 @@ reports by the router's own count of requests sent and finished.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +58,11 @@ class Router:
     that took the request with `on_sent` and its end with `on_finished`, passing the same
     `RouteRequest` object both times.
 
+    `reasons` counts why each request sent went where it went: `rank()`'s reason for its first
+    choice (`last_reason`, one of the policy's `REASONS`) when the request went there,
+    `next_in_rank` when the first refused and a later one took it, or the reason the caller
+    gives `on_sent` when something else chose (the Ray router's `ray_placed`).
+
     Between reports the router corrects each replica's numbers with its own books: requests it
     sent beyond what the report shows are counted as waiting (their prompts as prefill work,
     their blocks as taken), and requests that finished since the report are taken off.
@@ -64,6 +71,7 @@ class Router:
     """
 
     policy = "least-loaded"
+    REASONS: tuple[str, ...] = ("least_loaded",)
 
     def __init__(self, weights: ScoreWeights | None = None) -> None:
         self.weights = weights or ScoreWeights()
@@ -71,6 +79,10 @@ class Router:
         self._keys: dict[str, tuple[int, float]] = {}  # this rank()'s (tier, score) per replica
         # The score of each replica at the last rank(), for metrics and logs.
         self.last_scores: dict[str, float] = {}
+        # Why the last rank() put its first replica first; `_order` sets it.
+        self.last_reason = self.REASONS[0]
+        self._last_pick: tuple[int, str, str] | None = None  # (id(request), first, reason)
+        self.reasons: Counter[str] = Counter()  # reason -> requests sent
 
     def rank(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[str]:
         """Replica ids, best first. Every replica in `loads` appears exactly once."""
@@ -82,12 +94,24 @@ class Router:
         self._keys = keys = {c.load.replica_id: tier_and_score(c, request, w)
                              for c in corrected}
         self.last_scores = {rid: key[1] for rid, key in keys.items()}
-        return self._order(request, corrected)
+        self.last_reason = self.REASONS[0]
+        ranked = self._order(request, corrected)
+        self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
+        return ranked
 
-    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
+    def on_sent(self, replica_id: str, request: RouteRequest, reason: str | None = None) -> None:
+        """`reason`: the caller's own, when the replica was not this router's pick (Ray's)."""
         books = self._books.setdefault(replica_id, _Books())
         books.outstanding[id(request)] = (request, books.seq)
         books.version += 1
+        self.reasons[reason or self.reason_for(replica_id, request)] += 1
+
+    def reason_for(self, replica_id: str, request: RouteRequest) -> str:
+        """Why `request` went to `replica_id`, as `reasons` counts it."""
+        pick = self._last_pick
+        if pick is None or pick[0] != id(request):
+            return "unranked"  # sent without a rank() of this request (a caller's own choice)
+        return pick[2] if pick[1] == replica_id else "next_in_rank"
 
     def on_finished(self, replica_id: str, request: RouteRequest) -> None:
         books = self._books.setdefault(replica_id, _Books())
@@ -142,7 +166,23 @@ class Router:
 
 
 class PrefixAffinityRouter(Router):
+    """Least-loaded, with a prompt's leading blocks kept where they were sent before.
+
+    The table maps each leading-block hash to the replica that last took it (LRU, at most
+    `max_prefixes` hashes), and counts the blocks it attributes to each replica: the router's
+    view of what each replica's prefix cache holds. A prompt whose blocks no replica holds yet
+    goes, among the replicas tied for least loaded, to the one holding the fewest.
+    NOTE: without that, ties fell to the first replica id: at low load (replicas idle, so tied)
+    every new prefix landed on one replica, which then held more prefixes than its pool could
+    keep while the other's cache sat empty, and affinity kept sending them there to be evicted.
+
+    Reasons (`Router.reasons`): `affinity` (the prefix's replica), `margin` (it was busier than
+    the best by more than the margin), `kv_tier` (its KV tier was worse), `new_prefix` (no
+    replica holds the prompt's first block), `no_prefix` (the prompt has no full block).
+    """
+
     policy = "prefix-affinity"
+    REASONS = ("new_prefix", "affinity", "margin", "kv_tier", "no_prefix")
 
     def __init__(self, weights: ScoreWeights | None = None, *,
                  affinity_margin: float = DEFAULT_AFFINITY_MARGIN,
@@ -153,14 +193,21 @@ class PrefixAffinityRouter(Router):
         self.affinity_margin = affinity_margin
         self.max_prefixes = max_prefixes
         self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> replica, LRU order
+        self.blocks_held: Counter[str] = Counter()  # replica -> hashes `_owner` gives it
 
-    def on_sent(self, replica_id: str, request: RouteRequest) -> None:
-        super().on_sent(replica_id, request)
+    def on_sent(self, replica_id: str, request: RouteRequest, reason: str | None = None) -> None:
+        super().on_sent(replica_id, request, reason)
+        owner, held = self._owner, self.blocks_held
         for h in request.prefix_hashes:
-            self._owner[h] = replica_id
-            self._owner.move_to_end(h)
-        while len(self._owner) > self.max_prefixes:
-            self._owner.popitem(last=False)
+            before = owner.get(h)
+            if before != replica_id:
+                if before is not None:
+                    held[before] -= 1
+                held[replica_id] += 1
+            owner[h] = replica_id
+            owner.move_to_end(h)
+        while len(owner) > self.max_prefixes:
+            held[owner.popitem(last=False)[1]] -= 1
 
     def affinity(self, request: RouteRequest, replica_ids: set[str]) -> str | None:
         """The replica that last took the longest run of this prompt's leading blocks."""
@@ -174,19 +221,41 @@ class PrefixAffinityRouter(Router):
         ranked = self._least_loaded(request, corrected)
         owner = self.affinity(request, {c.load.replica_id for c in ranked})
         if owner is None:
-            return [c.load.replica_id for c in ranked]
+            self.last_reason = "new_prefix" if request.prefix_hashes else "no_prefix"
+            return [c.load.replica_id for c in self._fewest_held_first(ranked)]
         best = ranked[0]
         mine = next(c for c in ranked if c.load.replica_id == owner)
         (mine_tier, mine_score), (best_tier, best_score) = (self._keys[mine.load.replica_id],
                                                             self._keys[best.load.replica_id])
-        if mine_tier <= best_tier and mine_score <= best_score + self.affinity_margin:
+        if mine_tier > best_tier:
+            self.last_reason = "kv_tier"
+        elif mine_score > best_score + self.affinity_margin:
+            self.last_reason = "margin"
+        else:
+            self.last_reason = "affinity"
             ranked.remove(mine)
             ranked.insert(0, mine)
         return [c.load.replica_id for c in ranked]
 
+    def _fewest_held_first(self, ranked: list[Corrected]) -> list[Corrected]:
+        """`ranked` with the replicas tied with the first for (tier, score) reordered by the
+        prefix blocks they hold, fewest first (then by id, as `_least_loaded` breaks ties)."""
+        if len(ranked) < 2:
+            return ranked
+        keys = self._keys
+        first = keys[ranked[0].load.replica_id]
+        tied = 1
+        while tied < len(ranked) and keys[ranked[tied].load.replica_id] == first:
+            tied += 1
+        if tied == 1:
+            return ranked
+        held = self.blocks_held
+        return sorted(ranked[:tied], key=lambda c: held[c.load.replica_id]) + ranked[tied:]
+
 
 class PowerOfTwoRouter(Router):
     policy = "power-of-two"
+    REASONS = ("power_of_two",)
 
     def __init__(self, weights: ScoreWeights | None = None, *, seed: int = 0) -> None:
         super().__init__(weights)
@@ -202,6 +271,7 @@ class PowerOfTwoRouter(Router):
 
 class RoundRobinRouter(Router):
     policy = "round-robin"
+    REASONS = ("round_robin",)
 
     def __init__(self, weights: ScoreWeights | None = None) -> None:
         super().__init__(weights)
