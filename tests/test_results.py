@@ -84,9 +84,6 @@ AWAITING_RERUN = {
     # once that lands.
     "sim/report.json": "simulate report",
     "sim/fleet_report.json": "bench fleet-report",
-    # A record of the tree before session 1's changes (profile.md's first table, "before"):
-    # today's code cannot measure it again.
-    "profile_before_fp32.json": "bench profile",
     # Cheap, not reached under the shared CPU lock in session 8.
     "throughput_fp32.json": "bench throughput",
     "profile_bf16.json": "bench profile",
