@@ -59,36 +59,18 @@ def test_simulate_calibrate_self_test_reproduces_the_committed_calibration(
 # past state, e.g. the profile before a change); a rewritten one must leave this table, and a
 # new result must come through write_result.
 AWAITING_RERUN = {
-    # Need llama.cpp's server (a quiet window, beside it); profile.md's session 1-3 tables quote
-    # numbers only the two vs_llamacpp_bf16 files hold.
+    # Need llama.cpp's server (a quiet window, beside it, over 3 minutes); profile.md's session
+    # 1-3 tables quote numbers only the two vs_llamacpp_bf16 files hold.
     "vs_llamacpp_bf16.json": "bench vs-llamacpp",
     "vs_llamacpp_bf16_32slots.json": "bench vs-llamacpp",
-    "quant_vs_llamacpp_default.json": "bench quant-vs-llamacpp",
     # Need Ray (two replicas) and more than 3 minutes.
     "routing_policies.json": "bench routing",
-    # Longer than 3 minutes of the model: four offline modes, HF, online runs and the gate
-    # (compare); three live 192-request replays each (sim-calibrate); six 60 s runs (preemption);
-    # 164 s of generation alone at load 3.6 (structured-output); 32 prompts x 5 weight variants
-    # (quant-accuracy, estimated).
-    "compare/compare.json": "bench compare",
+    # Longer than 3 minutes of the model: three live 192-request replays each (sim-calibrate).
     "sim/calibration_real.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_load0.4_seed0.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_load0.4_seed1.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_seed1.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_seed2.json": "bench sim-calibrate",
-    "preemption_bench.json": "bench preemption",
-    "structured_output.json": "bench structured-output",
-    "quant_accuracy.json": "bench quant-accuracy",
-    # A record of the tree before session 1's changes (profile.md's first table, "before"):
-    # today's code cannot measure it again.
-    "profile_before_fp32.json": "bench profile",
-    # Cheap, not reached under the shared CPU lock in session 8.
-    "throughput_fp32.json": "bench throughput",
-    "profile_bf16.json": "bench profile",
-    "profile_fp32.json": "bench profile",
-    "profile_128_bf16_session4.json": "bench profile",
-    "profile_single_bf16_avx2.json": "bench profile",
-    "profile_single_bf16_avx512bf16.json": "bench profile",
 }
 
 
