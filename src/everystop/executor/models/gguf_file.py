@@ -34,8 +34,7 @@ class GGUFTensor:
     shape: list[int]  # GGUF order: innermost dimension first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # plain types: values, rows outermost; quantized: uint8 [rows, bytes]
-    offset: int = 0  # where its bytes start in the file
-    nbytes: int = 0
+    offset: int = 0  # where its bytes (data.nbytes of them) start in the file
 
 
 class GGUFFile:
@@ -84,7 +83,7 @@ class GGUFFile:
                 row_bytes = dims[0] // block * type_size
                 data = np.frombuffer(buf, np.uint8, n // block * type_size,
                                      begin).reshape(*rows[:-1], row_bytes)
-            self.tensors.append(GGUFTensor(name, dims, qtype, data, begin, data.nbytes))
+            self.tensors.append(GGUFTensor(name, dims, qtype, data, begin))
 
     def release(self, tensor: GGUFTensor) -> None:
         """Drop the whole pages inside `tensor`'s bytes from this process's resident set (the
@@ -92,7 +91,7 @@ class GGUFFile:
         the page cache or the file). A no-op where madvise is unavailable."""
         page = mmap.PAGESIZE
         start = -(-tensor.offset // page) * page
-        end = (tensor.offset + tensor.nbytes) // page * page
+        end = (tensor.offset + tensor.data.nbytes) // page * page
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
