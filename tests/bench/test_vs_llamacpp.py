@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from everystop.bench.vs_llamacpp import _memory_kib, scale_lengths
+from everystop.bench.servers import process_memory
+from everystop.bench.vs_llamacpp import scale_lengths
 from everystop.workload import perf_workload
 
 
@@ -27,5 +28,5 @@ def test_a_scale_outside_zero_to_one_is_refused(factor: float) -> None:
 
 
 def test_memory_reads_this_process() -> None:
-    mem = _memory_kib()
-    assert 0 < mem["VmRSS"] <= mem["VmHWM"]
+    mem = process_memory()
+    assert 0 < mem["rss_bytes"] <= mem["peak_rss_bytes"]

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from everystop.bench.roofline import read_bandwidth_gb_s
-from everystop.bench.servers import wait_healthy
+from everystop.bench.servers import process_memory, wait_healthy
 from everystop.results import cpu_info, write_result
 from everystop.stats import percentile
 
@@ -36,14 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def gguf_facts(path: str) -> dict[str, Any]:
@@ -108,13 +100,13 @@ def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str
                      timeout_s=600)
         load_s = time.perf_counter() - t0
         stream_one(port, prompts[0], 4, engine == "llama.cpp")  # warm-up
-        rss = rss_bytes(proc.pid)
+        rss = process_memory(proc.pid)["rss_bytes"]
         tpots = []
         for p in prompts:
             times = stream_one(port, p, args.new_tokens, engine == "llama.cpp")
             if len(times) > 1:
                 tpots.append((times[-1] - times[0]) / (len(times) - 1))
-        rss_after = rss_bytes(proc.pid)
+        rss_after = process_memory(proc.pid)["rss_bytes"]
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -1,6 +1,7 @@
 """Servers a benchmark starts and stops itself: launching everystop on a free loopback port,
 llama.cpp's `llama-server` with given flags (its exact command recorded), waiting until /health
-answers 200 (or the server failed), stopping them (a signal, then kill)."""
+answers 200 (or the server failed), stopping them (a signal, then kill), and reading a process's
+resident memory."""
 
 from __future__ import annotations
 
@@ -115,3 +116,15 @@ def llama_server(binary: str, gguf: str, flags: Sequence[str] = (), *, port: int
             yield LlamaServer(command, url, proc)
         finally:
             stop_process(proc, sig=signal.SIGTERM, timeout_s=60)
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident memory now (`rss_bytes`, VmRSS) and at its peak (`peak_rss_bytes`,
+    VmHWM), from /proc (Linux)."""
+    fields = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes"}
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            out[fields[key]] = int(value.split()[0]) * 1024
+    return out

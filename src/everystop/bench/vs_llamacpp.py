@@ -26,22 +26,11 @@ import os
 import subprocess
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from everystop.results import write_result
 from everystop.stats import percentile
 from everystop.workload import Workload
-
-
-def _memory_kib(pid: int | str = "self") -> dict[str, int]:
-    """Resident (VmRSS) and peak resident (VmHWM) memory of a process, in KiB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
 
 
 def scale_lengths(workload: Workload, factor: float) -> Workload:
@@ -100,7 +89,7 @@ async def _drive(base_url: str,
 
 
 def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    from everystop.bench.servers import llama_server
+    from everystop.bench.servers import llama_server, process_memory
 
     # Per-slot caches split -c evenly: each slot must hold the longest request.
     longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs) + 64
@@ -110,7 +99,7 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
     with llama_server(args.llama_server, args.gguf, flags, port=args.port,
                       log_path=args.server_log) as server:
         elapsed, results = asyncio.run(_drive(server.url, reqs))
-        memory = _memory_kib(server.proc.pid)
+        memory = process_memory(server.proc.pid)
     n_out = sum(r["tokens"] for r in results)
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"engine": "llama.cpp server", "version": _version(args.llama_server),
@@ -118,11 +107,12 @@ def run_llamacpp(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[s
             "output_tokens": n_out, "output_tok_s": n_out / elapsed,
             "ttft_p50_s": percentile(ttft, 50, empty=math.nan),
             "ttft_p99_s": percentile(ttft, 99, empty=math.nan),
-            "rss_end_bytes": memory["VmRSS"] * 1024, "peak_rss_bytes": memory["VmHWM"] * 1024}
+            "rss_end_bytes": memory["rss_bytes"], "peak_rss_bytes": memory["peak_rss_bytes"]}
 
 
 def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     from everystop import LLM
+    from everystop.bench.servers import process_memory
     from everystop.bench.throughput import run_workload, warm_up_workload
 
     start = time.perf_counter()
@@ -132,7 +122,7 @@ def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any
     startup = time.perf_counter() - start
     run_workload(llm, warm_up_workload(workload), 0.0)
     res = run_workload(llm, workload, 0.0)
-    memory = _memory_kib()
+    memory = process_memory()
     import torch
 
     return {"engine": "everystop", "dtype": args.dtype, "threads": torch.get_num_threads(),
@@ -141,7 +131,7 @@ def run_everystop(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             "model": args.model, "quantization": args.quantization,
             "kv_cache": llm.engine.executor.describe_capacity(), "startup_s": startup,
             # This process's peak: the engine's, plus the small client llama.cpp's run used.
-            "rss_end_bytes": memory["VmRSS"] * 1024, "peak_rss_bytes": memory["VmHWM"] * 1024,
+            "rss_end_bytes": memory["rss_bytes"], "peak_rss_bytes": memory["peak_rss_bytes"],
             **res}
 
 
