@@ -197,3 +197,26 @@ def test_large_weights_are_widened_tile_by_tile(kernels, fmt):
     assert 7000 * 640 * 4 > 16 << 20
     torch.testing.assert_close(kernels.linear_q_tiled(x, held, code, 640), x @ exact_w.T,
                                rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rows", [12, 40])  # 12: tile by tile; 40: the weight widened whole
+def test_bf16_tiles_multiply_the_held_weights_rounded_to_bf16(kernels, fmt, rows):
+    # Where bf16 GEMMs were timed faster (fp32_gemm_for_16bit False), block weights meeting a
+    # bf16 x are dequantized into bf16 tiles for a bf16 GEMM: the product of x with the held
+    # weights each rounded to bf16, as a bf16 model's linear computes it.
+    g = torch.Generator().manual_seed(rows)
+    q = quantize(torch.randn(200, 320, generator=g), fmt)
+    x = torch.randn(rows, 320, generator=g).bfloat16()
+    code = FORMATS[fmt][0]
+    native = dataclasses.replace(kernels, fp32_gemm_for_16bit=False)
+    out = native.linear_q_tiled(x, q.data, code, 320)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, q.dequantize().bfloat16()),
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, native.ops.linear_q_tiled_bf16(x, q.data, code, 320),
+                               rtol=0, atol=0)
+    # The fp32 tiles (the default, and every AVX2-only CPU) are what the bf16 tiles replace.
+    fp32_tiles = kernels.linear_q_tiled(x, q.data, code, 320)
+    torch.testing.assert_close(fp32_tiles, (x.float() @ q.dequantize().T).bfloat16(),
+                               rtol=1e-2, atol=1e-2)

@@ -65,7 +65,7 @@ ROWS_PER_ITEM = 24
 # The ops each library registers (csrc/*.cpp).
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "rope_write_kv_",
         "argmax_rows", "linear_small", "decoder_stack")
-_OPS += ("linear_q_small", "linear_q_tiled", "dequantize")
+_OPS += ("linear_q_small", "linear_q_tiled", "linear_q_tiled_bf16", "dequantize")
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 _OPS += ("round_int8_blocks",)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,8 +162,10 @@ class CpuKernels:
     """One ISA's kernel library, as the layers call it.
 
     `fp32_gemm_for_16bit`: multiply 16-bit weights in fp32 for compute-bound inputs. On CPUs
-    without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (docs/perf/profile.md);
-    the result is what the bf16 GEMM gives (fp32 accumulation, rounded once to bf16).
+    without AMX or AVX512-BF16, oneDNN's bf16 GEMM runs at about half the fp32 rate
+    (docs/perf/profile.md); the result is what the bf16 GEMM gives (fp32 accumulation, rounded
+    once to bf16). False (bf16 timed faster) also sends block weights meeting bf16
+    activations to bf16 tiles.
     """
 
     isa: str
@@ -256,12 +258,16 @@ class CpuKernels:
     def linear_q_tiled(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
         """x [rows, k] @ W.T for any rows: W (blocks, or a dense fp16/bf16 weight for fmt 0)
-        widened a cache-sized tile at a time into fp32 for the library GEMM. With
-        int8_decode_dot block weights meet x rounded as the decode GEMV rounds it, so a token
-        computes the same in a prefill chunk as decoded alone."""
+        widened a cache-sized tile at a time into fp32 for the library GEMM; block weights
+        meeting a bf16 x go to bf16 tiles and the bf16 GEMM where that was timed faster
+        (`fp32_gemm_for_16bit` False). With int8_decode_dot block weights meet x rounded as
+        the decode GEMV rounds it, so a token computes the same in a prefill chunk as decoded
+        alone."""
         if self.int8_decode_dot and fmt != 0:
             out = self.ops.linear_q_tiled(self.ops.round_int8_blocks(x), weight, fmt, k)
             return out if out.dtype == x.dtype else out.to(x.dtype)
+        if fmt != 0 and x.dtype == torch.bfloat16 and not self.fp32_gemm_for_16bit:
+            return self.ops.linear_q_tiled_bf16(x, weight, fmt, k)
         return self.ops.linear_q_tiled(x, weight, fmt, k)
 
     def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:

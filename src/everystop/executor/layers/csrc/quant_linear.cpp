@@ -12,9 +12,11 @@
 //   linear_q_tiled(x, w, fmt, k)  x [rows, k] @ W.T for prefill: each thread widens a tile of
 //                                 output rows into a cache-resident fp32 buffer and hands it to
 //                                 the library GEMM (single-threaded inside the tile loop).
+//   linear_q_tiled_bf16(...)      the same with bf16 tiles and a bf16 GEMM, for a bf16 x.
 //
 // fmt: 0 = a dense fp16/bf16 weight [n, k], 1 = q8_0, 2 = q4_0, 3 = q4_1 (layers/quant.py).
-// Activations are fp32 inside (a 16-bit x is widened once; the output is cast back).
+// Activations are fp32 inside (a 16-bit x is widened once; the output is cast back), except in
+// linear_q_tiled_bf16.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -480,33 +483,52 @@ std::vector<int64_t> int_dot_paths() {
 }
 
 // --- prefill: dequantized tiles into a library GEMM ----------------------------------------
+//
+// The tiles are fp32, or bf16 where the caller found bf16 GEMMs faster (a CPU with AVX512-BF16
+// dot products: oneDNN's bf16 GEMM runs 2.3-3x the fp32 one on the Llama-3.2-1B shapes). A bf16
+// tile holds each weight rounded to bf16 (8 significant bits; q8_0's d * q carries up to 19),
+// the same rounding a bf16 model's weights have.
 
-template <int F>
-void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, float* dst) {
+// kW fp32 values stored as T.
+template <typename T>
+inline void store_as(T* dst, vf v) {
+  if constexpr (std::is_same<T, float>::value) {
+    std::memcpy(dst, &v, sizeof(v));
+  } else {
+    static_assert(std::is_same<T, c10::BFloat16>::value, "fp32 or bf16 tiles");
+    const vh h = vf_to_bf16(v);
+    std::memcpy(dst, &h, sizeof(h));
+  }
+}
+
+template <int F, typename T>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, T* dst) {
   const int64_t nb = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    float* d = dst + r * k;
+    T* d = dst + r * k;
     for (int64_t b = 0; b < nb; ++b) {
       vf v[kV];
       Block<F>::load(row + b * Block<F>::kBytes, v);
-      std::memcpy(d + b * kBlock, v, sizeof(v));
+      for (int i = 0; i < kV; ++i) store_as(d + b * kBlock + i * kW, v[i]);
     }
   }
 }
 
-template <typename T>
-void widen_rows(const T* w, int64_t rows, int64_t k, float* dst) {
+template <typename S, typename T>
+void widen_rows(const S* w, int64_t rows, int64_t k, T* dst) {
   const int64_t n = rows * k, nv = n - n % kW;
-  for (int64_t i = 0; i < nv; i += kW) {
-    const vf v = loadv(w + i);
-    std::memcpy(dst + i, &v, sizeof(v));
+  if constexpr (std::is_same<S, T>::value) {
+    std::memcpy(dst, w, n * sizeof(T));
+    return;
   }
-  for (int64_t i = nv; i < n; ++i) dst[i] = static_cast<float>(w[i]);
+  for (int64_t i = 0; i < nv; i += kW) store_as(dst + i, loadv(w + i));
+  for (int64_t i = nv; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(w[i]));
 }
 
+template <typename T>
 void dequant_tile(const at::Tensor& w, int64_t fmt, int64_t k, int64_t n0, int64_t rows,
-                  float* dst) {
+                  T* dst) {
   if (fmt == kDense) {
     if (w.scalar_type() == at::kBFloat16)
       widen_rows(w.data_ptr<c10::BFloat16>() + n0 * k, rows, k, dst);
@@ -523,9 +545,9 @@ void dequant_tile(const at::Tensor& w, int64_t fmt, int64_t k, int64_t n0, int64
   }
 }
 
-// x @ w.T in fp32 through oneDNN where torch has it (mkldnn::_linear_pointwise): on AMD Zen
-// MKL's sgemm runs its generic path, 1.15x (AVX2) to 2.2x (AVX-512) slower per thread
-// (benchmarks/gemm_backends.py). Inside a parallel_for it runs on the calling thread.
+// x @ w.T through oneDNN where torch has it (mkldnn::_linear_pointwise), in x's dtype (fp32 or
+// bf16): on AMD Zen MKL's sgemm runs its generic path, 1.15x (AVX2) to 2.2x (AVX-512) slower
+// per thread (benchmarks/gemm_backends.py). Inside a parallel_for it runs on the calling thread.
 at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w) {
   static const auto handle =
       c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
@@ -546,7 +568,7 @@ at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w) {
 constexpr int64_t kWholeWidenBytes = int64_t{16} << 20;
 constexpr int64_t kWholeWidenRows = 32;
 
-at::Tensor linear_q_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+void check_tiled_weight(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && w.dim() == 2 && w.is_contiguous(),
               "linear_q_tiled: x [rows, k] and contiguous w expected");
   if (fmt == kDense) {
@@ -558,24 +580,31 @@ at::Tensor linear_q_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
     const int64_t bytes = fmt == kQ8_0 ? 34 : (fmt == kQ4_0 ? 18 : 20);
     TORCH_CHECK(w.size(1) == k / kBlock * bytes, "linear_q_tiled: row size");
   }
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+}
+
+// x @ W.T with W's tiles made as T (fp32 or bf16) and the GEMM in T; x's dtype out.
+template <typename T>
+at::Tensor tiled_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+  const auto tdtype = std::is_same<T, float>::value ? at::kFloat : at::kBFloat16;
+  const at::Tensor xt = x.to(tdtype).contiguous();
   const int64_t n = w.size(0);
-  if (n * k * int64_t{sizeof(float)} <= kWholeWidenBytes && x32.size(0) >= kWholeWidenRows) {
+  const int64_t esize = sizeof(T);
+  if (n * k * esize <= kWholeWidenBytes && xt.size(0) >= kWholeWidenRows) {
     // The weight widened whole into a transient buffer and one library GEMM over all of it,
     // threaded by the library: a GEMM call per tile costs ~6% more (AVX2, 280 rows) and splits
     // less evenly over the threads. The buffer lives for this call only.
-    at::Tensor buf = at::empty({n, k}, x32.options());
-    float* bp = buf.data_ptr<float>();
+    at::Tensor buf = at::empty({n, k}, xt.options());
+    T* bp = buf.data_ptr<T>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       dequant_tile(w, fmt, k, begin, end - begin, bp + begin * k);
     });
-    const at::Tensor out = gemm_nt(x32, buf);
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+    const at::Tensor out = gemm_nt(xt, buf);
+    return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
   }
-  at::Tensor out = at::empty({x.size(0), n}, x32.options());
-  // A tile of ~256 KiB of fp32 stays in L2 while the GEMM reads it once per row block of x.
-  const int64_t max_tile =
-      std::max<int64_t>(16, std::min<int64_t>(256, (int64_t{1} << 16) / k / 16 * 16));
+  at::Tensor out = at::empty({xt.size(0), n}, xt.options());
+  // A tile of ~256 KiB stays in L2 while the GEMM reads it once per row block of x.
+  const int64_t max_tile = std::max<int64_t>(
+      16, std::min<int64_t>(256, (int64_t{1} << 18) / esize / k / 16 * 16));
   // As many tiles for every thread (parallel_for hands each a contiguous run): 960 rows cut
   // into 112-row tiles leave one thread 5 tiles and the other 4.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -583,23 +612,36 @@ at::Tensor linear_q_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
   const int64_t tile = std::min(max_tile, ((n + per_thread * threads - 1) /
                                            (per_thread * threads) + 15) / 16 * 16);
   const int64_t tiles = (n + tile - 1) / tile;
-  const int64_t m = x32.size(0);
-  float* op = out.data_ptr<float>();
+  const int64_t m = xt.size(0);
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // NOTE: only tensors made on this thread are written through ATen here: the caller's
     // inference mode is thread-local, so `out` (an inference tensor) is filled by memcpy.
-    at::Tensor buf = at::empty({tile, k}, x32.options());
+    at::Tensor buf = at::empty({tile, k}, xt.options());
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, rows = std::min(tile, n - n0);
-      dequant_tile(w, fmt, k, n0, rows, buf.data_ptr<float>());
+      dequant_tile(w, fmt, k, n0, rows, buf.data_ptr<T>());
       // Inside parallel_for the library GEMM runs on this thread only.
-      const at::Tensor r = gemm_nt(x32, buf.narrow(0, 0, rows)).contiguous();
-      const float* rp = r.data_ptr<float>();
-      for (int64_t i = 0; i < m; ++i)
-        std::memcpy(op + i * n + n0, rp + i * rows, rows * sizeof(float));
+      const at::Tensor r = gemm_nt(xt, buf.narrow(0, 0, rows)).contiguous();
+      const T* rp = r.data_ptr<T>();
+      for (int64_t i = 0; i < m; ++i) std::memcpy(op + i * n + n0, rp + i * rows, rows * esize);
     }
   });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+
+// fp32 tiles and GEMM, whatever x's dtype.
+at::Tensor linear_q_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k) {
+  check_tiled_weight(x, w, fmt, k);
+  return tiled_gemm<float>(x, w, fmt, k);
+}
+
+// bf16 tiles and a bf16 GEMM (fp32 accumulation inside the library), for a bf16 x.
+at::Tensor linear_q_tiled_bf16(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                               int64_t k) {
+  check_tiled_weight(x, w, fmt, k);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_q_tiled_bf16: x must be bf16");
+  return tiled_gemm<c10::BFloat16>(x, w, fmt, k);
 }
 
 // The whole weight as fp32 [n, k] (tests, and the embedding rows a step looks up).
@@ -617,6 +659,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t k) {
 ES_LIBRARY_FRAGMENT(m) {
   m.def("linear_q_small(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
   m.def("linear_q_tiled(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
+  m.def("linear_q_tiled_bf16(Tensor x, Tensor weight, int fmt, int k) -> Tensor");
   m.def("dequantize(Tensor weight, int fmt, int k) -> Tensor");
   m.def("linear_q_small_path(Tensor x, Tensor weight, int fmt, int k, int path) -> Tensor");
   m.def("int_dot_paths() -> int[]", &int_dot_paths);  // no tensor: a catch-all kernel
@@ -626,6 +669,7 @@ ES_LIBRARY_FRAGMENT(m) {
 ES_LIBRARY_IMPL(m) {
   m.impl("linear_q_small", &linear_q_small);
   m.impl("linear_q_tiled", &linear_q_tiled);
+  m.impl("linear_q_tiled_bf16", &linear_q_tiled_bf16);
   m.impl("dequantize", &dequantize);
   m.impl("linear_q_small_path", &linear_q_small_path);
   m.impl("round_int8_blocks", &round_int8_blocks);
