@@ -69,7 +69,6 @@ AWAITING_RERUN = {
     "sim/calibration_real.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_load0.4_seed0.json": "bench sim-calibrate",
     "sim/repeats/calibration_real_load0.4_seed1.json": "bench sim-calibrate",
-    "sim/repeats/calibration_real_seed2.json": "bench sim-calibrate",
 }
 
 
