@@ -67,7 +67,6 @@ AWAITING_RERUN = {
     "routing_policies.json": "bench routing",
     # Longer than 3 minutes of the model: three live 192-request replays each (sim-calibrate).
     "sim/calibration_real.json": "bench sim-calibrate",
-    "sim/repeats/calibration_real_load0.4_seed1.json": "bench sim-calibrate",
 }
 
 
