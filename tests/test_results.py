@@ -66,7 +66,6 @@ AWAITING_RERUN = {
     # Need Ray (two replicas) and more than 3 minutes.
     "routing_policies.json": "bench routing",
     # Longer than 3 minutes of the model: three live 192-request replays each (sim-calibrate).
-    "sim/calibration_real.json": "bench sim-calibrate",
 }
 
 
