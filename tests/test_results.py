@@ -63,8 +63,6 @@ AWAITING_RERUN = {
     # 1-3 tables quote numbers only the two vs_llamacpp_bf16 files hold.
     "vs_llamacpp_bf16.json": "bench vs-llamacpp",
     "vs_llamacpp_bf16_32slots.json": "bench vs-llamacpp",
-    # Need Ray (two replicas) and more than 3 minutes.
-    "routing_policies.json": "bench routing",
     # Longer than 3 minutes of the model: three live 192-request replays each (sim-calibrate).
 }
 
