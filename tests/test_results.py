@@ -61,7 +61,6 @@ def test_simulate_calibrate_self_test_reproduces_the_committed_calibration(
 AWAITING_RERUN = {
     # Need llama.cpp's server (a quiet window, beside it, over 3 minutes); profile.md's session
     # 1-3 tables quote numbers only the two vs_llamacpp_bf16 files hold.
-    "vs_llamacpp_bf16.json": "bench vs-llamacpp",
     "vs_llamacpp_bf16_32slots.json": "bench vs-llamacpp",
     # Longer than 3 minutes of the model: three live 192-request replays each (sim-calibrate).
 }
