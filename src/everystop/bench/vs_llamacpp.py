@@ -163,6 +163,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=3.0)
     ap.add_argument("--order", default="llamacpp,everystop")
     ap.add_argument("--server-log")
+    ap.add_argument("--note",
+                    help="a sentence kept in the JSON (e.g. how this run maps an older one's)")
     ap.add_argument("--out")
 
 
@@ -177,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
                            "prompt_tokens": sum(r["prompt_len"] for r in reqs),
                            "expected_output_tokens": sum(r["max_tokens"] for r in reqs),
                            "load_avg_before": os.getloadavg()}
+    if args.note:
+        out["note"] = args.note
     for name in args.order.split(","):
         out[name] = run_llamacpp(args, reqs) if name == "llamacpp" else run_everystop(args,
                                                                                       workload)
