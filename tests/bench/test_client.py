@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -107,3 +108,19 @@ def test_send_schedule_and_api_root() -> None:
     wl.requests[2].arrival_s = 1.5
     assert send_schedule(wl, ServeOptions(rate=None))[2] == 1.5
     assert api_root("http://h:1/v1/") == api_root("http://h:1") == "http://h:1"
+
+
+def test_sse_lines_end_at_newline_only() -> None:
+    # U+2028 and U+0085 are left unescaped in JSON (and turn up in text decoded from random
+    # prompts); a line splitter that breaks there hands json.loads half an event.
+    from everystop.bench.client import sse_lines
+
+    event = 'data: {"text": "a\u2028b\x85c"}'.encode()
+    stream = event + b"\r\n\r\n" + b"data: [DONE]\n"
+    lines, pending = [], b""
+    for i in range(0, len(stream), 5):  # chunk boundaries inside the event
+        got, pending = sse_lines(pending, stream[i:i + 5])
+        lines += got
+    assert pending == b""
+    assert lines == [event, b"", b"data: [DONE]"] and json.loads(lines[0][6:]) == {
+        "text": "a\u2028b\x85c"}

@@ -76,6 +76,24 @@ def request_body(req: WorkloadRequest, opts: ServeOptions, model: str) -> dict[s
     return body
 
 
+def sse_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of an SSE stream so far, and the unfinished rest. Lines end at b"\n"
+    only: httpx's iter_lines() also splits at U+2028, U+0085 and the like, which JSON leaves
+    unescaped and which streamed text from random prompts does contain."""
+    *lines, rest = (pending + chunk).split(b"\n")
+    return [line.rstrip(b"\r") for line in lines], rest
+
+
+async def sse_data(resp: httpx.Response) -> Any:
+    """Each `data:` payload of a streamed response, as text (an async iterator)."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        lines, pending = sse_lines(pending, chunk)
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
 def _chunk_text(payload: dict[str, Any]) -> str:
     choices = payload.get("choices") or []
     if not choices:
@@ -101,10 +119,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 result.success = False
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(resp):
                 if data == "[DONE]":
                     break
                 payload = json.loads(data)

@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from everystop.bench.client import sse_lines
 from everystop.bench.roofline import read_bandwidth_gb_s
 from everystop.bench.servers import process_memory, wait_healthy
 from everystop.results import cpu_info, write_result
@@ -68,12 +69,15 @@ def stream_one(port: int, prompt: list[int], n: int, llama: bool) -> list[float]
     times = []
     with httpx.stream("POST", url, json=body, timeout=None) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                if llama and event.get("stop") and not event.get("content"):
-                    continue
-                times.append(time.perf_counter())
+        pending = b""
+        for chunk in resp.iter_bytes():
+            lines, pending = sse_lines(pending, chunk)
+            for line in lines:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    event = json.loads(line[6:])
+                    if llama and event.get("stop") and not event.get("content"):
+                        continue
+                    times.append(time.perf_counter())
     return times
 
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from everystop.bench.client import sse_data
 from everystop.results import write_result
 from everystop.stats import percentile
 from everystop.workload import Workload
@@ -62,10 +63,8 @@ async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[st
     predicted = None
     async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
+        async for data in sse_data(resp):
+            event = json.loads(data)
             if first is None:
                 first = time.perf_counter() - t0
             n_events += 1
