@@ -1,7 +1,9 @@
 """The one-call decoder stack (csrc/decoder_stack.cpp) against the layer-by-layer module path:
 the same kernels in the same order, so the hidden states and the KV caches it writes must be
 bit-identical, for every kernel build this CPU runs, every activation and cache dtype, and
-batches from 1 to 8 rows (decodes and a short prefill chunk over a cached prefix)."""
+batches from 1 to 8 rows, and up to 32 where every linear takes the GEMV that far (16-bit
+weights beside fp32 activations, block weights) (decodes and a short prefill chunk over a
+cached prefix)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from everystop.core.outputs import ScheduledSequence
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
-from everystop.executor.layers.linear import SMALL_ROWS
+from everystop.executor.layers.linear import CHUNKED_GEMV_ROWS, SMALL_ROWS
 from everystop.executor.layers.quant import quantize
 from everystop.executor.models.llama import Backends, LlamaArgs, LlamaForCausalLM
 from everystop.sampling_params import SamplingParams
@@ -85,7 +87,13 @@ def test_stack_with_block_weights_is_bit_identical_to_the_layers(isa, fmt):
 
 def _assert_bit_identical(stacked: LlamaForCausalLM, layered: LlamaForCausalLM,
                           dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    for rows in range(1, SMALL_ROWS + 1):
+    assert stacked._stack_weights() is not None
+    # fp32 weights leave the GEMV after 8 rows (for the fp32 GEMM); 16-bit weights (with the
+    # kernels' default fp32 GEMM for them) and block weights keep it up to 32.
+    limit = stacked._stack_rows(dtype)
+    assert limit == (SMALL_ROWS if stacked.model.layers[0].mlp.down_proj.weight.dtype
+                     == torch.float32 else CHUNKED_GEMV_ROWS)
+    for rows in [*range(1, SMALL_ROWS + 1), 9, 13, 21, 32]:
         seqs = _batch(rows, seed=rows)
         inputs = build_inputs(seqs, BLOCK, torch.device("cpu"))
         num_blocks = max(b for s in seqs for b in s.block_ids) + 1
@@ -98,8 +106,9 @@ def _assert_bit_identical(stacked: LlamaForCausalLM, layered: LlamaForCausalLM,
                 k.copy_(torch.randn(k.shape, generator=gen))
                 v.copy_(torch.randn(v.shape, generator=gen))
             pools.append(pool)
-        assert stacked._runs_decoder_stack(  # the fast path is really taken
-            stacked.model.embed_tokens(inputs.input_ids), pools[0].kv_caches, inputs.meta)
+        assert stacked._runs_decoder_stack(  # the fast path is really taken (up to the limit)
+            stacked.model.embed_tokens(inputs.input_ids), pools[0].kv_caches, inputs.meta
+        ) == (rows <= limit)
         out_stack = stacked(inputs.input_ids, inputs.positions, pools[0].kv_caches, inputs.meta)
         out_layers = layered(inputs.input_ids, inputs.positions, pools[1].kv_caches, inputs.meta)
         assert out_stack.dtype == dtype and torch.isfinite(out_stack.float()).all()

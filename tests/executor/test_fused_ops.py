@@ -167,3 +167,18 @@ def test_16bit_gemm_route_follows_the_config():
         assert backends.kernels is not None and backends.kernels.fp32_gemm_for_16bit is fp32
     auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"))
     assert auto.kernels is not None and isinstance(auto.kernels.fp32_gemm_for_16bit, bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [9, 13, 29, 64])
+def test_linear_small_takes_decode_batches_8_rows_at_a_time(dtype, rows, kernels):
+    # 4096 columns: the weight's column groups (~256 KiB each) are fewer columns than the
+    # weight's 70, so the rows go 8 at a time over more than one group.
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 4096, generator=g).to(dtype)
+    w = torch.randn(70, 4096, generator=g).to(dtype)
+    ref = x.float() @ w.float().T
+    out = kernels.linear_small(x, w)
+    assert out.dtype == dtype and out.shape == (rows, 70)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)

@@ -220,3 +220,17 @@ def test_bf16_tiles_multiply_the_held_weights_rounded_to_bf16(kernels, fmt, rows
     fp32_tiles = kernels.linear_q_tiled(x, q.data, code, 320)
     torch.testing.assert_close(fp32_tiles, (x.float() @ q.dequantize().T).bfloat16(),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rows", [9, 21, 32, 64])
+def test_block_gemv_takes_decode_batches_8_rows_at_a_time(kernels, fmt, rows):
+    # A decode batch of 9-32 rows stays on the GEMV (linear() routes it there; 64 is the op's
+    # limit); 4096 columns make the ~256 KiB column groups fewer columns than the weight's 200.
+    g = torch.Generator().manual_seed(rows)
+    q = quantize(torch.randn(200, 4096, generator=g), fmt)
+    x = torch.randn(rows, 4096, generator=g)
+    exact = x @ q.dequantize().T
+    out = (linear(x, q.data, kernels, fmt, 4096) if rows <= 32 else
+           kernels.ops.linear_q_small_path(x, q.data, FORMATS[fmt][0], 4096, 0))
+    torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-3)

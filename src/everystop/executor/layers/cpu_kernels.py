@@ -228,7 +228,7 @@ class CpuKernels:
         return self.ops.argmax_rows(x)
 
     def linear_small(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [rows <= 8, in] @ weight.T streaming the weights once, fp32 accumulation."""
+        """x [rows <= 64, in] @ weight.T streaming the weights once, fp32 accumulation."""
         return self.ops.linear_small(x, weight)
 
     def decoder_stack(self, x: torch.Tensor, weights: list[torch.Tensor], formats: list[int],
@@ -248,7 +248,7 @@ class CpuKernels:
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:
-        """x [rows <= 8, k] @ W.T for W held as blocks of format code `fmt` (layers/quant.py),
+        """x [rows <= 64, k] @ W.T for W held as blocks of format code `fmt` (layers/quant.py),
         streaming the blocks once; fp32 accumulation, x's dtype out. With int8_decode_dot x is
         rounded to int8 per block and a single row takes the integer-dot path."""
         if self.int8_decode_dot:
@@ -266,9 +266,15 @@ class CpuKernels:
         if self.int8_decode_dot and fmt != 0:
             out = self.ops.linear_q_tiled(self.ops.round_int8_blocks(x), weight, fmt, k)
             return out if out.dtype == x.dtype else out.to(x.dtype)
-        if fmt != 0 and x.dtype == torch.bfloat16 and not self.fp32_gemm_for_16bit:
+        if fmt != 0 and self.bf16_tiles(x.dtype):
             return self.ops.linear_q_tiled_bf16(x, weight, fmt, k)
         return self.ops.linear_q_tiled(x, weight, fmt, k)
+
+    def bf16_tiles(self, x_dtype: torch.dtype) -> bool:
+        """Whether block weights meeting x of this dtype take bf16 tiles and the bf16 GEMM
+        (linear_q_tiled)."""
+        return (x_dtype == torch.bfloat16 and not self.fp32_gemm_for_16bit
+                and not self.int8_decode_dot)
 
     def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
         """The fp32 [n, k] weight that blocks (or a dense 16-bit weight, fmt 0) hold."""

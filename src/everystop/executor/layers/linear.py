@@ -31,6 +31,23 @@ from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, deq
 # docs/perf/profile.md). Larger inputs are compute-bound and go to oneDNN's GEMM (see
 # _gemm_fp32); other devices use F.linear.
 SMALL_ROWS = 8
+# Up to this many rows, 16-bit weights beside fp32 activations and block weights stay on the
+# GEMV kernels too (8 rows at a time over column groups that stay in L2, so the weights stream
+# from memory once), instead of being dequantized whole for a GEMM on every call: that cost a
+# 9-row decode step of the default model ~3x an 8-row one. Where block weights would go to bf16
+# tiles (a bf16 GEMM at ~2.5x the fp32 one) the GEMV wins only up to 16 rows. Measured per
+# layer on SmolLM2-135M and Llama-3.2-1B shapes (docs/perf/profile.md, session 11).
+CHUNKED_GEMV_ROWS = 32
+CHUNKED_GEMV_ROWS_BF16_TILES = 16
+
+
+def gemv_rows(weight: torch.Tensor, fmt: str, x_dtype: torch.dtype, kernels: CpuKernels) -> int:
+    """Up to how many rows of x linear() multiplies `weight` with the GEMV kernels."""
+    if fmt != DENSE:
+        return CHUNKED_GEMV_ROWS_BF16_TILES if kernels.bf16_tiles(x_dtype) else CHUNKED_GEMV_ROWS
+    if weight.dtype != torch.float32 and (kernels.fp32_gemm_for_16bit or x_dtype != weight.dtype):
+        return CHUNKED_GEMV_ROWS
+    return SMALL_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = None,
@@ -42,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = N
     if fmt != DENSE:
         return _quantized_linear(x, weight, kernels, fmt, k)
     if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
-        if x.shape[0] <= SMALL_ROWS and weight.is_contiguous():
+        if x.shape[0] <= gemv_rows(weight, fmt, x.dtype, kernels) and weight.is_contiguous():
             return kernels.linear_small(x, weight)
         if weight.dtype == torch.float32:
             out = _gemm_fp32(x.float(), weight)
@@ -59,7 +76,7 @@ def _quantized_linear(x: torch.Tensor, blocks: torch.Tensor, kernels: CpuKernels
                       fmt: str, k: int) -> torch.Tensor:
     code = FORMATS[fmt][0]
     if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
-        if x.shape[0] <= SMALL_ROWS:
+        if x.shape[0] <= gemv_rows(blocks, fmt, x.dtype, kernels):
             return kernels.linear_q_small(x, blocks, code, k)
         return kernels.linear_q_tiled(x, blocks, code, k)
     # Plain torch (no kernels, other devices): a transient dequantized copy per call.

@@ -21,11 +21,12 @@ from everystop.executor.layers.attention import (
 )
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (
-    SMALL_ROWS,
+    CHUNKED_GEMV_ROWS,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gemv_rows,
 )
 from everystop.executor.layers.mlp import SwiGLU
 from everystop.executor.layers.norm import RMSNorm
@@ -230,17 +231,32 @@ class LlamaForCausalLM(nn.Module):
     def _runs_decoder_stack(self, x: torch.Tensor, kv_caches: list[KVCache],
                             meta: AttentionMetadata) -> bool:
         """Whether this batch may take the one-call decoder stack: it runs exactly the kernels
-        the layers would pick (GEMV at <= SMALL_ROWS rows, the attention kernel, fused norms),
-        so only where every layer would pick them; a tensor-parallel rank needs its
+        the layers would pick (the GEMV at up to gemv_rows() rows, the attention kernel, fused
+        norms), so only where every layer would pick them; a tensor-parallel rank needs its
         all-reduces between the kernels."""
         kernels = self.backends.kernels
         return (self.backends.decoder_stack and kernels is not None and self.ctx.world_size == 1
-                and 0 < x.shape[0] <= SMALL_ROWS and kernels.handles(x)
+                and 0 < x.shape[0] <= CHUNKED_GEMV_ROWS and kernels.handles(x)
                 and meta.write_rows is None and bool(kv_caches)
                 and select_backend(x, kv_caches[0][0], kernels, self.backends.attention)
                 == "kernel"
                 and x.dtype == self.model.norm.weight.dtype
-                and self._stack_weights() is not None)
+                and self._stack_weights() is not None
+                and x.shape[0] <= self._stack_rows(x.dtype))
+
+    def _stack_rows(self, x_dtype: torch.dtype) -> int:
+        """The most rows for which every linear takes the GEMV (per activation dtype, cached
+        with the stack's weights)."""
+        kernels = self.backends.kernels
+        assert kernels is not None
+        by_dtype: dict[torch.dtype, int] = self.__dict__["_stack_weight_cache"][3]
+        if x_dtype not in by_dtype:
+            by_dtype[x_dtype] = min(
+                gemv_rows(m.weight, m.weight_format, x_dtype, kernels)
+                for layer in self.model.layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        return by_dtype[x_dtype]
 
     def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -282,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
             usable = ((blocks_ok or all(f == 0 for f in formats))
                       and all(w.is_contiguous() for w in weights))
             cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
-                      (weights, formats) if usable else None)
+                      (weights, formats) if usable else None, {})
             self.__dict__["_stack_weight_cache"] = cached
         return cached[2]
 

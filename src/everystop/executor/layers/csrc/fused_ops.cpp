@@ -483,16 +483,39 @@ void for_column_chunks(int64_t n, int64_t k, const F& body) {
   });
 }
 
+// More than kMaxRows rows (a decode batch of 9 to kMaxChunkedRows sequences, where the
+// alternative widens the whole 16-bit weight to fp32 for a GEMM on every call): the rows go
+// kMaxRows at a time over a group of columns whose weights (~256 KiB) stay in L2, so the
+// weights still stream from memory once.
+constexpr int64_t kMaxChunkedRows = 64;
+constexpr int64_t kGroupBytes = int64_t{256} << 10;
+
+// gemv(x rows [r0, r0 + R), columns [b, e)) for every row chunk, column group by group.
+template <typename Gemv>
+void rows_over_columns(int64_t rows, int64_t n, int64_t k, int64_t row_bytes, const Gemv& gemv) {
+  for_column_chunks(n, k, [&](int64_t b, int64_t e) {
+    if (rows <= kMaxRows) {
+      with_row_count(rows, [&](auto r) { gemv(r, 0, b, e); });
+      return;
+    }
+    const int64_t group = std::max<int64_t>(8, kGroupBytes / row_bytes / 8 * 8);
+    for (int64_t c0 = b; c0 < e; c0 += group) {
+      const int64_t c1 = std::min(e, c0 + group);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
+        with_row_count(std::min(kMaxRows, rows - r0), [&](auto r) { gemv(r, r0, c0, c1); });
+    }
+  });
+}
+
 template <typename W>
 void linear_small_impl(const at::Tensor& x32, const at::Tensor& w, at::Tensor& out32) {
   const int64_t k = x32.size(1), n = w.size(0);
   const float* xp = x32.data_ptr<float>();
   const W* wp = w.data_ptr<W>();
   float* op = out32.data_ptr<float>();
-  with_row_count(x32.size(0), [&](auto rows) {
-    for_column_chunks(n, k, [&](int64_t b, int64_t e) {
-      gemv_block<W, decltype(rows)::value>(xp, k, wp, b, e, op, n);
-    });
+  rows_over_columns(x32.size(0), n, k, k * int64_t{sizeof(W)},
+                    [&](auto r, int64_t r0, int64_t b, int64_t e) {
+    gemv_block<W, decltype(r)::value>(xp + r0 * k, k, wp, b, e, op + r0 * n, n);
   });
 }
 
@@ -502,10 +525,8 @@ void linear_small_bf16dp(const at::Tensor& x, const at::Tensor& w, at::Tensor& o
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   float* op = out32.data_ptr<float>();
-  with_row_count(x.size(0), [&](auto rows) {
-    for_column_chunks(n, k, [&](int64_t b, int64_t e) {
-      gemv_block_bf16dp<decltype(rows)::value>(xp, k, wp, b, e, op, n);
-    });
+  rows_over_columns(x.size(0), n, k, k * 2, [&](auto r, int64_t r0, int64_t b, int64_t e) {
+    gemv_block_bf16dp<decltype(r)::value>(xp + r0 * k, k, wp, b, e, op + r0 * n, n);
   });
 }
 #endif
@@ -513,7 +534,8 @@ void linear_small_bf16dp(const at::Tensor& x, const at::Tensor& w, at::Tensor& o
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "linear_small: x [rows, k] and w [n, k] expected");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "linear_small: 1 to ", kMaxRows, " rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxChunkedRows, "linear_small: 1 to ",
+              kMaxChunkedRows, " rows");
   TORCH_CHECK(w.is_contiguous(), "linear_small: weight must be contiguous");
   at::Tensor out32 = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
