@@ -7,6 +7,7 @@ cached prefix)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -70,10 +71,11 @@ def test_stack_is_bit_identical_to_the_layers(isa, dtype, cache_dtype):
 
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_stack_with_block_weights_is_bit_identical_to_the_layers(isa, fmt):
+@pytest.mark.parametrize("int8_dot", [False, True])
+def test_stack_with_block_weights_is_bit_identical_to_the_layers(isa, fmt, int8_dot):
     """GGUF-style block weights (the default model's Q4_1) take the same block GEMV in the
-    stack as in the layers."""
-    kernels = load_cpu_kernels(isa)
+    stack as in the layers, with int8 activations (int8_decode_dot) too."""
+    kernels = dataclasses.replace(load_cpu_kernels(isa), int8_decode_dot=int8_dot)
     models = []
     for stack in (True, False):
         model = _model(Backends(kernels, "auto", decoder_stack=stack), torch.float32)

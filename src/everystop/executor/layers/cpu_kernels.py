@@ -237,14 +237,14 @@ class CpuKernels:
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, final_norm: torch.Tensor, eps: float,
                       scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-        """Every decoder layer and the final norm for x [rows <= 8, hidden] in one call, with
+        """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
         `formats`: per layer the four linears' format codes (0 dense, else block format)."""
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
-                                      ROWS_PER_ITEM)
+                                      ROWS_PER_ITEM, self.int8_decode_dot)
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:

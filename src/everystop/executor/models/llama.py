@@ -276,8 +276,7 @@ class LlamaForCausalLM(nn.Module):
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
         format code (0 dense, else layers/quant.py's block format); None where the layers would
-        not take the decode GEMV (a weight not contiguous, or block weights under
-        int8_decode_dot, whose x rounding the stack does not do).
+        not take the decode GEMV (a weight not contiguous).
         Cached: reading 180 parameters through nn.Module attribute lookups every step costs
         ~0.1 ms; rebuilt when the loader has replaced a parameter (load_state_dict(assign=True))."""
         layers = self.model.layers
@@ -293,10 +292,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.down_proj)]
             formats = [0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
                        for m in linears]
-            kernels = self.backends.kernels
-            blocks_ok = kernels is None or not kernels.int8_decode_dot
-            usable = ((blocks_ok or all(f == 0 for f in formats))
-                      and all(w.is_contiguous() for w in weights))
+            usable = all(w.is_contiguous() for w in weights)
             cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
                       (weights, formats) if usable else None, {})
             self.__dict__["_stack_weight_cache"] = cached

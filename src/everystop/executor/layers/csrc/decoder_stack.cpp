@@ -34,6 +34,8 @@ void direct_rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tens
 at::Tensor direct_linear_small(const at::Tensor& x, const at::Tensor& w);
 at::Tensor direct_linear_q_small_fp32(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                                       int64_t k);
+at::Tensor direct_linear_q_small_int8(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                      int64_t k);
 at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -45,9 +47,11 @@ namespace {
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
-// x @ w.T as the layer would compute it: a dense weight (format 0) or GGUF-style blocks.
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
-  return fmt == 0 ? ES_NS::direct_linear_small(x, w)
+// x @ w.T as the layer would compute it: a dense weight (format 0) or GGUF-style blocks, these
+// with int8 activations where int8_decode_dot is on (CpuKernels.linear_q_small).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool int8_dot) {
+  if (fmt == 0) return ES_NS::direct_linear_small(x, w);
+  return int8_dot ? ES_NS::direct_linear_q_small_int8(x, w, fmt, x.size(1))
                   : ES_NS::direct_linear_q_small_fp32(x, w, fmt, x.size(1));
 }
 
@@ -57,7 +61,8 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& final_norm, double eps, double scale,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t rows_per_item) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t rows_per_item,
+                         bool int8_dot) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -80,7 +85,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
 
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
-    at::Tensor qkv = project(h, w[1], fmt[0]);
+    at::Tensor qkv = project(h, w[1], fmt[0], int8_dot);
     ES_NS::direct_rope_write_kv_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                  num_heads, num_kv_heads);
     // As CpuKernels.paged_attention: q handed over in fp32, the output cast back.
@@ -90,9 +95,10 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
                                                     query_start_loc, seq_lens, scale,
                                                     rows_per_item);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
-    at::Tensor o = project(attn, w[2], fmt[1]);
+    at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
-    x = project(ES_NS::direct_silu_mul(project(h, w[4], fmt[2])), w[5], fmt[3]);
+    x = project(ES_NS::direct_silu_mul(project(h, w[4], fmt[2], int8_dot)), w[5], fmt[3],
+                int8_dot);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
   return ES_NS::direct_add_rms_norm_(residual, x, final_norm, eps);
@@ -104,7 +110,7 @@ ES_LIBRARY_FRAGMENT(m) {
   m.def("decoder_stack(Tensor x, Tensor[] weights, int[] formats, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, float eps, float scale, "
-        "int num_heads, int num_kv_heads, int rows_per_item) -> Tensor");
+        "int num_heads, int num_kv_heads, int rows_per_item, bool int8_decode_dot) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) { m.impl("decoder_stack", &decoder_stack); }

@@ -705,10 +705,14 @@ ES_LIBRARY_IMPL(m) {
 }
 
 // With external linkage for the decoder stack (see the note at the end of fused_ops.cpp): the
-// block-weight GEMV the layers call for a decode (linear_q_small with int8_decode_dot off).
+// block-weight GEMVs the layers call for a decode, with int8_decode_dot off and on.
 namespace ES_NS {
 at::Tensor direct_linear_q_small_fp32(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                                       int64_t k) {
   return linear_q_small_path(x, w, fmt, k, kFloatPath);
+}
+at::Tensor direct_linear_q_small_int8(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                      int64_t k) {
+  return linear_q_small(x, w, fmt, k);
 }
 }  // namespace ES_NS
