@@ -201,9 +201,10 @@ class ModelConfig:
     # library's 16-bit GEMM ("native"); "auto" times both at start-up and keeps the faster
     # (native bf16 is ~4x fp32 on a Zen 5, ~0.5x on CPUs whose bf16 GEMM is emulated).
     cpu_16bit_gemm: Literal["auto", "fp32", "native"] = "auto"
-    # Decode-sized batches (<= 8 tokens) run every decoder layer in one CPU kernel call: the
-    # same kernels, bit-identical results, without ~2 ms of Python per step. False: layer by
-    # layer (for A/B measurement).
+    # Decode-sized batches (<= 8 tokens; up to 32 where every linear keeps the GEMV that far:
+    # block weights, 16-bit weights beside fp32 activations) run every decoder layer in one CPU
+    # kernel call: the same kernels, bit-identical results, without ~2 ms of Python per step.
+    # False: layer by layer (for A/B measurement).
     decoder_stack: bool = True
     # How weights are held (QUANTIZATIONS): "auto" as the file stores them (GGUF Q8_0/Q4_0/
     # Q4_1 blocks kept, K-quants requantized to the nearest of those, 16-bit kept 16-bit),

@@ -2,7 +2,8 @@
 weight-only-quantized GEMMs, side by side in one run; writes JSON.
 
 Decode (1-8 rows): our block GEMV (csrc/quant_linear.cpp) on Q8_0/Q4_0/Q4_1 blocks and the
-16-bit GEMV, each as GB/s of weight bytes streamed and as a fraction of the machine's read
+16-bit GEMV (`ours.*` as linear() routes each row count: the GEMV up to 32 rows), each as GB/s
+of weight bytes streamed and as a fraction of the machine's read
 bandwidth; torch's `_weight_int8pack_mm` (per-channel int8) and `_weight_int4pack_mm_for_cpu`
 (group-32 int4) on the same shapes. Prefill (rows >= 64): our dequantize-a-tile-then-GEMM
 against the same torch ops and an fp32 GEMM on a resident fp32 copy (the old path).
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from everystop.bench.roofline import best_time, read_bandwidth_gb_s
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.linear import linear
 from everystop.executor.layers.quant import FORMATS, quantize
 from everystop.results import write_result
 
@@ -78,18 +80,17 @@ def run(args: argparse.Namespace) -> int:
         variants: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {}
         for fmt, (code, _) in FORMATS.items():
             q = quantize(w, fmt).data
-            variants[f"ours.{fmt}"] = (q.numel(), lambda x, q=q, c=code, k=k: (
-                kernels.linear_q_small(x, q, c, k) if x.shape[0] <= 8
-                else kernels.linear_q_tiled(x, q, c, k)))
+            # linear() picks the GEMV or the tiled GEMM by row count, as the model does.
+            variants[f"ours.{fmt}"] = (q.numel(), lambda x, q=q, f=fmt, k=k: (
+                linear(x, q, kernels, f, k)))
             for path in paths:
                 variants[f"ours.{fmt}.path{path}"] = (
                     q.numel(), lambda x, q=q, c=code, k=k, p=path: (
                         kernels.ops.linear_q_small_path(x, q, c, k, p)))
         for dt in (torch.float16, torch.bfloat16):
             wd = w.to(dt)
-            variants[f"ours.{str(dt)[6:]}"] = (wd.numel() * 2, lambda x, wd=wd, k=k: (
-                kernels.linear_small(x, wd) if x.shape[0] <= 8
-                else kernels.linear_q_tiled(x, wd, 0, k)))
+            variants[f"ours.{str(dt)[6:]}"] = (wd.numel() * 2, lambda x, wd=wd: (
+                linear(x, wd, kernels)))
         variants["torch.fp32_resident"] = (w.numel() * 4, lambda x, w=w: F.linear(x, w))
         variants["torch.int8pack_per_channel"] = (w.numel() + 4 * n, torch_int8(w))
         int4 = torch_int4(w)
