@@ -432,13 +432,7 @@ void linear_q_int_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, in
       else
         igemv_columns<DotMaddubs, F, R, C>(xq, k, wp, row_bytes, b, e, op, n);
     };
-    if (n * row_bytes < (int64_t{1} << 16)) {
-      body(0, n);
-    } else {
-      at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b, int64_t e) {
-        body(b * 32, std::min(e * 32, n));
-      });
-    }
+    over_columns(n, row_bytes, body);
   });
 }
 
