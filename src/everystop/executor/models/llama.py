@@ -249,13 +249,10 @@ class LlamaForCausalLM(nn.Module):
         with the stack's weights)."""
         kernels = self.backends.kernels
         assert kernels is not None
-        by_dtype: dict[torch.dtype, int] = self.__dict__["_stack_weight_cache"][3]
+        _, _, _, by_dtype, linears = self.__dict__["_stack_weight_cache"]
         if x_dtype not in by_dtype:
-            by_dtype[x_dtype] = min(
-                gemv_rows(m.weight, m.weight_format, x_dtype, kernels)
-                for layer in self.model.layers
-                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                          layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            by_dtype[x_dtype] = min(gemv_rows(m.weight, m.weight_format, x_dtype, kernels)
+                                    for m in linears)
         return by_dtype[x_dtype]
 
     def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -294,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
                        for m in linears]
             usable = all(w.is_contiguous() for w in weights)
             cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
-                      (weights, formats) if usable else None, {})
+                      (weights, formats) if usable else None, {}, linears)
             self.__dict__["_stack_weight_cache"] = cached
         return cached[2]
 
