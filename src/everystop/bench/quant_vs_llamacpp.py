@@ -1,11 +1,13 @@
-"""Memory and single-stream decode speed on the SAME GGUF files, everystop's server against
+"""Memory and single-stream speed on the SAME GGUF files, everystop's server against
 llama.cpp's, side by side in one run; writes JSON.
 
-For each file, each server is started alone (one slot / one sequence, a small context), and:
+For each file, both servers are started (one slot / one sequence, a small context), and:
 - RSS after load (/proc/<pid>/status VmRSS), minus the KV pool's bytes, per parameter;
-- `--requests` requests one at a time (random prompt ids, greedy, ignore_eos), streamed;
-  TPOT = (last token - first token) / (tokens - 1); p50 over requests, and the weight bytes
-  read per token / TPOT as a share of the machine's read bandwidth.
+- `--requests` requests one at a time (random prompt ids, greedy, ignore_eos), streamed,
+  alternating between the two servers; TTFT = first token - request sent (the prefill of
+  `--prompt-len` tokens), TPOT = (last token - first token) / (tokens - 1); p50 over
+  requests, and the weight bytes read per token / TPOT as a share of the machine's read
+  bandwidth.
 
     everystop bench quant-vs-llamacpp --llama-server /path/to/llama-server \\
         --gguf /tmp/llama1b-q4_0.gguf --gguf /tmp/llama1b-q8_0.gguf --out results.json
@@ -24,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from everystop.bench.client import sse_lines
@@ -51,7 +54,9 @@ def gguf_facts(path: str) -> dict[str, Any]:
     return {"params": sum(int(t.n_elements) for t in r.tensors),
             "tensor_bytes": sum(int(t.n_bytes) for t in r.tensors),
             "kv_bytes_per_token_fp16": 2 * layers * kv * head_dim * 2,
-            "vocab": int(r.tensors[0].shape[-1]) if r.tensors else 0}
+            # the token list's length (the first tensor's shape, read here before, was the
+            # norm's width: 576, so prompts drew from the first 476 ids only)
+            "vocab": len(r.fields["tokenizer.ggml.tokens"].data)}
 
 
 def stream_one(port: int, prompt: list[int], n: int, llama: bool) -> list[float]:
@@ -81,8 +86,22 @@ def stream_one(port: int, prompt: list[int], n: int, llama: bool) -> list[float]
     return times
 
 
-def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str, Any],
-               prompts: list[list[int]]) -> dict[str, Any]:
+@dataclass
+class _Server:
+    engine: str
+    proc: subprocess.Popen
+    port: int
+    cmd: list[str]
+    kv_bytes: int
+    load_s: float = 0.0
+
+    @property
+    def llama(self) -> bool:
+        return self.engine == "llama.cpp"
+
+
+def start_server(engine: str, args: argparse.Namespace, path: str,
+                 facts: dict[str, Any]) -> _Server:
     port = free_port()
     ctx = args.prompt_len + args.new_tokens + 64
     if engine == "llama.cpp":
@@ -98,29 +117,65 @@ def run_server(engine: str, args: argparse.Namespace, path: str, facts: dict[str
                "--quantization", args.quantization, "--threads", str(args.threads),
                *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = _Server(engine, proc, port, cmd, kv_bytes)
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         wait_healthy(proc, f"http://127.0.0.1:{port}", f"{engine} did not start on {path}",
                      timeout_s=600)
-        load_s = time.perf_counter() - t0
-        stream_one(port, prompts[0], 4, engine == "llama.cpp")  # warm-up
-        rss = process_memory(proc.pid)["rss_bytes"]
-        tpots = []
-        for p in prompts:
-            times = stream_one(port, p, args.new_tokens, engine == "llama.cpp")
-            if len(times) > 1:
-                tpots.append((times[-1] - times[0]) / (len(times) - 1))
-        rss_after = process_memory(proc.pid)["rss_bytes"]
+    except BaseException:
+        stop_server(server)
+        raise
+    server.load_s = time.perf_counter() - t0
+    return server
+
+
+def stop_server(server: _Server) -> None:
+    server.proc.terminate()
+    server.proc.wait(timeout=60)
+
+
+def measure_pair(args: argparse.Namespace, path: str, facts: dict[str, Any],
+                 prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
+    """Both servers up at once, the requests alternating between them (A B, B A, ...), so
+    both see the same minutes of this shared machine; an idle server costs the other nothing
+    (llama.cpp waits on its socket, everystop's engine thread on an event)."""
+    servers: list[_Server] = []
+    try:
+        for engine in ("llama.cpp", "everystop"):  # one at a time: load times are their own
+            servers.append(start_server(engine, args, path, facts))
+        rss = {}
+        warm_up = [t + 1 for t in prompts[0]]  # not a measured prompt: no prefix-cache hit
+        for s in servers:
+            stream_one(s.port, warm_up, 4, s.llama)
+            rss[s.engine] = process_memory(s.proc.pid)["rss_bytes"]
+        tpots: dict[str, list[float]] = {s.engine: [] for s in servers}
+        ttfts: dict[str, list[float]] = {s.engine: [] for s in servers}
+        for i, p in enumerate(prompts):
+            for s in (servers if i % 2 == 0 else servers[::-1]):
+                t0 = time.perf_counter()
+                times = stream_one(s.port, p, args.new_tokens, s.llama)
+                if times:
+                    ttfts[s.engine].append(times[0] - t0)
+                if len(times) > 1:
+                    tpots[s.engine].append((times[-1] - times[0]) / (len(times) - 1))
+        out = {}
+        for s in servers:
+            p50 = percentile(tpots[s.engine], 50)
+            out[s.engine] = {
+                "engine": s.engine, "command": s.cmd, "load_s": round(s.load_s, 1),
+                "rss_after_load_bytes": rss[s.engine],
+                "rss_after_run_bytes": process_memory(s.proc.pid)["rss_bytes"],
+                "kv_pool_bytes": s.kv_bytes,
+                "rss_minus_kv_per_param": round((rss[s.engine] - s.kv_bytes) / facts["params"], 3),
+                "tpot_p50_ms": round(p50 * 1e3, 2),
+                "tpot_ms": [round(t * 1e3, 1) for t in tpots[s.engine]],
+                "ttft_p50_ms": round(percentile(ttfts[s.engine], 50) * 1e3, 1),
+                "ttft_ms": [round(t * 1e3, 1) for t in ttfts[s.engine]],
+                "weight_read_gb_s": round(facts["tensor_bytes"] / p50 / 1e9, 2)}
+        return out
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    p50 = percentile(tpots, 50)
-    return {"engine": engine, "command": cmd, "load_s": round(load_s, 1),
-            "rss_after_load_bytes": rss, "rss_after_run_bytes": rss_after,
-            "kv_pool_bytes": kv_bytes,
-            "rss_minus_kv_per_param": round((rss - kv_bytes) / facts["params"], 3),
-            "tpot_p50_ms": round(p50 * 1e3, 2), "tpot_ms": [round(t * 1e3, 1) for t in tpots],
-            "weight_read_gb_s": round(facts["tensor_bytes"] / p50 / 1e9, 2)}
+        for s in servers:
+            stop_server(s)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -146,16 +201,16 @@ def run(args: argparse.Namespace) -> int:
         prompts = [[rng.randrange(100, min(facts["vocab"], 49152)) for _ in range(args.prompt_len)]
                    for _ in range(args.requests)]
         entry: dict[str, Any] = {"gguf": path, **facts, "load_before": os.getloadavg()}
-        for engine in ("llama.cpp", "everystop"):
-            res = run_server(engine, args, path, facts, prompts)
+        for engine, res in measure_pair(args, path, facts, prompts).items():
             res["of_read_bandwidth"] = round(res["weight_read_gb_s"] / bandwidth, 3)
             entry[engine] = res
-            print(path, engine, {k: v for k, v in res.items() if k not in ("command", "tpot_ms")},
-                  flush=True)
+            print(path, engine, {k: v for k, v in res.items()
+                                 if k not in ("command", "tpot_ms", "ttft_ms")}, flush=True)
         e, ll = entry["everystop"], entry["llama.cpp"]
         entry["rss_per_param_ratio"] = round(e["rss_minus_kv_per_param"]
                                              / ll["rss_minus_kv_per_param"], 3)
         entry["tpot_p50_ratio"] = round(e["tpot_p50_ms"] / ll["tpot_p50_ms"], 3)
+        entry["ttft_p50_ratio"] = round(e["ttft_p50_ms"] / ll["ttft_p50_ms"], 3)
         entry["load_after"] = os.getloadavg()
         files.append(entry)
     write_result({"benchmark": "quant_vs_llamacpp", "cpu": cpu_info(),
