@@ -115,6 +115,7 @@ def start_server(engine: str, args: argparse.Namespace, path: str,
                str(ctx), "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", "float16",
                "--served-model-name", "default", "--log-level", "warning",
                "--quantization", args.quantization, "--threads", str(args.threads),
+               "--cpu-kernels", args.cpu_kernels,
                *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     server = _Server(engine, proc, port, cmd, kv_bytes)
@@ -189,6 +190,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--int8-decode-dot", action="store_true",
                     help="everystop's single-row decodes with integer dot products (as "
                     "llama.cpp's quantized GEMV)")
+    ap.add_argument("--cpu-kernels", default="auto",
+                    help="everystop's kernel build (avx2: the AVX2 reproduction on an AVX-512 "
+                    "machine, beside a llama.cpp built for AVX2 only and ONEDNN_MAX_CPU_ISA=AVX2 "
+                    "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment)")
     ap.add_argument("--out", default=None)
 
 
