@@ -35,8 +35,10 @@ class StepShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
-        return cls(out.num_prefill_tokens, out.num_decode_tokens,
-                   sum(e.seq_len for e in out.scheduled))
+        context = 0
+        for e in out.scheduled:  # sum(e.seq_len ...) without a property call per row
+            context += e.start_pos + len(e.token_ids)
+        return cls(out.num_prefill_tokens, out.num_decode_tokens, context)
 
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, float(self.num_prefill_tokens), float(self.num_decode_rows),
