@@ -88,16 +88,21 @@ class DecodeStretch:
         max_len = model_len_limit(cfg, self.kv)
         self.rows: list[Request] = list(sched.running)
         n = len(self.rows)
-        self.base = [r.num_computed_tokens for r in self.rows]  # computed at boundary 0
+        self.base: list[int] = []  # computed at boundary 0
         self.at = [0] * n  # the boundary each row's tokens are brought up to
         # The pass whose sampled token ends the row (Request.stop_status: max_tokens or the
         # model length; the sampled token is never a stop token here, see can_stretch).
-        self.finish_at = [max(1, min(r.sampling_params.max_tokens - len(r.output_token_ids),
-                                     max_len - r.num_tokens)) for r in self.rows]
-        self.finishes = [(f, i) for i, f in enumerate(self.finish_at)]
+        self.finish_at: list[int] = []
+        bases, finish_at = self.base, self.finish_at
+        for r in self.rows:  # one loop per row (once per stretch), Request.num_tokens inlined
+            num_output = len(r.output_token_ids)
+            bases.append(r.num_computed_tokens)
+            finish_at.append(max(1, min(r.sampling_params.max_tokens - num_output,
+                                        max_len - len(r.prompt_token_ids) - num_output)))
+        self.finishes = [(f, i) for i, f in enumerate(finish_at)]
         heapq.heapify(self.finishes)
         self.alive = n
-        self.context = sum(self.base)  # summed computed tokens of the live rows at `planned`
+        self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
         # The plan: times[j] = end of pass j (times[0] = now), with its latency, rows, context.
         self.times = [clock.now]
         self.lat = [0.0]
