@@ -105,26 +105,40 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         # Most calls (a decode inside a block) register nothing: answer those first, cheaply.
-        start = self.registered_blocks.get(req.request_id, 0)
-        if req.num_computed_tokens // self.block_size <= start:
-            return
-        blocks = self.req_blocks.get(req.request_id)
-        if not blocks:
-            return
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        rid, bs = req.request_id, self.block_size
+        start = self.registered_blocks.get(rid, 0)
+        num_full = req.num_computed_tokens // bs
         if num_full <= start:
             return
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        if num_full > len(blocks):
+            num_full = len(blocks)
+            if num_full <= start:
+                return
         # NOTE: the hashes of blocks not hashed yet are made here, from the same token tuples
-        # the pool keeps (one slice per block, not two): what _block_hashes would compute.
-        hashes = self._block_hashes(req, start)  # those registered are hashed already
-        bs, cache_block = self.block_size, self.pool.cache_block
+        # the pool keeps (one slice per block, not two): what _block_hashes would compute. The
+        # slice (Request.token_slice) is inlined: this runs once per block a request fills.
+        hashes = self._req_hashes.get(rid)
+        if hashes is None or len(hashes) < start:
+            hashes = self._block_hashes(req, start)  # those registered are hashed already
+        cache_block = self.pool.cache_block
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        num_prompt = len(prompt)
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
-            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            lo, hi = i * bs, (i + 1) * bs
+            if hi <= num_prompt:
+                tokens = tuple(prompt[lo:hi])
+            elif lo >= num_prompt:
+                tokens = tuple(output[lo - num_prompt:hi - num_prompt])
+            else:
+                tokens = tuple(prompt[lo:] + output[:hi - num_prompt])
             if i == len(hashes):
                 hashes.append(hash_block_tokens(parent, tokens))
             cache_block(blocks[i], hashes[i], parent, tokens)
-        self.registered_blocks[req.request_id] = num_full
+        self.registered_blocks[rid] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
     def num_new_blocks_needed(self, req: Request, num_new_tokens: int,

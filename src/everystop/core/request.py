@@ -73,18 +73,6 @@ class Request:
         if start <= have < start + len(scored):
             self.prompt_logprobs.extend(scored[have - start:])
 
-    def stop_status(self, token: int, max_len: int) -> RequestStatus | None:
-        """How the request ends with `token` just appended (None: it goes on)."""
-        params = self.sampling_params
-        if not params.ignore_eos and token == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        num_output = len(self.output_token_ids)
-        if num_output >= params.max_tokens or len(self.prompt_token_ids) + num_output >= max_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -361,18 +361,28 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             update = RequestUpdate(rid, [token])
-            if req.sampling_params.prompt_logprobs is not None and len(output) == 1:
+            params = req.sampling_params
+            if params.prompt_logprobs is not None and len(output) == 1:
                 update.prompt_logprobs = list(req.prompt_logprobs)
             if logprobs:
                 lp = logprobs.get(rid)
                 if lp is not None:
                     update.new_logprobs.append(lp)
-            status = req.stop_status(token, max_len)
-            if status is not None:
-                if status == RequestStatus.FINISHED_STOPPED:
-                    update.stop_token_id = token
-                self._finish(req, status)
-                update.finish_reason = status.finish_reason
+            # How the request ends with `token` just appended: EOS (unless ignored) or a stop
+            # token id, then max_tokens or the model length; most rows go on.
+            num_output = len(output)
+            if (not params.ignore_eos and token == req.eos_token_id) or (
+                    token in params.stop_token_ids):
+                update.stop_token_id = token
+                status = RequestStatus.FINISHED_STOPPED
+            elif (num_output >= params.max_tokens
+                  or len(req.prompt_token_ids) + num_output >= max_len):
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                updates.append(update)
+                continue
+            self._finish(req, status)
+            update.finish_reason = status.finish_reason
             updates.append(update)
         return updates
 

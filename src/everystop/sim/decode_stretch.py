@@ -90,8 +90,9 @@ class DecodeStretch:
         n = len(self.rows)
         self.base: list[int] = []  # computed at boundary 0
         self.at = [0] * n  # the boundary each row's tokens are brought up to
-        # The pass whose sampled token ends the row (Request.stop_status: max_tokens or the
-        # model length; the sampled token is never a stop token here, see can_stretch).
+        # The pass whose sampled token ends the row (Scheduler.update_from_output's stop check:
+        # max_tokens or the model length; the sampled token is never a stop token here, see
+        # can_stretch).
         self.finish_at: list[int] = []
         bases, finish_at = self.base, self.finish_at
         for r in self.rows:  # one loop per row (once per stretch), Request.num_tokens inlined

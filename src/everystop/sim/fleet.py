@@ -197,7 +197,8 @@ class Replica:
                                 SimExecutor.SAMPLED_TOKEN)
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
-        return [self.routed[u.request_id][0] for u in updates if u.finished]
+        routed = self.routed
+        return [routed[u.request_id][0] for u in updates if u.finish_reason is not None]
 
 
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
