@@ -61,7 +61,8 @@ def can_stretch(sched: Scheduler, num_inbox: int) -> bool:
     for req in reversed(sched.running):
         params = req.sampling_params
         if (req.status is not running or not req.output_token_ids
-                or req.num_tokens - req.num_computed_tokens != 1
+                or len(req.prompt_token_ids) + len(req.output_token_ids)
+                - req.num_computed_tokens != 1
                 or TOKEN in params.stop_token_ids
                 or (not params.ignore_eos and req.eos_token_id == TOKEN)):
             return False
@@ -94,16 +95,7 @@ class DecodeStretch:
         # max_tokens or the model length; the sampled token is never a stop token here, see
         # can_stretch).
         self.finish_at: list[int] = []
-        bases, finish_at = self.base, self.finish_at
-        for r in self.rows:  # one loop per row (once per stretch), Request.num_tokens inlined
-            num_output = len(r.output_token_ids)
-            bases.append(r.num_computed_tokens)
-            finish_at.append(max(1, min(r.sampling_params.max_tokens - num_output,
-                                        max_len - len(r.prompt_token_ids) - num_output)))
-        self.finishes = [(f, i) for i, f in enumerate(finish_at)]
-        heapq.heapify(self.finishes)
         self.alive = n
-        self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
         # The plan: times[j] = end of pass j (times[0] = now), with its latency, rows, context.
         self.times = [clock.now]
         self.lat = [0.0]
@@ -131,7 +123,14 @@ class DecodeStretch:
         held = self.kv.req_blocks
         first_grow, grow_count, on_start = self.first_grow, self.grow_count, self.on_start
         on_end, caching = self.on_end, self.caching
-        for i, (req, base, finish) in enumerate(zip(self.rows, self.base, self.finish_at)):
+        bases, finish_at = self.base, self.finish_at
+        for i, req in enumerate(self.rows):
+            num_output = len(req.output_token_ids)
+            base = req.num_computed_tokens
+            finish = max(1, min(req.sampling_params.max_tokens - num_output,
+                                max_len - len(req.prompt_token_ids) - num_output))
+            bases.append(base)
+            finish_at.append(finish)
             g = len(held.get(req.request_id, ())) * bs - base  # pass g+1 needs a block
             first_grow.append(g)
             if g < finish:
@@ -143,6 +142,9 @@ class DecodeStretch:
                     grow_count[g] = grow_count.get(g, 0) + 1
             nxt = min(finish, 1 + (-(base + 1)) % bs) if caching else finish
             on_end.setdefault(nxt, []).append(i)
+        self.finishes = [(f, i) for i, f in enumerate(finish_at)]
+        heapq.heapify(self.finishes)
+        self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
         # The first pass's own growth must fit, or the scheduler would preempt in it.
         self.ok = self.unapplied_grows <= self.kv.pool.num_free_blocks
 
