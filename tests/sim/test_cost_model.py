@@ -54,3 +54,19 @@ def test_shape_from_scheduler_output():
     assert (s.num_seqs, s.num_tokens, s.num_sampled) == (2, 11, 1)
     assert s.context_tokens_read == 100 + 30
     assert s.attention_pairs == 100 + (10 * 20 + 55)
+
+
+def test_latency_is_the_breakdown_summed_in_order():
+    """latency() writes work()'s terms out (the fleet's hot path): the very same float as the
+    breakdown summed in its order, tensor-parallel or not, swaps or not."""
+    shapes = [decode_shape(1, 17), decode_shape(73, 900), prefill_shape(512, 384),
+              IterationShape(num_seqs=74, num_decode_tokens=73, num_prefill_tokens=511,
+                             context_tokens_read=70_001, attention_pairs=260_000,
+                             num_sampled=73, num_swap_blocks=12)]
+    for tp in (1, 2, 4, 8):
+        model = CostModel.from_specs(M70, A100, tp)
+        for shape in shapes:
+            b = model.breakdown(shape)
+            expected = (max(b["compute_s"], b["memory_s"]) + b["comm_s"] + b["overhead_s"]
+                        + b["swap_s"])
+            assert model.latency(shape) == expected

@@ -41,9 +41,10 @@ class BlockPool:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # map/zip rather than per-item Python loops: a simulated fleet builds millions of these.
+        self.blocks = list(map(KVBlock, range(num_blocks)))
         # NOTE: insertion order is eviction order: the head is the least recently freed.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(zip(range(num_blocks), self.blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 

@@ -18,12 +18,15 @@ class KVCacheManager:
         self.watermark_blocks = 0
         self.set_watermark(watermark)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as plain block ids, kept in step (the scheduler copies them each step).
+        # The same tables as plain block ids, kept in step. NOTE: a list here is never changed
+        # once made (growth replaces it), so block_ids() hands it out as the snapshot a pass's
+        # row keeps, without copying it for every row of every pass.
         self._req_block_ids: dict[str, list[int]] = {}
         # Hashes of the request's full blocks (prompt and output), computed once each.
         self._req_hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of the request are registered in the prefix cache.
-        self._num_registered: dict[str, int] = {}
+        # How many leading blocks of the request are registered in the prefix cache (read by the
+        # scheduler's per-row loop to skip the rows with nothing to register; changed only here).
+        self.registered_blocks: dict[str, int] = {}
         # Host swap space: a plain free list of host block ids.
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -50,8 +53,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as it is now: a list the manager never changes later
+        (callers must not change it either)."""
         ids = self._req_block_ids.get(request_id)
-        return ids[:] if ids is not None else []
+        return ids if ids is not None else []
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
@@ -100,26 +105,40 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         # Most calls (a decode inside a block) register nothing: answer those first, cheaply.
-        start = self._num_registered.get(req.request_id, 0)
-        if req.num_computed_tokens // self.block_size <= start:
-            return
-        blocks = self.req_blocks.get(req.request_id)
-        if not blocks:
-            return
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        rid, bs = req.request_id, self.block_size
+        start = self.registered_blocks.get(rid, 0)
+        num_full = req.num_computed_tokens // bs
         if num_full <= start:
             return
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        if num_full > len(blocks):
+            num_full = len(blocks)
+            if num_full <= start:
+                return
         # NOTE: the hashes of blocks not hashed yet are made here, from the same token tuples
-        # the pool keeps (one slice per block, not two): what _block_hashes would compute.
-        hashes = self._block_hashes(req, start)  # those registered are hashed already
-        bs, cache_block = self.block_size, self.pool.cache_block
+        # the pool keeps (one slice per block, not two): what _block_hashes would compute. The
+        # slice (Request.token_slice) is inlined: this runs once per block a request fills.
+        hashes = self._req_hashes.get(rid)
+        if hashes is None or len(hashes) < start:
+            hashes = self._block_hashes(req, start)  # those registered are hashed already
+        cache_block = self.pool.cache_block
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        num_prompt = len(prompt)
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
-            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            lo, hi = i * bs, (i + 1) * bs
+            if hi <= num_prompt:
+                tokens = tuple(prompt[lo:hi])
+            elif lo >= num_prompt:
+                tokens = tuple(output[lo - num_prompt:hi - num_prompt])
+            else:
+                tokens = tuple(prompt[lo:] + output[:hi - num_prompt])
             if i == len(hashes):
                 hashes.append(hash_block_tokens(parent, tokens))
             cache_block(blocks[i], hashes[i], parent, tokens)
-        self._num_registered[req.request_id] = num_full
+        self.registered_blocks[rid] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
     def num_new_blocks_needed(self, req: Request, num_new_tokens: int,
@@ -157,16 +176,21 @@ class KVCacheManager:
         if taken > self.pool.num_free_blocks - reserve:
             return False
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        ids = self._req_block_ids.setdefault(req.request_id, [])
+        added: list[KVBlock] = []
         if computed:
             self.pool.touch(list(computed))
+            added.extend(computed)
             blocks.extend(computed)
-            ids.extend(b.block_id for b in computed)
-            self._num_registered[req.request_id] = len(blocks)
+            self.registered_blocks[req.request_id] = len(blocks)
         if need:
             new = self.pool.get_new_blocks(need)
+            added.extend(new)
             blocks.extend(new)
-            ids.extend(b.block_id for b in new)
+        if added:  # a new id list: the old one may be a row of a pass (see block_ids)
+            ids = self._req_block_ids.get(req.request_id)
+            self._req_block_ids[req.request_id] = (ids or []) + [b.block_id for b in added]
+        elif req.request_id not in self._req_block_ids:
+            self._req_block_ids[req.request_id] = []
         return True
 
     def free(self, req: Request) -> None:
@@ -176,7 +200,7 @@ class KVCacheManager:
         self._req_block_ids.pop(req.request_id, None)
         if blocks:
             self.pool.free_blocks(blocks[::-1])
-        self._num_registered.pop(req.request_id, None)
+        self.registered_blocks.pop(req.request_id, None)
         host = self.swapped_blocks.pop(req.request_id, None)
         if host:
             self._cpu_free.extend(host)
@@ -203,7 +227,7 @@ class KVCacheManager:
         self.swapped_blocks[req.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
         self.pool.free_blocks(blocks[::-1])
-        self._num_registered.pop(req.request_id, None)
+        self.registered_blocks.pop(req.request_id, None)
         return mapping
 
     def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:

@@ -26,6 +26,8 @@ class PassBuilder:
     admitted_now: set[str] = field(default_factory=set)
     # Rule 5 stretch each prefill size was granted under, until its row is emitted.
     stretched: dict[str, float] = field(default_factory=dict)
+    # Static padding rows among `decodes` (counted as emitted: never dropped, see drop()).
+    num_padding: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -68,25 +70,41 @@ class PassBuilder:
 
     def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
         """Schedule tokens num_computed_tokens .. +n of `req`."""
-        # NOTE: runs once per scheduled row (the simulator's hot path): lengths are read once
-        # and the row is built positionally.
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        # NOTE: runs once per scheduled row (the simulator's hot path): lengths are read once,
+        # the token slice (Request.token_slice) and a decode row's budget (StepBudget.add)
+        # are inlined, and the row is built positionally.
+        start = req.num_computed_tokens
+        end = start + n
         params = req.sampling_params
-        num_prompt, num_output = len(req.prompt_token_ids), len(req.output_token_ids)
-        num_tokens = num_prompt + num_output
-        entry = ScheduledSequence(req.request_id, req.token_slice(start, end), start, block_ids,
-                                  end == num_tokens, params, num_output, start < num_prompt)
-        if params.penalizes or (params.prompt_logprobs is not None and start < num_prompt):
-            entry.prompt_token_ids, entry.output_token_ids = (req.prompt_token_ids,
-                                                              req.output_token_ids)
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        num_prompt, num_output = len(prompt), len(output)
+        if end <= num_prompt:
+            tokens = prompt[start:end]
+        elif start >= num_prompt:
+            tokens = output[start - num_prompt:end - num_prompt]
+        else:
+            tokens = prompt[start:] + output[:end - num_prompt]
+        in_prompt = start < num_prompt
+        rid = req.request_id
+        entry = ScheduledSequence(rid, tokens, start, block_ids, end == num_prompt + num_output,
+                                  params, num_output, in_prompt)
+        if params.penalizes or (params.prompt_logprobs is not None and in_prompt):
+            entry.prompt_token_ids, entry.output_token_ids = prompt, output
         if params.min_tokens > num_output:
             entry.eos_token_id = None if params.ignore_eos else req.eos_token_id
-        is_decode = n == 1 and end == num_tokens
-        (self.decodes if is_decode else self.prefills)[req.request_id] = entry
-        self.budget.add(n, start, decode=is_decode, tier=req.priority)
-        stretch = self.stretched.pop(req.request_id, 1.0)
-        if stretch > 1.0 and not is_decode:
-            self.budget.use_stretch(stretch)
+        budget = self.budget
+        if n == 1 and end == num_prompt + num_output:
+            self.decodes[rid] = entry
+            budget.add_decode_row(start, req.priority)
+        else:
+            self.prefills[rid] = entry
+            budget.add(n, start, decode=False, tier=req.priority)
+            stretch = self.stretched.pop(rid, 1.0) if self.stretched else 1.0
+            if stretch > 1.0:
+                budget.use_stretch(stretch)
+            return
+        if self.stretched:  # a size granted to a row that is emitted as a decode: dropped
+            self.stretched.pop(rid, None)
 
     def emit_padding(self, req: Request, block_ids: list[int]) -> None:
         """A finished static-batch member recomputed at its last position (no sample)."""
@@ -96,6 +114,7 @@ class PassBuilder:
             request_id=rid, token_ids=req.token_slice(pos, pos + 1), start_pos=pos,
             block_ids=block_ids, sample=False, sampling_params=req.sampling_params,
             padding=True)
+        self.num_padding += 1
         self.budget.add(1, pos, decode=True, tier=None)
 
     def drop(self, request_id: str) -> None:
@@ -103,13 +122,14 @@ class PassBuilder:
         for rows, decode in ((self.decodes, True), (self.prefills, False)):
             entry = rows.pop(request_id, None)
             if entry is not None:
+                self.num_padding -= entry.padding  # never a padding row (its id has "#padding")
                 self.budget.remove(entry.num_tokens, entry.start_pos, decode=decode)
 
     def finish(self) -> SchedulerOutput:
         out, budget = self.out, self.budget
-        out.scheduled = list(self.decodes.values()) + list(self.prefills.values())
+        out.scheduled = [*self.decodes.values(), *self.prefills.values()]
         out.num_decode_tokens = len(self.decodes)
-        out.num_padding_tokens = sum(e.padding for e in self.decodes.values())
+        out.num_padding_tokens = self.num_padding
         out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())
         out.predicted_time_s = budget.predicted_s
         out.tpot_target_s = budget.effective_target_s

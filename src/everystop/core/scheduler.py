@@ -164,19 +164,23 @@ class Scheduler:
         # later sequence), and the common grow - room in the blocks held - skips _grow.
         running = RequestStatus.RUNNING
         kv, emit = self.kv, step.emit
-        held, bs = kv.req_blocks, kv.block_size
+        held, bs, ids = kv.req_blocks, kv.block_size, kv.block_ids
+        # Those not decoding, for step 2: the rows running after step 1 that are not decodes
+        # (step 1 only removes from `running`, and emits or preempts every decode it visits).
+        prefilling = []
         for req in list(self.running):
             if req.status is not running:
                 continue
             computed = req.num_computed_tokens
             if len(req.prompt_token_ids) + len(req.output_token_ids) - computed != 1:
+                prefilling.append(req)
                 continue
             blocks = held.get(req.request_id)
             if (blocks is not None and computed < len(blocks) * bs) or self._grow(req, 1, step):
-                emit(req, 1, kv.block_ids(req.request_id))
+                emit(req, 1, ids(req.request_id))
         # 2. Then the rest of the prompt of sequences already admitted, in admission order.
         decodes = step.decodes
-        for req in list(self.running):
+        for req in prefilling:
             if req.status is not running or req.request_id in decodes:
                 continue
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
@@ -328,18 +332,23 @@ class Scheduler:
         self.step_cost.observe(StepShape.from_output(sched), result.execute_time_s)
         self.oom_seat_cap.pass_succeeded(self.config.max_num_seqs)
         # Loop invariants hoisted: this loop runs once per scheduled row (the hot path).
+        # The prefix-cache registration (cache_computed_blocks) is called only for rows that
+        # filled a block since their last registration: its own first check, inlined.
         requests, running = self.requests, RequestStatus.RUNNING
-        cache_blocks = self.kv.cache_computed_blocks
+        kv = self.kv
+        cache_blocks, caching = kv.cache_computed_blocks, kv.enable_prefix_caching
+        registered, bs = kv.registered_blocks, kv.block_size
         prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
         sampled = result.sampled_token_ids
-        max_len = model_len_limit(self.config, self.kv)
+        max_len = model_len_limit(self.config, kv)
         for entry in sched.scheduled:
             rid = entry.request_id
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue  # aborted while the pass ran
-            req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
-            cache_blocks(req)
+            computed = req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
+            if caching and computed // bs > registered.get(rid, 0):
+                cache_blocks(req)
             if prompt_logprobs:
                 scored = prompt_logprobs.get(rid)
                 if scored:
@@ -347,22 +356,33 @@ class Scheduler:
             if not entry.sample:
                 continue
             token = sampled[rid]
-            req.output_token_ids.append(token)
+            output = req.output_token_ids
+            output.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             update = RequestUpdate(rid, [token])
-            if req.sampling_params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            params = req.sampling_params
+            if params.prompt_logprobs is not None and len(output) == 1:
                 update.prompt_logprobs = list(req.prompt_logprobs)
             if logprobs:
                 lp = logprobs.get(rid)
                 if lp is not None:
                     update.new_logprobs.append(lp)
-            status = req.stop_status(token, max_len)
-            if status is not None:
-                if status == RequestStatus.FINISHED_STOPPED:
-                    update.stop_token_id = token
-                self._finish(req, status)
-                update.finish_reason = status.finish_reason
+            # How the request ends with `token` just appended: EOS (unless ignored) or a stop
+            # token id, then max_tokens or the model length; most rows go on.
+            num_output = len(output)
+            if (not params.ignore_eos and token == req.eos_token_id) or (
+                    token in params.stop_token_ids):
+                update.stop_token_id = token
+                status = RequestStatus.FINISHED_STOPPED
+            elif (num_output >= params.max_tokens
+                  or len(req.prompt_token_ids) + num_output >= max_len):
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                updates.append(update)
+                continue
+            self._finish(req, status)
+            update.finish_reason = status.finish_reason
             updates.append(update)
         return updates
 

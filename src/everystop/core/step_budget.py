@@ -170,6 +170,20 @@ class StepBudget:
         else:
             self._prefill_s += cost
 
+    def add_decode_row(self, start_pos: int, tier: int) -> None:
+        """add(1, start_pos, decode=True, tier=tier), inlined: once per decode row per pass
+        (the same arithmetic, in the same order, so the same floats)."""
+        self.tokens_left -= 1
+        self._decode_tokens += 1
+        c = self.coeffs
+        if c is not None:
+            self._decode_s += c.decode_row + c.context_token * (start_pos + 1)
+        else:
+            self._decode_s += 0.0
+        target = self.targets_s[tier]
+        if target is not None and (self.target_s is None or target < self.target_s):
+            self.target_s = target
+
     def remove(self, n: int, start_pos: int, *, decode: bool) -> None:
         """Undo `add` for a row dropped by a preemption (the target stays: conservative)."""
         self.tokens_left += n

@@ -35,8 +35,10 @@ class StepShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
-        return cls(out.num_prefill_tokens, out.num_decode_tokens,
-                   sum(e.seq_len for e in out.scheduled))
+        context = 0
+        for e in out.scheduled:  # sum(e.seq_len ...) without a property call per row
+            context += e.start_pos + len(e.token_ids)
+        return cls(out.num_prefill_tokens, out.num_decode_tokens, context)
 
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, float(self.num_prefill_tokens), float(self.num_decode_rows),
@@ -106,7 +108,8 @@ class StepCostModel:
         return SEED_PROMPT_TOKENS / seconds if seconds > 0 else math.inf
 
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coefficients.as_tuple(), shape.features()))
+        # `coefficients` without the dataclass (once per pass): the same divisions and sum.
+        return sum([t / s * x for t, s, x in zip(self._theta, _SCALES, shape.features())])
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Fold one measured step in and re-solve."""
@@ -116,10 +119,9 @@ class StepCostModel:
         self.last_measured_s = seconds
         x = [f / s for f, s in zip(shape.features(), _SCALES)]
         lam = self.forgetting
-        for i in range(4):
-            self._b[i] = lam * self._b[i] + x[i] * seconds
-            for j in range(4):
-                self._a[i][j] = lam * self._a[i][j] + x[i] * x[j]
+        # Once per pass (the simulator's hot path): row by row, the same arithmetic.
+        self._b = [lam * b + xi * seconds for b, xi in zip(self._b, x)]
+        self._a = [[lam * a + xi * xj for a, xj in zip(row, x)] for row, xi in zip(self._a, x)]
         self._theta = self._solve()
         self.num_observations += 1
 
@@ -145,16 +147,24 @@ class StepCostModel:
 
 def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
     """Solve a small symmetric positive-definite system (Gaussian elimination, pivoting)."""
+    # NOTE: runs once per pass; rows are bound once, the arithmetic is the textbook one.
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
+        pivot, largest = col, abs(m[col][col])  # max(..., key=abs): the first largest
         for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
+            v = abs(m[r][col])
+            if v > largest:
+                pivot, largest = r, v
+        m[col], m[pivot] = m[pivot], m[col]
+        top = m[col]
+        for r in range(col + 1, n):
+            row = m[r]
+            f = row[col] / top[col]
             for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
+                row[c] -= f * top[c]
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+        row = m[r]
+        x[r] = (row[n] - sum([row[c] * x[c] for c in range(r + 1, n)])) / row[r]
     return x

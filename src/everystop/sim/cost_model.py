@@ -138,12 +138,24 @@ class CostModel:
 
     def latency(self, s: IterationShape) -> float:
         # The sum `breakdown` itemizes, in the same order (so the same float), without building
-        # the dict: this runs once per simulated pass.
-        w, c = self.work(s), self.coeffs
-        return (max(w.flops * c.sec_per_flop, w.bytes * c.sec_per_byte)
-                + w.num_allreduce * (c.allreduce_latency_s + w.comm_bytes * c.sec_per_link_byte)
+        # the dict or the Work: this runs once per simulated pass. NOTE: the terms are `work`'s,
+        # written out with the same operations in the same order; a test holds them equal.
+        m, tp, c = self.model, self.tp, self.coeffs
+        tokens = s.num_decode_tokens + s.num_prefill_tokens
+        flops = (2 * m.layer_params * tokens + 2 * m.lm_head_params * s.num_sampled
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs) / tp
+        kv_bytes = m.kv_bytes_per_token
+        nbytes = (m.pass_weight_bytes + (s.context_tokens_read + tokens) * kv_bytes) / tp
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp * tokens * m.hidden_size * m.dtype_bytes
+            comm = 2 * m.num_layers * (c.allreduce_latency_s + ring * c.sec_per_link_byte)
+        else:
+            comm = 0 * (c.allreduce_latency_s + 0.0 * c.sec_per_link_byte)
+        swap = s.num_swap_blocks * self.block_size * kv_bytes / tp
+        return (max(flops * c.sec_per_flop, nbytes * c.sec_per_byte)
+                + comm
                 + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
-                + w.swap_bytes * c.sec_per_swap_byte)
+                + swap * c.sec_per_swap_byte)
 
     def roofline_s(self, s: IterationShape) -> float:
         """Physical floor: peak FLOPs and full HBM bandwidth, no comm, no overhead. No real

@@ -61,7 +61,8 @@ def can_stretch(sched: Scheduler, num_inbox: int) -> bool:
     for req in reversed(sched.running):
         params = req.sampling_params
         if (req.status is not running or not req.output_token_ids
-                or req.num_tokens - req.num_computed_tokens != 1
+                or len(req.prompt_token_ids) + len(req.output_token_ids)
+                - req.num_computed_tokens != 1
                 or TOKEN in params.stop_token_ids
                 or (not params.ignore_eos and req.eos_token_id == TOKEN)):
             return False
@@ -88,16 +89,13 @@ class DecodeStretch:
         max_len = model_len_limit(cfg, self.kv)
         self.rows: list[Request] = list(sched.running)
         n = len(self.rows)
-        self.base = [r.num_computed_tokens for r in self.rows]  # computed at boundary 0
+        self.base: list[int] = []  # computed at boundary 0
         self.at = [0] * n  # the boundary each row's tokens are brought up to
-        # The pass whose sampled token ends the row (Request.stop_status: max_tokens or the
-        # model length; the sampled token is never a stop token here, see can_stretch).
-        self.finish_at = [max(1, min(r.sampling_params.max_tokens - len(r.output_token_ids),
-                                     max_len - r.num_tokens)) for r in self.rows]
-        self.finishes = [(f, i) for i, f in enumerate(self.finish_at)]
-        heapq.heapify(self.finishes)
+        # The pass whose sampled token ends the row (Scheduler.update_from_output's stop check:
+        # max_tokens or the model length; the sampled token is never a stop token here, see
+        # can_stretch).
+        self.finish_at: list[int] = []
         self.alive = n
-        self.context = sum(self.base)  # summed computed tokens of the live rows at `planned`
         # The plan: times[j] = end of pass j (times[0] = now), with its latency, rows, context.
         self.times = [clock.now]
         self.lat = [0.0]
@@ -125,7 +123,14 @@ class DecodeStretch:
         held = self.kv.req_blocks
         first_grow, grow_count, on_start = self.first_grow, self.grow_count, self.on_start
         on_end, caching = self.on_end, self.caching
-        for i, (req, base, finish) in enumerate(zip(self.rows, self.base, self.finish_at)):
+        bases, finish_at = self.base, self.finish_at
+        for i, req in enumerate(self.rows):
+            num_output = len(req.output_token_ids)
+            base = req.num_computed_tokens
+            finish = max(1, min(req.sampling_params.max_tokens - num_output,
+                                max_len - len(req.prompt_token_ids) - num_output))
+            bases.append(base)
+            finish_at.append(finish)
             g = len(held.get(req.request_id, ())) * bs - base  # pass g+1 needs a block
             first_grow.append(g)
             if g < finish:
@@ -137,6 +142,9 @@ class DecodeStretch:
                     grow_count[g] = grow_count.get(g, 0) + 1
             nxt = min(finish, 1 + (-(base + 1)) % bs) if caching else finish
             on_end.setdefault(nxt, []).append(i)
+        self.finishes = [(f, i) for i, f in enumerate(finish_at)]
+        heapq.heapify(self.finishes)
+        self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
         # The first pass's own growth must fit, or the scheduler would preempt in it.
         self.ok = self.unapplied_grows <= self.kv.pool.num_free_blocks
 

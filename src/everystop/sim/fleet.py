@@ -197,7 +197,8 @@ class Replica:
                                 SimExecutor.SAMPLED_TOKEN)
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
-        return [self.routed[u.request_id][0] for u in updates if u.finished]
+        routed = self.routed
+        return [routed[u.request_id][0] for u in updates if u.finish_reason is not None]
 
 
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
@@ -209,11 +210,12 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
     `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival.
     `decode_stretches=False`: every pass through the scheduler (the same results, slower)."""
     _check_fleet_args(num_replicas, stats_interval_s)
-    replicas = [Replica(i, setup, latency_fn) for i in range(num_replicas)]
     # The replicas' block tables are hundreds of thousands of objects that live as long as the
     # run, and requests, their hashes and their Finished records pile up as it goes: the cyclic
-    # collector is kept off for the run (see _gc_frozen).
+    # collector is kept off for the run (see _gc_frozen), the building of the block pools
+    # included (with it on, its passes over the growing pools tripled their build time).
     with _gc_frozen():
+        replicas = [Replica(i, setup, latency_fn) for i in range(num_replicas)]
         want_hashes = isinstance(router, PrefixAffinityRouter)
         # (time, kind, replica, seq, token): at equal times and kinds, replica order
         events: list[tuple[float, int, int, int, int]] = []

@@ -102,7 +102,7 @@ def _speed() -> list[str]:
         f"design's shape at {s['offered_load_fraction']:.0%} of capacity): "
         f"{s['cpu_s']:,} CPU-s ({s['wall_s']:,} s wall, load average "
         f"{s['loadavg_before'][0]:.1f} before and {s['loadavg_after'][0]:.1f} after, on "
-        f"{s['cpu_count']} cores), {s['cpu_ms_per_request']} CPU-ms per request, "
+        f"{_cpu(s)}), {s['cpu_ms_per_request']} CPU-ms per request, "
         f"{s['cpu_us_per_output_token']} CPU-us per output token. Linear extrapolation to "
         f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
         f" against the 600 s target: "
@@ -120,30 +120,42 @@ def _speed() -> list[str]:
         "replica's in-flight correction only when that replica's report or its books changed, "
         "and scores each replica once per request: the same rankings. The cyclic garbage "
         "collector is off while the fleet runs (`sim/fleet.py`, `_gc_frozen`; session 9: 1.38x "
-        "at 50,000 requests, `fleet_speed_ab_50k.json`). Session 10 (the baseline above is the "
-        "tree before it): the KV manager's allocation computes the blocks it needs once and "
+        "at 50,000 requests, `fleet_speed_ab_50k.json`). Session 10: the KV manager's "
+        "allocation computes the blocks it needs once and "
         "registration hashes each block from the token tuple the pool keeps (one slice, not "
         "two), KV blocks have slots, and the stretches' per-row bookkeeping is inlined where it "
-        "runs once per row per block; all of it the same behaviour (the same summary above, the "
-        "exactness tests, and a new test of the registered hash chain).",
+        "runs once per row per block; all of it the same behaviour (the same summary, the "
+        "exactness tests, and a new test of the registered hash chain). Session 12 (the "
+        "baseline above is the tree before it): a pass's rows share the KV manager's block-id "
+        "list instead of copying it (the manager never changes a list once made, growth "
+        "replaces it; the executor's input building, the tensor-parallel wire format and the "
+        "out-of-memory back-off only read it); `ScheduledSequence`, `RequestUpdate` and "
+        "`Request` have slots; `PassBuilder.emit` and `update_from_output` inline the token "
+        "slice, a decode row's budget, the stop check and the registration check; the "
+        "step-cost fit's re-solve after every pass does the same arithmetic with less "
+        "interpreter work (checked bit for bit against the old code); the cost model's "
+        "latency builds no `Work` per pass; and the 64 block pools are built with the cyclic "
+        "collector off (its passes over the growing pools tripled their build time). The same "
+        "behaviour again: the same summary above, the exactness tests, tests/core and "
+        "tests/engine.",
         "",
         "Why 600 s is out of reach as built: the passes the scheduler runs itself (1.60 per "
-        "request at 20,000 requests, session 10, counted: a prompt's prefill chunks of up to "
-        "512 tokens, while every other row of the replica decodes) walk every running row "
-        "(72.6 per pass) through `schedule()` (a `ScheduledSequence` with a copy of the row's "
-        "block table), the pass's shape, and `update_from_output()` (a `RequestUpdate`, the "
-        "stop check, the registration check): 116 rows per request, at ~12.8 CPU-us each with "
-        "the pass's fixed costs spread over them (the split below, at load 3), ~1.5 CPU-ms per "
-        "request: more than twice the 0.6 CPU-ms that 1M requests in 600 s allow, before any "
-        "other work.",
+        "request at 20,000 requests, counted: a prompt's prefill chunks of up to 512 tokens, "
+        "while every other row of the replica decodes) walk every running row (72.6 per pass) "
+        "through `schedule()` (a `ScheduledSequence`), the pass's shape, and "
+        "`update_from_output()` (a `RequestUpdate`, the stop check, the registration check): "
+        "116 rows per request, at ~5.9 CPU-us each with the pass's fixed costs and its prefill "
+        "chunk spread over them (the split below), ~0.68 CPU-ms per request: above the 0.6 "
+        "CPU-ms that 1M requests in 600 s allow on its own, and everything else (the "
+        "stretches, routing, the event loop) costs about as much again.",
         *_speed_split(s),
         "Where the time goes, sampled without a profiler's overhead (py-spy at 100 Hz, the same "
-        "20,000 requests x 64 replicas, session 10, after the changes above; 4,940 samples, "
-        "load 3.0): the scheduler's own passes 58% (freeing each pass's row objects included), "
-        "decode stretches 23% (block growth, prefix registration, planning, and a new stretch "
-        "over every row after each mixed pass, closed again over every row at the next "
-        "arrival), routing 8%, the event loop 6%, building the 64 replicas' block pools 3% (a "
-        "fixed ~1.5 s), generating the traffic 2%.",
+        "20,000 requests x 64 replicas, session 12, after the changes above; 3,254 samples, "
+        "load 3.2): the scheduler's own passes 52% (freeing each pass's row objects "
+        "included), decode stretches 27% (block growth, prefix registration, planning, and a "
+        "new stretch over every row after each mixed pass, closed again over every row at the "
+        "next arrival), routing 8%, the event loop 8%, building the 64 replicas' block pools "
+        "2%, generating the traffic 2%.",
         "Meeting 600 s needs the decode rows of mixed passes applied in bulk, the scheduler "
         "walking only the rows it has a decision to make for (a change to the production "
         "scheduler's pass walk and its output, beyond a plain speed-up: not done), or the same "
@@ -155,6 +167,12 @@ def _speed() -> list[str]:
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
     ]
+
+
+def _cpu(s: dict) -> str:
+    """The machine the run was timed on, as the result records it."""
+    model = s.get("machine", {}).get("model")
+    return f"{model}, {s['cpu_count']} cores" if model else f"{s['cpu_count']} cores"
 
 
 def _speed_split(s: dict) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 SPEC_DIR = Path(__file__).with_name("specs")
@@ -73,19 +73,19 @@ class ModelSpec:
     max_model_len: int
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @cached_property  # a frozen spec: the cost model reads it on every pass
     def params_per_layer(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2  # q, o; k, v
         mlp = 3 * h * self.intermediate_size  # gate, up, down
         return attn + mlp + 2 * h  # + two RMSNorm weights
 
-    @property
+    @cached_property  # a frozen spec: the cost model reads it on every pass
     def layer_params(self) -> int:
         """Parameters every token multiplies through (all decoder layers + final norm)."""
         return self.num_layers * self.params_per_layer + self.hidden_size
 
-    @property
+    @cached_property  # a frozen spec: the cost model reads it on every pass
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
@@ -102,13 +102,13 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 
-    @property
+    @cached_property  # a frozen spec: the cost model reads it on every pass
     def pass_weight_bytes(self) -> int:
         """Weights every forward pass streams from HBM: all layers and the LM head (the
         embedding table is only gathered row by row)."""
         return (self.layer_params + self.lm_head_params) * self.dtype_bytes
 
-    @property
+    @cached_property  # a frozen spec: the cost model reads it on every pass
     def kv_bytes_per_token(self) -> int:
         """K and V for one token across all layers and all KV heads (whole model, all GPUs)."""
         return 2 * self.num_kv_heads * self.head_dim * self.num_layers * self.dtype_bytes
