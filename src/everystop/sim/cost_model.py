@@ -11,6 +11,21 @@ bytes  = weight bytes + KV bytes read (every sequence's whole context) + KV byte
 
 The same form is fitted to measurements (see `fit.py`): the coefficients are then plain
 seconds-per-FLOP and seconds-per-byte rather than 1/(peak*eff).
+
+A CPU runs its kernels one after another, not overlapped, and switches kernels by batch size,
+so measured CPU passes are fitted (`pass_fit.py`) to an extended form that replaces the max:
+
+    attention_apart   the max covers the dense work only (dense FLOPs, weight bytes); attention
+                      is added on top: e * attention FLOPs + f * KV bytes
+    gemv_max_tokens   passes of up to this many tokens run the linears as GEMVs, which read
+                      every weight once per chunk of gemv_chunk_rows rows, and once more per
+                      chunk of at least gemv_narrow_rows rows (0: none), whose accumulators
+                      leave registers for fewer output columns at a time:
+                          (chunks * g_w + narrow chunks * g_n) * weight bytes + dense FLOPs * g_f
+                      larger passes run GEMMs that first convert every weight once:
+                          weight bytes * h_w + max(a * dense FLOPs, b * weight bytes)
+
+With the defaults (False, 0) the form above is computed exactly as before.
 """
 
 from __future__ import annotations
@@ -70,6 +85,15 @@ class IterationShape:
         return asdict(self)
 
 
+def gemv_chunks(rows: int, chunk_rows: int, narrow_rows: int) -> tuple[int, int]:
+    """How many chunks of at most `chunk_rows` rows a GEMV of `rows` rows takes, and how many
+    of them have at least `narrow_rows` rows (0: none counted)."""
+    full, rest = divmod(rows, chunk_rows)
+    if not narrow_rows:
+        return full + (rest > 0), 0
+    return full + (rest > 0), full * (chunk_rows >= narrow_rows) + (rest >= narrow_rows)
+
+
 @dataclass(frozen=True)
 class Work:
     """Per-GPU work of one iteration."""
@@ -79,6 +103,8 @@ class Work:
     comm_bytes: float  # per all-reduce, ring traffic per GPU
     num_allreduce: int
     swap_bytes: float
+    attention_flops: float = 0.0  # the part of `flops` that is attention's
+    kv_bytes: float = 0.0  # the part of `bytes` that is KV cache reads and writes
 
 
 @dataclass(frozen=True)
@@ -90,6 +116,17 @@ class Coefficients:
     sec_per_link_byte: float = 0.0
     allreduce_latency_s: float = 0.0
     sec_per_swap_byte: float = 0.0
+    # The extended form (module docstring); the defaults keep the roofline form.
+    attention_apart: bool = False
+    sec_per_attention_flop: float = 0.0
+    sec_per_kv_byte: float = 0.0
+    gemv_max_tokens: int = 0
+    gemv_chunk_rows: int = 8
+    sec_per_gemv_weight_byte: float = 0.0  # per chunk of gemv_chunk_rows rows
+    gemv_narrow_rows: int = 0
+    sec_per_gemv_narrow_weight_byte: float = 0.0  # per chunk of gemv_narrow_rows rows or more
+    sec_per_gemv_flop: float = 0.0
+    sec_per_gemm_weight_byte: float = 0.0  # once per pass above gemv_max_tokens
 
     @classmethod
     def from_hardware(cls, hw: HardwareSpec) -> Coefficients:
@@ -119,18 +156,45 @@ class CostModel:
 
     def work(self, s: IterationShape) -> Work:
         m, tp = self.model, self.tp
-        flops = (2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled
-                 + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs)
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs
+        flops = 2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled + attention
         weights = m.pass_weight_bytes
         kv = (s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token
         ring = 2 * (tp - 1) / tp * s.num_tokens * m.hidden_size * m.dtype_bytes if tp > 1 else 0.0
         swap = s.num_swap_blocks * self.block_size * m.kv_bytes_per_token
         return Work(flops=flops / tp, bytes=(weights + kv) / tp, comm_bytes=ring,
-                    num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp)
+                    num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp,
+                    attention_flops=attention / tp, kv_bytes=kv / tp)
+
+    def _extended_kernels_s(self, w: Work, num_tokens: int) -> tuple[float, float, float, float]:
+        """The extended form's kernel time (module docstring) in four parts: the per-pass weight
+        reads or conversions, the dense compute side, the dense memory side (the GEMMs' max
+        takes the larger of the two; the GEMVs' memory side is 0: their weight reads are in the
+        first part) and attention."""
+        c = self.coeffs
+        compute, memory, attention = w.flops, w.bytes, 0.0
+        if c.attention_apart:
+            compute, memory = w.flops - w.attention_flops, w.bytes - w.kv_bytes
+            attention = (w.attention_flops * c.sec_per_attention_flop
+                         + w.kv_bytes * c.sec_per_kv_byte)
+        weights = w.bytes - w.kv_bytes
+        if num_tokens <= c.gemv_max_tokens:
+            chunks, narrow = gemv_chunks(num_tokens, c.gemv_chunk_rows, c.gemv_narrow_rows)
+            return ((chunks * c.sec_per_gemv_weight_byte
+                     + narrow * c.sec_per_gemv_narrow_weight_byte) * weights,
+                    compute * c.sec_per_gemv_flop, 0.0, attention)
+        return (weights * c.sec_per_gemm_weight_byte, compute * c.sec_per_flop,
+                memory * c.sec_per_byte, attention)
 
     def breakdown(self, s: IterationShape) -> dict[str, float]:
         w, c = self.work(s), self.coeffs
-        return {"compute_s": w.flops * c.sec_per_flop, "memory_s": w.bytes * c.sec_per_byte,
+        if c.attention_apart or c.gemv_max_tokens:
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(w, s.num_tokens)
+            kernels = {"weights_s": weights_s, "compute_s": compute_s, "memory_s": memory_s,
+                       "attention_s": attention_s}
+        else:
+            kernels = {"compute_s": w.flops * c.sec_per_flop, "memory_s": w.bytes * c.sec_per_byte}
+        return {**kernels,
                 "comm_s": w.num_allreduce * (c.allreduce_latency_s
                                              + w.comm_bytes * c.sec_per_link_byte),
                 "overhead_s": c.overhead_s + c.overhead_per_seq_s * s.num_seqs,
@@ -140,7 +204,12 @@ class CostModel:
         # The sum `breakdown` itemizes, in the same order (so the same float), without building
         # the dict: this runs once per simulated pass.
         w, c = self.work(s), self.coeffs
-        return (max(w.flops * c.sec_per_flop, w.bytes * c.sec_per_byte)
+        if c.attention_apart or c.gemv_max_tokens:
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(w, s.num_tokens)
+            kernels = weights_s + max(compute_s, memory_s) + attention_s
+        else:
+            kernels = max(w.flops * c.sec_per_flop, w.bytes * c.sec_per_byte)
+        return (kernels
                 + w.num_allreduce * (c.allreduce_latency_s + w.comm_bytes * c.sec_per_link_byte)
                 + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
                 + w.swap_bytes * c.sec_per_swap_byte)
