@@ -11,7 +11,8 @@ and the regime form (both in `sim/pass_fit.py`), which is the cost model's exten
 coefficients are a `sim/cost_model.py` `Coefficients`, and it is judged through `CostModel`
 itself.
 
-    everystop bench sim-pass-calibrate --out benchmarks/results/sim/pass_calibration.json
+    everystop bench sim-pass-calibrate --threads 1 \
+        --out benchmarks/results/sim/pass_calibration.json
 
 Goal: median |error| <= 5%, p90 <= 15% on the held-out passes. The machine is shared: the load
 average and the share of the cores other processes used during the run go into the JSON.
@@ -50,9 +51,13 @@ GOAL = {"median_abs_rel_error": 0.05, "p90_abs_rel_error": 0.15}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="n=120,prompt=uniform:16:256,output=uniform:8:96,seed=3",
+    # Replies long enough, and arrivals fast enough, that decodes batch up past 8 and 16 rows
+    # beside prefill chunks on both sides of the GEMV limit: every regime of the cost model is
+    # fitted and judged (at 0.5 req/s of 8-96 token replies, 3 passes in 4 were 1-row decodes).
+    p.add_argument("--workload",
+                   default="n=120,prompt=uniform:16:256,output=uniform:32:256,seed=3",
                    help="synthetic spec of the live run (its arrivals: --rate)")
-    p.add_argument("--rate", type=float, default=0.8, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     add_live_engine_arguments(p)
     p.add_argument("--refit", default=None, metavar="JSON",
                    help="no live run: judge the passes recorded in this file's JSON again "
