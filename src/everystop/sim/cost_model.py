@@ -103,8 +103,6 @@ class Work:
     comm_bytes: float  # per all-reduce, ring traffic per GPU
     num_allreduce: int
     swap_bytes: float
-    attention_flops: float = 0.0  # the part of `flops` that is attention's
-    kv_bytes: float = 0.0  # the part of `bytes` that is KV cache reads and writes
 
 
 @dataclass(frozen=True)
@@ -156,40 +154,44 @@ class CostModel:
 
     def work(self, s: IterationShape) -> Work:
         m, tp = self.model, self.tp
-        attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs
-        flops = 2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled + attention
+        flops = (2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs)
         weights = m.pass_weight_bytes
         kv = (s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token
         ring = 2 * (tp - 1) / tp * s.num_tokens * m.hidden_size * m.dtype_bytes if tp > 1 else 0.0
         swap = s.num_swap_blocks * self.block_size * m.kv_bytes_per_token
         return Work(flops=flops / tp, bytes=(weights + kv) / tp, comm_bytes=ring,
-                    num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp,
-                    attention_flops=attention / tp, kv_bytes=kv / tp)
+                    num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp)
 
-    def _extended_kernels_s(self, w: Work, num_tokens: int) -> tuple[float, float, float, float]:
+    def _extended_kernels_s(self, s: IterationShape) -> tuple[float, float, float, float]:
         """The extended form's kernel time (module docstring) in four parts: the per-pass weight
         reads or conversions, the dense compute side, the dense memory side (the GEMMs' max
         takes the larger of the two; the GEMVs' memory side is 0: their weight reads are in the
-        first part) and attention."""
-        c = self.coeffs
-        compute, memory, attention = w.flops, w.bytes, 0.0
+        first part) and attention. (`work`'s totals split again here, so the roofline form's
+        hot path builds nothing more.)"""
+        m, tp, c = self.model, self.tp, self.coeffs
+        dense = (2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled) / tp
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs / tp
+        weights = m.pass_weight_bytes / tp
+        kv = (s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token / tp
         if c.attention_apart:
-            compute, memory = w.flops - w.attention_flops, w.bytes - w.kv_bytes
-            attention = (w.attention_flops * c.sec_per_attention_flop
-                         + w.kv_bytes * c.sec_per_kv_byte)
-        weights = w.bytes - w.kv_bytes
+            compute, memory = dense, weights
+            attention_s = attention * c.sec_per_attention_flop + kv * c.sec_per_kv_byte
+        else:
+            compute, memory, attention_s = dense + attention, weights + kv, 0.0
+        num_tokens = s.num_tokens
         if num_tokens <= c.gemv_max_tokens:
             chunks, narrow = gemv_chunks(num_tokens, c.gemv_chunk_rows, c.gemv_narrow_rows)
             return ((chunks * c.sec_per_gemv_weight_byte
                      + narrow * c.sec_per_gemv_narrow_weight_byte) * weights,
-                    compute * c.sec_per_gemv_flop, 0.0, attention)
+                    compute * c.sec_per_gemv_flop, 0.0, attention_s)
         return (weights * c.sec_per_gemm_weight_byte, compute * c.sec_per_flop,
-                memory * c.sec_per_byte, attention)
+                memory * c.sec_per_byte, attention_s)
 
     def breakdown(self, s: IterationShape) -> dict[str, float]:
         w, c = self.work(s), self.coeffs
         if c.attention_apart or c.gemv_max_tokens:
-            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(w, s.num_tokens)
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(s)
             kernels = {"weights_s": weights_s, "compute_s": compute_s, "memory_s": memory_s,
                        "attention_s": attention_s}
         else:
@@ -205,7 +207,7 @@ class CostModel:
         # the dict: this runs once per simulated pass.
         w, c = self.work(s), self.coeffs
         if c.attention_apart or c.gemv_max_tokens:
-            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(w, s.num_tokens)
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(s)
             kernels = weights_s + max(compute_s, memory_s) + attention_s
         else:
             kernels = max(w.flops * c.sec_per_flop, w.bytes * c.sec_per_byte)
