@@ -3,6 +3,7 @@ attention runs slower than the GEMMs it beats the simulator's form, whose residu
 with the attention share; the regime form (GEMVs up to a row limit, GEMMs above) recovers its
 limit and coefficients, as the simulator's CostModel computes them."""
 
+import json
 import random
 
 import numpy as np
@@ -146,3 +147,15 @@ def test_residual_by_pass_kind_sorts_passes_by_rows_and_prefill():
         ("with prefill, 129+ tokens", 1)]
     assert kinds[0]["median_rel_residual"] == 1.0 and kinds[0]["median_abs_rel_error"] == 0.5
     assert kinds[-1]["median_rel_residual"] == -0.5 and kinds[-1]["median_abs_rel_error"] == 1.0
+
+
+def test_a_regime_fit_reaches_the_simulator_through_its_json():
+    # sim-pass-calibrate writes Coefficients.to_dict(); a simulation reads it back as is.
+    model = load_model("smollm2-135m")
+    shapes = _passes(120, 6)
+    cost = CostModel(model, 1, TRUE_REGIMES)
+    fit, _ = fit_regimes_choosing(model, shapes, [cost.latency(s) for s in shapes])
+    read_back = Coefficients(**json.loads(json.dumps(fit.to_dict())))
+    assert read_back == fit
+    assert [CostModel(model, 1, read_back).latency(s) for s in shapes] == \
+        [CostModel(model, 1, fit).latency(s) for s in shapes]
