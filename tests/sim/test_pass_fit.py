@@ -24,6 +24,7 @@ from everystop.sim.pass_fit import (
     fit_regimes_choosing,
     predict,
     regime_features,
+    repeatability,
     residual_by_attention_share,
     residual_by_pass_kind,
 )
@@ -159,3 +160,13 @@ def test_a_regime_fit_reaches_the_simulator_through_its_json():
     assert read_back == fit
     assert [CostModel(model, 1, read_back).latency(s) for s in shapes] == \
         [CostModel(model, 1, fit).latency(s) for s in shapes]
+
+
+def test_repeatability_measures_the_spread_of_the_same_decode_passes_only():
+    same = [decode_shape(4, 300)] * 10  # one group: rows 4, context 300 per row
+    times = [1.0] * 8 + [1.5, 0.5]
+    other = [decode_shape(4, 700)] * 3 + [prefill_shape(64)] * 20  # too few / not decodes
+    rep = repeatability(same + other, times + [9.0] * 3 + [5.0] * 20)
+    assert (rep["num_passes"], rep["num_groups"]) == (10, 1)
+    assert rep["median_abs_rel_deviation"] == 0.0 and rep["p90_abs_rel_deviation"] == 0.5
+    assert repeatability(other, [1.0] * 23) == {"num_passes": 0, "num_groups": 0}

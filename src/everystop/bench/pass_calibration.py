@@ -41,6 +41,7 @@ from everystop.sim.pass_fit import (
     fit_attention,
     fit_regimes_choosing,
     predict,
+    repeatability,
     residual_by_attention_share,
     residual_by_pass_kind,
 )
@@ -93,6 +94,8 @@ def judge(records: list[dict]) -> dict:
     pred = [cost.latency(s) for s in test_shapes]
     out["regimes"] = {**_judged(model, coeffs_r.to_dict(), pred, test_shapes, measured),
                       "fit_error_by_gemv_limit_and_narrow_rows": sse_by_choice}
+    out["repeatability"] = repeatability([IterationShape.from_record(r) for r in records],
+                                         [r["latency_s"] for r in records])
     return out
 
 
@@ -110,7 +113,8 @@ def refit(args: argparse.Namespace) -> int:
     with open(args.refit) as f:
         saved = json.load(f)
     keep = {k: v for k, v in saved.items()
-            if k not in ("base", "attention", "regimes", "command", "git_commit", "roofline")}
+            if k not in ("base", "attention", "regimes", "repeatability", "command",
+                         "git_commit", "roofline")}
     keep["refit_of"] = {"file": args.refit, "command": saved.get("command"),
                         "git_commit": saved.get("git_commit")}
     result = write_result({**keep, **judge(saved["passes"])}, args.out, quiet=True)

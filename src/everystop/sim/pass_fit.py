@@ -252,3 +252,28 @@ def residual_by_pass_kind(shapes: list[IterationShape], predicted: list[float],
                     "median_rel_residual": round(percentile(res, 50), 4),
                     "median_abs_rel_error": round(percentile(err, 50), 4)})
     return out
+
+
+def repeatability(shapes: list[IterationShape], seconds: list[float], min_group: int = 10,
+                  context_bucket: int = 128) -> dict:
+    """How far the same work's time strayed within the run, with no model: pure decode passes
+    grouped by rows and context per row (within `context_bucket` tokens), groups of at least
+    `min_group` passes; each pass's |time / its group's median - 1|, median and p90 over them.
+    On a shared machine this, not the model's form, bounds the per-pass error from below."""
+    groups: dict[tuple[int, int], list[float]] = {}
+    for s, t in zip(shapes, seconds):
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0:
+            key = (s.num_decode_tokens,
+                   s.context_tokens_read // s.num_decode_tokens // context_bucket)
+            groups.setdefault(key, []).append(t)
+    dev = []
+    for times in groups.values():
+        if len(times) >= min_group:
+            mid = percentile(times, 50)
+            dev += [abs(t / mid - 1.0) for t in times]
+    if not dev:
+        return {"num_passes": 0, "num_groups": 0}
+    return {"num_passes": len(dev),
+            "num_groups": sum(len(v) >= min_group for v in groups.values()),
+            "median_abs_rel_deviation": round(percentile(dev, 50), 4),
+            "p90_abs_rel_deviation": round(percentile(dev, 90), 4)}

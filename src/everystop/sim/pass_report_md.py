@@ -25,6 +25,17 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _repeatability_lines(rep: dict | None) -> list[str]:
+    if not rep or not rep["num_passes"]:
+        return []
+    return ["", f"Repeatability, no model involved: {rep['num_passes']} pure decode passes in "
+            f"{rep['num_groups']} groups of the same rows and context (within 128 tokens per "
+            "row) strayed from their group's median time by "
+            f"{_pct(rep['median_abs_rel_deviation'])} (median) and "
+            f"{_pct(rep['p90_abs_rel_deviation'])} (p90): about as close as any model can get "
+            "to these passes."]
+
+
 def pass_calibration_lines(cal: dict | None) -> list[str]:
     """Markdown lines: the held-out per-pass errors of each fit and their residuals by attention
     share and by kind of pass (files written before a fit existed show the fits they have)."""
@@ -49,6 +60,7 @@ def pass_calibration_lines(cal: dict | None) -> list[str]:
         + (f" ({cal['source_note']})" if cal.get("source_note") else "")
         + ". Goal: median |error| <= "
         f"{_pct(goal['median_abs_rel_error'])}, p90 <= {_pct(goal['p90_abs_rel_error'])}.",
+        *_repeatability_lines(cal.get("repeatability")),
         "",
         "| fit | held-out passes | median abs error | p90 abs error | mean abs error "
         "| total time error | goal |",
