@@ -104,3 +104,28 @@ def pass_calibration_lines(cal: dict | None) -> list[str]:
                 + "; a `Coefficients` of `sim/cost_model.py` as is): "
                 + ", ".join(f"{k} {c[k]:.3g}" for k in REGIME_KEYS) + "."]
     return out
+
+
+def pass_calibration_summary(runs: list[dict]) -> list[str]:
+    """Markdown lines: one row per run, the regime form's held-out errors beside how busy the
+    machine was and how repeatable identical passes were (runs without the regime form are
+    left out)."""
+    rows = [r for r in runs if r and "regimes" in r]
+    if not rows:
+        return []
+    out = ["| run | others' share of the cores | identical decodes' spread, p90 | regime form: "
+           "median, p90 abs error | simulator's form: median, p90 | goal (regime form) |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        rep, reg, base = r.get("repeatability") or {}, r["regimes"]["holdout"], r["base"]["holdout"]
+        spread = (_pct(rep["p90_abs_rel_deviation"]) if rep.get("num_passes") else "n/a")
+        out.append(f"| `{r.get('file', '')}` | {_pct(r['other_processes_cpu'])} | {spread} "
+                   f"| {_pct(reg['median_abs_rel_error'])}, {_pct(reg['p90_abs_rel_error'])} "
+                   f"| {_pct(base['median_abs_rel_error'])}, {_pct(base['p90_abs_rel_error'])} "
+                   f"| {'met' if r['regimes']['meets_goal'] else 'not met'} |")
+    met = sum(r["regimes"]["meets_goal"] for r in rows)
+    quiet = [r for r in rows if r["other_processes_cpu"] <= 0.05]
+    quiet_met = sum(r["regimes"]["meets_goal"] for r in quiet)
+    out += ["", f"The regime form met the goal in {met} of {len(rows)} runs; in {quiet_met} of "
+            f"{len(quiet)} runs where other processes used at most 5% of the cores."]
+    return out

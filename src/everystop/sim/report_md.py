@@ -3,7 +3,7 @@ numbers (everystop.sim.design_report)."""
 
 from __future__ import annotations
 
-from everystop.sim.pass_report_md import pass_calibration_lines
+from everystop.sim.pass_report_md import pass_calibration_lines, pass_calibration_summary
 
 # The design's published table (seed design, section on batching), beside the simulated rows.
 DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
@@ -497,6 +497,7 @@ def _calibration_section(d: dict) -> list[str]:
               "GEMMs that convert every weight once per pass. The regime form's fit is a "
               "`Coefficients` that `CostModel` takes as is, and it is judged through `CostModel` "
               "itself.", ""]
+    lines += pass_calibration_summary(d.get("pass_calibration") or []) + [""]
     for run in d.get("pass_calibration") or [None]:
         lines += pass_calibration_lines(run) + [""]
     lines += ["", "### 4.3 Synthetic self-test (a pipeline check, not a measurement)", ""]
