@@ -4,7 +4,14 @@ import pytest
 
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.sampling_params import SamplingParams
-from everystop.sim.cost_model import CostModel, IterationShape, decode_shape, prefill_shape
+from everystop.sim.cost_model import (
+    Coefficients,
+    CostModel,
+    IterationShape,
+    decode_shape,
+    gemv_chunks,
+    prefill_shape,
+)
 from everystop.sim.specs import load_hardware, load_model
 
 M70, A100 = load_model("llama-3-70b"), load_hardware("a100-80gb")
@@ -70,3 +77,65 @@ def test_latency_is_the_breakdown_summed_in_order():
             expected = (max(b["compute_s"], b["memory_s"]) + b["comm_s"] + b["overhead_s"]
                         + b["swap_s"])
             assert model.latency(shape) == expected
+
+
+def test_the_roofline_form_is_the_default_and_prices_attention_inside_the_max():
+    smol = load_model("smollm2-135m")
+    c = Coefficients(sec_per_flop=1e-11, sec_per_byte=2e-11, overhead_s=1e-3,
+                     overhead_per_seq_s=1e-4)
+    for s in (decode_shape(5, 300), prefill_shape(200, start=40)):
+        flops = (2 * smol.layer_params * s.num_tokens + 2 * smol.lm_head_params * s.num_sampled
+                 + 4 * smol.num_layers * smol.num_heads * smol.head_dim * s.attention_pairs)
+        nbytes = (smol.pass_weight_bytes
+                  + (s.context_tokens_read + s.num_tokens) * smol.kv_bytes_per_token)
+        expected = max(flops * 1e-11, nbytes * 2e-11) + 1e-3 + 1e-4 * s.num_seqs
+        assert CostModel(smol, 1, c).latency(s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_regime_form_prices_gemv_chunks_gemm_conversions_and_attention_apart():
+    smol = load_model("smollm2-135m")
+    weights, kv_token = smol.pass_weight_bytes, smol.kv_bytes_per_token
+    attn_per_pair = 4 * smol.num_layers * smol.num_heads * smol.head_dim
+    per_row = 2 * smol.layer_params + 2 * smol.lm_head_params  # a decode row's dense FLOPs
+    c = Coefficients(sec_per_flop=5e-12, sec_per_byte=1e-9, overhead_s=1e-3,
+                     overhead_per_seq_s=5e-4, attention_apart=True, sec_per_attention_flop=2e-11,
+                     sec_per_kv_byte=3e-11, gemv_max_tokens=32, gemv_chunk_rows=8,
+                     sec_per_gemv_weight_byte=2e-11, gemv_narrow_rows=7,
+                     sec_per_gemv_narrow_weight_byte=1e-11, sec_per_gemv_flop=7e-12,
+                     sec_per_gemm_weight_byte=1e-10)
+    cost = CostModel(smol, 1, c)
+
+    def attention_and_overhead(s):
+        return (attn_per_pair * s.attention_pairs * 2e-11
+                + (s.context_tokens_read + s.num_tokens) * kv_token * 3e-11
+                + 1e-3 + 5e-4 * s.num_seqs)
+
+    for rows, chunks, narrow in ((1, 1, 0), (6, 1, 0), (7, 1, 1), (9, 2, 1), (15, 2, 2),
+                                 (32, 4, 4)):
+        s = decode_shape(rows, 200)
+        expected = ((chunks * 2e-11 + narrow * 1e-11) * weights + rows * per_row * 7e-12
+                    + attention_and_overhead(s))
+        assert cost.latency(s) == pytest.approx(expected, rel=1e-12), rows
+    # Past the GEMV limit: one conversion of every weight, then the max of the dense sides
+    # (here the memory side binds: 1e-9 s per weight byte).
+    s = prefill_shape(33)
+    dense = 2 * smol.layer_params * 33 + 2 * smol.lm_head_params
+    expected = (weights * 1e-10 + max(dense * 5e-12, weights * 1e-9)
+                + attention_and_overhead(s))
+    assert cost.latency(s) == pytest.approx(expected, rel=1e-12)
+    parts = cost.breakdown(s)
+    assert parts["weights_s"] == pytest.approx(weights * 1e-10)
+    assert parts["memory_s"] > parts["compute_s"]
+    assert parts["weights_s"] + parts["memory_s"] + parts["attention_s"] + parts["overhead_s"] \
+        == pytest.approx(cost.latency(s), rel=1e-12)
+    # The 9th row starts a second pass over the weights: the step the roofline form cannot draw.
+    step = cost.latency(decode_shape(9, 200)) - cost.latency(decode_shape(8, 200))
+    assert step > 3 * (cost.latency(decode_shape(6, 200)) - cost.latency(decode_shape(5, 200)))
+
+
+@pytest.mark.parametrize(("rows", "narrow_rows", "expected"), [
+    (1, 0, (1, 0)), (8, 0, (1, 0)), (9, 0, (2, 0)), (0, 7, (0, 0)), (6, 7, (1, 0)),
+    (7, 7, (1, 1)), (16, 7, (2, 2)), (17, 7, (3, 2)), (23, 7, (3, 3)), (10, 3, (2, 1)),
+    (11, 3, (2, 2))])
+def test_gemv_chunks_counts_chunks_of_8_and_the_narrow_ones(rows, narrow_rows, expected):
+    assert gemv_chunks(rows, 8, narrow_rows) == expected

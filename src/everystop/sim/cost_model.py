@@ -11,6 +11,21 @@ bytes  = weight bytes + KV bytes read (every sequence's whole context) + KV byte
 
 The same form is fitted to measurements (see `fit.py`): the coefficients are then plain
 seconds-per-FLOP and seconds-per-byte rather than 1/(peak*eff).
+
+A CPU runs its kernels one after another, not overlapped, and switches kernels by batch size,
+so measured CPU passes are fitted (`pass_fit.py`) to an extended form that replaces the max:
+
+    attention_apart   the max covers the dense work only (dense FLOPs, weight bytes); attention
+                      is added on top: e * attention FLOPs + f * KV bytes
+    gemv_max_tokens   passes of up to this many tokens run the linears as GEMVs, which read
+                      every weight once per chunk of gemv_chunk_rows rows, and once more per
+                      chunk of at least gemv_narrow_rows rows (0: none), whose accumulators
+                      leave registers for fewer output columns at a time:
+                          (chunks * g_w + narrow chunks * g_n) * weight bytes + dense FLOPs * g_f
+                      larger passes run GEMMs that first convert every weight once:
+                          weight bytes * h_w + max(a * dense FLOPs, b * weight bytes)
+
+With the defaults (False, 0) the form above is computed exactly as before.
 """
 
 from __future__ import annotations
@@ -70,6 +85,15 @@ class IterationShape:
         return asdict(self)
 
 
+def gemv_chunks(rows: int, chunk_rows: int, narrow_rows: int) -> tuple[int, int]:
+    """How many chunks of at most `chunk_rows` rows a GEMV of `rows` rows takes, and how many
+    of them have at least `narrow_rows` rows (0: none counted)."""
+    full, rest = divmod(rows, chunk_rows)
+    if not narrow_rows:
+        return full + (rest > 0), 0
+    return full + (rest > 0), full * (chunk_rows >= narrow_rows) + (rest >= narrow_rows)
+
+
 @dataclass(frozen=True)
 class Work:
     """Per-GPU work of one iteration."""
@@ -90,6 +114,17 @@ class Coefficients:
     sec_per_link_byte: float = 0.0
     allreduce_latency_s: float = 0.0
     sec_per_swap_byte: float = 0.0
+    # The extended form (module docstring); the defaults keep the roofline form.
+    attention_apart: bool = False
+    sec_per_attention_flop: float = 0.0
+    sec_per_kv_byte: float = 0.0
+    gemv_max_tokens: int = 0
+    gemv_chunk_rows: int = 8
+    sec_per_gemv_weight_byte: float = 0.0  # per chunk of gemv_chunk_rows rows
+    gemv_narrow_rows: int = 0
+    sec_per_gemv_narrow_weight_byte: float = 0.0  # per chunk of gemv_narrow_rows rows or more
+    sec_per_gemv_flop: float = 0.0
+    sec_per_gemm_weight_byte: float = 0.0  # once per pass above gemv_max_tokens
 
     @classmethod
     def from_hardware(cls, hw: HardwareSpec) -> Coefficients:
@@ -128,9 +163,40 @@ class CostModel:
         return Work(flops=flops / tp, bytes=(weights + kv) / tp, comm_bytes=ring,
                     num_allreduce=2 * m.num_layers if tp > 1 else 0, swap_bytes=swap / tp)
 
+    def _extended_kernels_s(self, s: IterationShape) -> tuple[float, float, float, float]:
+        """The extended form's kernel time (module docstring) in four parts: the per-pass weight
+        reads or conversions, the dense compute side, the dense memory side (the GEMMs' max
+        takes the larger of the two; the GEMVs' memory side is 0: their weight reads are in the
+        first part) and attention. (`work`'s totals split again here, so the roofline form's
+        hot path builds nothing more.)"""
+        m, tp, c = self.model, self.tp, self.coeffs
+        dense = (2 * m.layer_params * s.num_tokens + 2 * m.lm_head_params * s.num_sampled) / tp
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs / tp
+        weights = m.pass_weight_bytes / tp
+        kv = (s.context_tokens_read + s.num_tokens) * m.kv_bytes_per_token / tp
+        if c.attention_apart:
+            compute, memory = dense, weights
+            attention_s = attention * c.sec_per_attention_flop + kv * c.sec_per_kv_byte
+        else:
+            compute, memory, attention_s = dense + attention, weights + kv, 0.0
+        num_tokens = s.num_tokens
+        if num_tokens <= c.gemv_max_tokens:
+            chunks, narrow = gemv_chunks(num_tokens, c.gemv_chunk_rows, c.gemv_narrow_rows)
+            return ((chunks * c.sec_per_gemv_weight_byte
+                     + narrow * c.sec_per_gemv_narrow_weight_byte) * weights,
+                    compute * c.sec_per_gemv_flop, 0.0, attention_s)
+        return (weights * c.sec_per_gemm_weight_byte, compute * c.sec_per_flop,
+                memory * c.sec_per_byte, attention_s)
+
     def breakdown(self, s: IterationShape) -> dict[str, float]:
         w, c = self.work(s), self.coeffs
-        return {"compute_s": w.flops * c.sec_per_flop, "memory_s": w.bytes * c.sec_per_byte,
+        if c.attention_apart or c.gemv_max_tokens:
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(s)
+            kernels = {"weights_s": weights_s, "compute_s": compute_s, "memory_s": memory_s,
+                       "attention_s": attention_s}
+        else:
+            kernels = {"compute_s": w.flops * c.sec_per_flop, "memory_s": w.bytes * c.sec_per_byte}
+        return {**kernels,
                 "comm_s": w.num_allreduce * (c.allreduce_latency_s
                                              + w.comm_bytes * c.sec_per_link_byte),
                 "overhead_s": c.overhead_s + c.overhead_per_seq_s * s.num_seqs,
@@ -138,9 +204,18 @@ class CostModel:
 
     def latency(self, s: IterationShape) -> float:
         # The sum `breakdown` itemizes, in the same order (so the same float), without building
-        # the dict or the Work: this runs once per simulated pass. NOTE: the terms are `work`'s,
-        # written out with the same operations in the same order; a test holds them equal.
+        # the dict or the Work: this runs once per simulated pass. NOTE: the roofline form's
+        # terms are `work`'s, written out with the same operations in the same order; a test
+        # holds them equal.
         m, tp, c = self.model, self.tp, self.coeffs
+        if c.attention_apart or c.gemv_max_tokens:
+            w = self.work(s)
+            weights_s, compute_s, memory_s, attention_s = self._extended_kernels_s(s)
+            return (weights_s + max(compute_s, memory_s) + attention_s
+                    + w.num_allreduce * (c.allreduce_latency_s
+                                         + w.comm_bytes * c.sec_per_link_byte)
+                    + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
+                    + w.swap_bytes * c.sec_per_swap_byte)
         tokens = s.num_decode_tokens + s.num_prefill_tokens
         flops = (2 * m.layer_params * tokens + 2 * m.lm_head_params * s.num_sampled
                  + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs) / tp

@@ -14,6 +14,13 @@ pass (session 6's notes). The attention form prices it apart, outside the max.
     attention_flops  4 * layers * heads * head_dim * attention_pairs
     weight_bytes     the weights read once per pass
     kv_bytes         (context read + tokens written) * KV bytes per token
+
+A third form, `fit_regimes`, is the cost model's extended form (cost_model.py): attention apart
+as above, and the linears' kernel regime by the pass's token count (GEMVs that read the weights
+once per 8 rows, or GEMMs that convert them once per pass). It is linear in its coefficients
+once the GEMV row limit is fixed; the limit is chosen among the kernels' limits on the fitted
+passes, and so is the chunk size from which a GEMV chunk runs narrower. Its result is a
+`Coefficients` the simulator's `CostModel` takes as is.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from everystop.sim.cost_model import IterationShape
+from everystop.sim.cost_model import Coefficients, IterationShape, gemv_chunks
 from everystop.sim.fit import _nnls
 from everystop.sim.specs import ModelSpec
 from everystop.stats import percentile
@@ -146,3 +153,127 @@ def residual_by_attention_share(model: ModelSpec, shapes: list[IterationShape],
                     "attention_share_to": round(share[idx[-1]], 4), "num_passes": len(idx),
                     "median_rel_residual": round(percentile(res, 50), 4)})
     return out
+
+
+# The regime form: the cost model's extended form (cost_model.py's docstring) with attention
+# apart and the linears' kernel picked by the pass's token count, as the CPU engine picks it
+# (layers/linear.py): GEMVs up to a row limit, 8 rows per chunk, each chunk reading every weight
+# once; GEMMs above it, converting every (block-quantized) weight once per pass. Measured on the
+# default model (session 12, 1 torch thread): a decode pass costs ~3 ms more per row, and ~10 ms
+# more at 7 rows than at 6 and at 9 than at 8 (csrc/quant_linear.cpp's kQCols: from 7 rows on
+# AVX-512, 3 on AVX2, a chunk's accumulators leave registers for one output column per step);
+# passes of 33+ tokens pay ~60 ms up front and ~1.3 ms per token.
+GEMV_CHUNK_ROWS = 8  # csrc/quant_linear.cpp's kMaxSmallRows: the GEMV's rows per weight pass
+# Where the GEMVs may stop (layers/linear.py: 8 for fp32 weights, 16 beside bf16 tiles, 32 for
+# block and 16-bit weights; 64 in the ops); 0: one regime, every pass priced as a GEMM's.
+GEMV_LIMITS = (0, 8, 16, 32, 64)
+# Where a chunk turns narrow (kQCols: 7 with AVX-512, 3 with AVX2); 0: no narrow term.
+GEMV_NARROW_ROWS = (0, 3, 7)
+REGIME_TERMS = ("gemv_weight_reads", "gemv_narrow_weight_reads", "gemv_flops",
+                "gemm_weight_bytes", "gemm_flops", "attention_flops", "kv_bytes", "one", "seqs")
+
+
+def regime_features(model: ModelSpec, s: IterationShape, gemv_max_tokens: int,
+                    narrow_rows: int = 0, chunk_rows: int = GEMV_CHUNK_ROWS
+                    ) -> tuple[float, ...]:
+    """The regime form's terms of one pass, in `REGIME_TERMS` order: the form is linear in its
+    coefficients once the GEMV limit and the narrow chunks' rows are fixed."""
+    dense, weights, attention, kv, one, seqs = features(model, s)
+    if s.num_tokens <= gemv_max_tokens:
+        chunks, narrow = gemv_chunks(s.num_tokens, chunk_rows, narrow_rows)
+        return (chunks * weights, narrow * weights, dense, 0.0, 0.0, attention, kv, one, seqs)
+    # With no GEMV regime the GEMMs' weight term is the constant column again: left out.
+    return (0.0, 0.0, 0.0, weights if gemv_max_tokens else 0.0, dense, attention, kv, one, seqs)
+
+
+def fit_regimes(model: ModelSpec, shapes: list[IterationShape], seconds: list[float],
+                gemv_max_tokens: int, narrow_rows: int = 0, chunk_rows: int = GEMV_CHUNK_ROWS
+                ) -> tuple[Coefficients, float]:
+    """Least squares (coefficients >= 0) of relative errors, as `fit_attention`, of the regime
+    form with the GEMVs up to `gemv_max_tokens` tokens; the cost model's coefficients and the
+    fit's sum of squared relative errors."""
+    x = np.array([regime_features(model, s, gemv_max_tokens, narrow_rows, chunk_rows)
+                  for s in shapes])
+    y = np.asarray(seconds, dtype=float)
+    w = 1.0 / y
+    coef = _nnls(x * w[:, None], y * w)
+    sse = float((((x @ coef - y) * w) ** 2).sum())
+    g_w, g_n, g_f, h_w, h_f, e, f, c0, c1 = map(float, coef)
+    coeffs = Coefficients(sec_per_flop=h_f, sec_per_byte=0.0, overhead_s=c0,
+                          overhead_per_seq_s=c1, attention_apart=True,
+                          sec_per_attention_flop=e, sec_per_kv_byte=f,
+                          gemv_max_tokens=gemv_max_tokens, gemv_chunk_rows=chunk_rows,
+                          sec_per_gemv_weight_byte=g_w, gemv_narrow_rows=narrow_rows,
+                          sec_per_gemv_narrow_weight_byte=g_n, sec_per_gemv_flop=g_f,
+                          sec_per_gemm_weight_byte=h_w)
+    return coeffs, sse
+
+
+def fit_regimes_choosing(model: ModelSpec, shapes: list[IterationShape], seconds: list[float],
+                         limits: tuple[int, ...] = GEMV_LIMITS,
+                         narrow: tuple[int, ...] = GEMV_NARROW_ROWS
+                         ) -> tuple[Coefficients, dict[str, float]]:
+    """`fit_regimes` at each GEMV row limit of `limits` and narrow-chunk rows of `narrow`; the
+    fit with the lowest error on these passes (the passes judged later take no part in the
+    choice), and every pair's error, keyed "limit/narrow rows"."""
+    fits = {(limit, rows): fit_regimes(model, shapes, seconds, limit, rows)
+            for limit in limits for rows in narrow}
+    best = min(fits, key=lambda key: fits[key][1])
+    return fits[best][0], {f"{limit}/{rows}": round(sse, 4)
+                           for (limit, rows), (_, sse) in fits.items()}
+
+
+# Pass kinds for the residual table: the GEMV's chunks of 8 rows, and prefill-carrying passes on
+# either side of the default GEMV limit (32 rows).
+PASS_KINDS = (("decode, 1-8 rows", lambda s: not s.num_prefill_tokens and s.num_tokens <= 8),
+              ("decode, 9-32 rows",
+               lambda s: not s.num_prefill_tokens and 8 < s.num_tokens <= 32),
+              ("decode, 33+ rows", lambda s: not s.num_prefill_tokens and s.num_tokens > 32),
+              ("with prefill, <= 32 tokens",
+               lambda s: s.num_prefill_tokens > 0 and s.num_tokens <= 32),
+              ("with prefill, 33-128 tokens",
+               lambda s: s.num_prefill_tokens > 0 and 32 < s.num_tokens <= 128),
+              ("with prefill, 129+ tokens",
+               lambda s: s.num_prefill_tokens > 0 and s.num_tokens > 128))
+
+
+def residual_by_pass_kind(shapes: list[IterationShape], predicted: list[float],
+                          measured: list[float]) -> list[dict]:
+    """Per kind of pass (`PASS_KINDS`, the empty ones left out): how many, the median signed
+    (measured - predicted) / predicted and the median |error| / measured."""
+    out = []
+    for name, is_kind in PASS_KINDS:
+        idx = [i for i, s in enumerate(shapes) if is_kind(s)]
+        if not idx:
+            continue
+        res = [(measured[i] - predicted[i]) / predicted[i] for i in idx]
+        err = [abs(predicted[i] - measured[i]) / measured[i] for i in idx]
+        out.append({"kind": name, "num_passes": len(idx),
+                    "median_rel_residual": round(percentile(res, 50), 4),
+                    "median_abs_rel_error": round(percentile(err, 50), 4)})
+    return out
+
+
+def repeatability(shapes: list[IterationShape], seconds: list[float], min_group: int = 10,
+                  context_bucket: int = 128) -> dict:
+    """How far the same work's time strayed within the run, with no model: pure decode passes
+    grouped by rows and context per row (within `context_bucket` tokens), groups of at least
+    `min_group` passes; each pass's |time / its group's median - 1|, median and p90 over them.
+    On a shared machine this, not the model's form, bounds the per-pass error from below."""
+    groups: dict[tuple[int, int], list[float]] = {}
+    for s, t in zip(shapes, seconds):
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0:
+            key = (s.num_decode_tokens,
+                   s.context_tokens_read // s.num_decode_tokens // context_bucket)
+            groups.setdefault(key, []).append(t)
+    dev = []
+    for times in groups.values():
+        if len(times) >= min_group:
+            mid = percentile(times, 50)
+            dev += [abs(t / mid - 1.0) for t in times]
+    if not dev:
+        return {"num_passes": 0, "num_groups": 0}
+    return {"num_passes": len(dev),
+            "num_groups": sum(len(v) >= min_group for v in groups.values()),
+            "median_abs_rel_deviation": round(percentile(dev, 50), 4),
+            "p90_abs_rel_deviation": round(percentile(dev, 90), 4)}

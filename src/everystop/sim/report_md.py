@@ -3,7 +3,7 @@ numbers (everystop.sim.design_report)."""
 
 from __future__ import annotations
 
-from everystop.sim.pass_report_md import pass_calibration_lines
+from everystop.sim.pass_report_md import pass_calibration_lines, pass_calibration_summary
 
 # The design's published table (seed design, section on batching), beside the simulated rows.
 DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
@@ -485,7 +485,19 @@ def _calibration_section(d: dict) -> list[str]:
     lines += ["### 4.1 The real engine on this CPU", ""]
     lines += _real_calibration(d.get("calibration_real"))
     lines += _repeatability(d.get("calibration_real"), d.get("calibration_real_repeats") or [])
-    lines += ["", "### 4.2 Pass by pass on a live run (calibration (a))", ""]
+    lines += ["", "### 4.2 Pass by pass on a live run (calibration (a))", "",
+              "Each pass's predicted time against its measured time, on passes of the same live "
+              "run that the fit did not see. Three forms: the simulator's roofline form; the same "
+              "with attention priced apart (on a CPU the attention kernel neither overlaps the "
+              "GEMMs nor runs at their rate); and the regime form, the cost model's extended "
+              "form (`sim/cost_model.py`): attention apart, and the linears priced by the kernel "
+              "the engine picks for the pass's token count, GEMVs up to a row limit that read "
+              "every weight once per chunk of 8 rows (once more for a chunk of 7-8 rows on "
+              "AVX-512, whose accumulators leave registers for one output column at a time) or "
+              "GEMMs that convert every weight once per pass. The regime form's fit is a "
+              "`Coefficients` that `CostModel` takes as is, and it is judged through `CostModel` "
+              "itself.", ""]
+    lines += pass_calibration_summary(d.get("pass_calibration") or []) + [""]
     for run in d.get("pass_calibration") or [None]:
         lines += pass_calibration_lines(run) + [""]
     lines += ["", "### 4.3 Synthetic self-test (a pipeline check, not a measurement)", ""]
