@@ -92,3 +92,23 @@ def test_the_simulated_shared_prefix_run_splits_its_misses_and_counts_reasons() 
     assert pa["prefix_misses_first"] == 3  # each system prompt's first request
     assert pa["prefix_misses_later"] == 0  # a pool of 200 blocks keeps all three
     assert pa["decisions_new_prefix"] == 3 and pa["decisions_affinity"] == 17
+
+
+def test_server_flags_pass_through_to_every_cluster_and_serve_accepts_them() -> None:
+    import argparse
+
+    from everystop.bench.routing import add_arguments, server_flags
+    from everystop.cli import build_parser
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    plain = ap.parse_args([])
+    assert "--dtype" not in server_flags("skewed", plain)
+    args = ap.parse_args(["--dtype", "bfloat16", "--server-flag=--num-gpu-blocks=120",
+                          "--server-flag=--kv-cache-dtype=float32"])
+    for workload in ("skewed", "shared-prefix"):
+        flags = server_flags(workload, args)
+        serve = build_parser(["serve"]).parse_args(["serve", *flags])
+        assert serve.dtype == "bfloat16" and serve.kv_cache_dtype == "float32"
+        # Given flags come after the workload's own, so they override its limits.
+        assert serve.num_gpu_blocks_override == 120

@@ -7,7 +7,14 @@ import pytest
 from everystop.core.block_pool import hash_block_tokens
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.request import Request
-from everystop.routing import POLICIES, ReplicaLoad, RouteRequest, make_router, prefix_block_hashes
+from everystop.routing import (
+    POLICIES,
+    ReplicaLoad,
+    RouteRequest,
+    make_router,
+    prefix_block_hashes,
+    route_request,
+)
 from everystop.sampling_params import SamplingParams
 
 
@@ -222,3 +229,40 @@ def test_prefix_hashes_are_the_prefix_cache_hashes() -> None:
     kv = KVCacheManager(num_gpu_blocks=8, block_size=16)
     req = Request("r", list(tokens), SamplingParams(max_tokens=1))
     assert tuple(kv._block_hashes(req, 2)) == hashes
+
+
+def test_affinity_does_not_charge_blocks_a_request_on_that_replica_already_holds() -> None:
+    """A system prompt's replica, running another request with that prompt, gets the next one
+    for its few new blocks: the shared 24 are in use there already, not 24 more."""
+    router = make_router("prefix-affinity")
+    system = list(range(384))
+    first = route_request(system + [1, 2, 3], 16)  # 25 blocks, 24 of them the system prompt
+    router.on_sent("a", first)
+    # Both reports show their work; "a" holds the first request's 25 blocks (tier 0 at 120 of
+    # 160 used). Charging the whole prompt again would put "a" at 145 > 0.9 x 160.
+    loads = [load("a", running=1, free=40, total=160, seq=1),
+             load("b", running=1, free=90, total=160, seq=1)]
+    second = route_request(system + [4, 5, 6], 16)
+    assert router.rank(second, loads)[0] == "a"
+    assert router.last_reason == "affinity"
+    # Once the first has finished, a report with the same numbers (other work holds the
+    # blocks) no longer vouches for the prompt's: charged again, "a" past the mark yields.
+    router.on_finished("a", first)
+    later = [load("a", running=1, free=40, total=160, seq=2),
+             load("b", running=1, free=90, total=160, seq=2)]
+    assert router.rank(second, later)[0] == "b"
+    assert router.last_reason == "kv_tier"
+
+
+def test_unseen_requests_sharing_a_prompt_are_charged_its_blocks_once() -> None:
+    router = make_router("prefix-affinity")
+    system = list(range(384))
+    for user in range(3):  # three sends no report shows yet: 24 shared + 1 own block each
+        router.on_sent("a", route_request(system + [user], 16))
+    router.rank(route_request(list(range(1000, 1040)), 16), [load("a", total=160, free=160)])
+    assert router._correct(load("a", total=160, free=160)).free_blocks == 160 - (24 + 3)
+    # Without the prompt's hashes (least-loaded does not need them) each is charged in full.
+    plain = make_router("least-loaded")
+    for user in range(3):
+        plain.on_sent("a", route_request(system + [user], 16, with_hashes=False))
+    assert plain._correct(load("a", total=160, free=160)).free_blocks == 160 - 3 * 25

@@ -11,6 +11,10 @@ Two workloads (prompts are token ids cut from a fixed English corpus, sent as-is
                  is still cached; least-loaded vs prefix-affinity: prefix-cache hit rate.
 
     everystop bench routing --out benchmarks/results/routing_policies.json
+    everystop bench routing --dtype bfloat16 --server-flag=--cpu-kernels=auto ...
+
+`--dtype` and `--server-flag` go to every cluster's `everystop serve`, after the workload's own
+limits (so they win where they repeat one), and into the JSON's `server_flags`.
 
 Targets (issue #20): skewed: least-loaded p99 TTFT <= 0.7x round-robin's and <= power-of-two's,
 output tok/s not lower; shared-prefix: prefix-affinity's hit rate >= 1.5x least-loaded's at
@@ -313,11 +317,35 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="skewed arrival rate (req/s) instead of measuring capacity first")
     ap.add_argument("--prefix-rate", type=float, default=None,
                     help="shared-prefix arrival rate (req/s) instead of measuring capacity")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="the replicas' --dtype (default: serve's)")
+    ap.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
+                    help="one more `everystop serve` argument for every cluster, repeatable; "
+                         "write flags with their value as --server-flag=--name=value. Recorded "
+                         "in the JSON's server_flags")
     ap.add_argument("--logs", default="/tmp/everystop-routing-bench")
     ap.add_argument("--resume", action="store_true",
                     help="continue the --out file of a run cut short: skip the policies it "
                          "has, at its arrival rate (one file, several CPU-lock slots)")
     add_sim_arguments(ap)
+
+
+# Each workload's replica limits (the simulator's `_simulate` mirrors them).
+WORKLOAD_FLAGS = {
+    "skewed": ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "512"],
+    # 160 blocks x 16 = 2,560 tokens of KV per replica: fewer than the 8 system prompts' 3,072
+    # tokens (plus the running work), so a replica seeing every prefix keeps evicting some.
+    "shared-prefix": ["--max-model-len", "1024", "--num-gpu-blocks", "160", "--max-num-seqs", "8",
+                      "--max-num-batched-tokens", "512"],
+}
+
+
+def server_flags(workload: str, args: argparse.Namespace) -> list[str]:
+    """`everystop serve` flags for one workload: its replica limits, then the caller's
+    (`--dtype`, `--server-flag`), which come last so that they win where they repeat one."""
+    extra = ["--dtype", args.dtype] if args.dtype else []
+    return [*WORKLOAD_FLAGS[workload], *extra, *args.server_flag]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -356,18 +384,13 @@ def run(args: argparse.Namespace) -> int:
         return save
 
     if "skewed" in wanted:
-        flags = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-seqs", "16",
-                 "--max-num-batched-tokens", "512"]
         result["skewed"] = run_workload(
             "skewed", *skewed(tokens, args.requests, args.long, seed=1),
             calib=skewed(tokens, args.requests, args.long, seed=2), policies=policies,
-            flags=flags, load=args.load, rate=args.rate, logs=logs, save=saver("skewed"),
-            done=result.get("skewed"))
+            flags=server_flags("skewed", args), load=args.load, rate=args.rate, logs=logs,
+            save=saver("skewed"), done=result.get("skewed"))
     if "shared-prefix" in wanted:
-        # 160 blocks x 16 = 2,560 tokens of KV per replica: about half the system prompts (plus
-        # the running work) fit, so a replica seeing every prefix keeps evicting them.
-        flags = ["--max-model-len", "1024", "--num-gpu-blocks", "160", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "512"]
+        flags = server_flags("shared-prefix", args)
         wl = shared_prefix(tokens, args.prefix_requests, args.groups, args.prefix_len, seed=1)
         result["shared_prefix"] = run_workload(
             "shared", *wl,
