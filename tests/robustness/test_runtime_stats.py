@@ -95,3 +95,17 @@ def test_heap_trim_hands_freed_heap_pages_back() -> None:
     assert names["everystop:heap_trim_calls"] == 2
     assert names["everystop:heap_trim_released_bytes"] == trimmer.released_bytes >= released
     assert names["everystop:heap_trim_seconds"] > 0
+
+
+def test_start_heap_trimming_trims_once_at_start_up(monkeypatch) -> None:
+    from everystop.server import heap_trim
+
+    trimmer = HeapTrimmer(0.0)
+    monkeypatch.setattr(heap_trim, "HEAP_TRIMMER", trimmer)
+    heap_trim.start_heap_trimming(0.0)  # 0: never, not even at start-up
+    assert trimmer.calls == 0
+    heap_trim.start_heap_trimming(3600.0)
+    try:
+        assert trimmer.calls == 1  # before serving, not an interval into it
+    finally:
+        trimmer.stop()

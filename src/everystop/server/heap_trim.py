@@ -123,6 +123,13 @@ HEAP_TRIMMER = HeapTrimmer(0.0)
 
 
 def start_heap_trimming(interval_s: float) -> None:
-    """Trim every `interval_s` seconds from now on (0: never)."""
+    """Trim once now, then every `interval_s` seconds (0: never).
+
+    The first trim returns what start-up freed (the weights' staging buffers, the cost probes'
+    and warm-up passes' activations) before the first request, rather than `interval_s` into
+    serving (the 1B-shape Q8_0 engine built offline: 1,610 -> 1,567 MiB RSS, session 12)."""
     HEAP_TRIMMER.interval_s = interval_s
+    if interval_s > 0:
+        released = HEAP_TRIMMER.trim_once()
+        logger.info("start-up heap trim: %.1f MiB returned to the kernel", released / 2**20)
     HEAP_TRIMMER.start()
