@@ -12,8 +12,7 @@ For each file, both servers are started (one slot / one sequence, a small contex
     everystop bench quant-vs-llamacpp --llama-server /path/to/llama-server \\
         --gguf /tmp/llama1b-q4_0.gguf --gguf /tmp/llama1b-q8_0.gguf --out results.json
 
-llama.cpp is not built here: pass its binary (built outside this tree). The servers are
-launched here (bench/servers.py has no shared llama.cpp launcher yet).
+llama.cpp is not built here: pass its binary (built outside this tree).
 """
 
 from __future__ import annotations
@@ -22,24 +21,16 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import ExitStack
 from typing import Any
 
 from everystop.bench.client import sse_lines
 from everystop.bench.roofline import read_bandwidth_gb_s
-from everystop.bench.servers import process_memory, wait_healthy
+from everystop.bench.servers import everystop_server, llama_server, process_memory
 from everystop.results import cpu_info, write_result
 from everystop.stats import percentile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gguf_facts(path: str) -> dict[str, Any]:
@@ -86,97 +77,73 @@ def stream_one(port: int, prompt: list[int], n: int, llama: bool) -> list[float]
     return times
 
 
-@dataclass
-class _Server:
-    engine: str
-    proc: subprocess.Popen
-    port: int
-    cmd: list[str]
-    kv_bytes: int
-    load_s: float = 0.0
-
-    @property
-    def llama(self) -> bool:
-        return self.engine == "llama.cpp"
-
-
-def start_server(engine: str, args: argparse.Namespace, path: str,
-                 facts: dict[str, Any]) -> _Server:
-    port = free_port()
-    ctx = args.prompt_len + args.new_tokens + 64
-    if engine == "llama.cpp":
-        cmd = [args.llama_server, "-m", path, "--host", "127.0.0.1", "--port", str(port),
-               "-np", "1", "-c", str(ctx), "-t", str(args.threads), "--no-webui"]
-        kv_bytes = facts["kv_bytes_per_token_fp16"] * ctx  # its default f16 cache
-    else:
-        kv_bytes = facts["kv_bytes_per_token_fp16"] * 16 * (-(-ctx // 16))
-        cmd = [sys.executable, "-m", "everystop", "serve", "--model", path, "--host",
-               "127.0.0.1", "--port", str(port), "--max-num-seqs", "1", "--max-model-len",
-               str(ctx), "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", "float16",
-               "--served-model-name", "default", "--log-level", "warning",
-               "--quantization", args.quantization, "--threads", str(args.threads),
-               "--cpu-kernels", args.cpu_kernels,
-               *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    server = _Server(engine, proc, port, cmd, kv_bytes)
-    t0 = time.perf_counter()
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", f"{engine} did not start on {path}",
-                     timeout_s=600)
-    except BaseException:
-        stop_server(server)
-        raise
-    server.load_s = time.perf_counter() - t0
-    return server
-
-
-def stop_server(server: _Server) -> None:
-    server.proc.terminate()
-    server.proc.wait(timeout=60)
-
-
 def measure_pair(args: argparse.Namespace, path: str, facts: dict[str, Any],
                  prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
-    """Both servers up at once, the requests alternating between them (A B, B A, ...), so
-    both see the same minutes of this shared machine; an idle server costs the other nothing
-    (llama.cpp waits on its socket, everystop's engine thread on an event)."""
-    servers: list[_Server] = []
-    try:
-        for engine in ("llama.cpp", "everystop"):  # one at a time: load times are their own
-            servers.append(start_server(engine, args, path, facts))
+    """Both servers up at once (bench/servers.py's launchers), the requests alternating between
+    them (A B, B A, ...), so both see the same minutes of this shared machine; an idle server
+    costs the other nothing (llama.cpp waits on its socket, everystop's engine thread on an
+    event)."""
+    ctx = args.prompt_len + args.new_tokens + 64
+    llama_flags = ["-np", "1", "-c", str(ctx), "-t", str(args.threads)]
+    llama_kv = facts["kv_bytes_per_token_fp16"] * ctx  # its default f16 cache
+    ours_kv = facts["kv_bytes_per_token_fp16"] * 16 * (-(-ctx // 16))
+    # Absolute: everystop_server starts the server from the source tree's parent directory.
+    ours_flags = ["--model", os.path.abspath(path), "--max-num-seqs", "1",
+                  "--max-model-len", str(ctx),
+                  "--kv-cache-memory", str(ours_kv), "--kv-cache-dtype", "float16",
+                  "--served-model-name", "default", "--log-level", "warning",
+                  "--quantization", args.quantization, "--threads", str(args.threads),
+                  "--cpu-kernels", args.cpu_kernels,
+                  *(["--int8-decode-dot"] if args.int8_decode_dot else [])]
+    servers = []  # (engine, llama?, port, process, command, KV bytes, load seconds)
+    with ExitStack() as stack:
+        # One at a time: each load time is its own.
+        t0 = time.perf_counter()
+        llama = stack.enter_context(llama_server(args.llama_server, path, llama_flags,
+                                                 timeout_s=600))
+        servers.append(("llama.cpp", True, _port(llama.url), llama.proc, llama.command,
+                        llama_kv, time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        proc, url = stack.enter_context(everystop_server(
+            ours_flags, failure=f"everystop did not start on {path}"))
+        servers.append(("everystop", False, _port(url), proc,
+                         [sys.executable, "-m", "everystop", "serve", "--host", "127.0.0.1",
+                          "--port", str(_port(url)), *ours_flags],
+                         ours_kv, time.perf_counter() - t0))
         rss = {}
         warm_up = [t + 1 for t in prompts[0]]  # not a measured prompt: no prefix-cache hit
-        for s in servers:
-            stream_one(s.port, warm_up, 4, s.llama)
-            rss[s.engine] = process_memory(s.proc.pid)["rss_bytes"]
-        tpots: dict[str, list[float]] = {s.engine: [] for s in servers}
-        ttfts: dict[str, list[float]] = {s.engine: [] for s in servers}
+        for engine, is_llama, port, proc, *_ in servers:
+            stream_one(port, warm_up, 4, is_llama)
+            rss[engine] = process_memory(proc.pid)["rss_bytes"]
+        tpots: dict[str, list[float]] = {engine: [] for engine, *_ in servers}
+        ttfts: dict[str, list[float]] = {engine: [] for engine, *_ in servers}
         for i, p in enumerate(prompts):
-            for s in (servers if i % 2 == 0 else servers[::-1]):
+            for engine, is_llama, port, *_ in (servers if i % 2 == 0 else servers[::-1]):
                 t0 = time.perf_counter()
-                times = stream_one(s.port, p, args.new_tokens, s.llama)
+                times = stream_one(port, p, args.new_tokens, is_llama)
                 if times:
-                    ttfts[s.engine].append(times[0] - t0)
+                    ttfts[engine].append(times[0] - t0)
                 if len(times) > 1:
-                    tpots[s.engine].append((times[-1] - times[0]) / (len(times) - 1))
+                    tpots[engine].append((times[-1] - times[0]) / (len(times) - 1))
         out = {}
-        for s in servers:
-            p50 = percentile(tpots[s.engine], 50)
-            out[s.engine] = {
-                "engine": s.engine, "command": s.cmd, "load_s": round(s.load_s, 1),
-                "rss_after_load_bytes": rss[s.engine],
-                "rss_after_run_bytes": process_memory(s.proc.pid)["rss_bytes"],
-                "kv_pool_bytes": s.kv_bytes,
-                "rss_minus_kv_per_param": round((rss[s.engine] - s.kv_bytes) / facts["params"], 3),
+        for engine, _, _, proc, command, kv_bytes, load_s in servers:
+            p50 = percentile(tpots[engine], 50)
+            out[engine] = {
+                "engine": engine, "command": command, "load_s": round(load_s, 1),
+                "rss_after_load_bytes": rss[engine],
+                "rss_after_run_bytes": process_memory(proc.pid)["rss_bytes"],
+                "kv_pool_bytes": kv_bytes,
+                "rss_minus_kv_per_param": round((rss[engine] - kv_bytes) / facts["params"], 3),
                 "tpot_p50_ms": round(p50 * 1e3, 2),
-                "tpot_ms": [round(t * 1e3, 1) for t in tpots[s.engine]],
-                "ttft_p50_ms": round(percentile(ttfts[s.engine], 50) * 1e3, 1),
-                "ttft_ms": [round(t * 1e3, 1) for t in ttfts[s.engine]],
+                "tpot_ms": [round(t * 1e3, 1) for t in tpots[engine]],
+                "ttft_p50_ms": round(percentile(ttfts[engine], 50) * 1e3, 1),
+                "ttft_ms": [round(t * 1e3, 1) for t in ttfts[engine]],
                 "weight_read_gb_s": round(facts["tensor_bytes"] / p50 / 1e9, 2)}
         return out
-    finally:
-        for s in servers:
-            stop_server(s)
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
