@@ -182,6 +182,53 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
 constexpr int64_t kGroupTile = 16;
 constexpr int kTileVecs = static_cast<int>(kGroupTile / kW);
 
+// A bf16 K/V slot read as pairs: 2*kW values load as kW 32-bit words; the even-indexed values
+// are the words' low halves (a shift makes them fp32) and the odd-indexed ones their high halves
+// (a mask). That widens with two cheap bitwise ops instead of a zero-extending shuffle per kW
+// values, which shares its port with the FMAs. The rows' q and accumulators are kept in the
+// same split order (even lanes, then odd lanes, per 2*kW values) and interleaved once at the end.
+#if defined(__AVX2__)
+constexpr bool kSplitBf16 = true;
+#else
+constexpr bool kSplitBf16 = false;
+#endif
+
+inline void load_bf16_split(const c10::BFloat16* src, vf& even, vf& odd) {
+  vu words;
+  std::memcpy(&words, src, sizeof(words));
+  even = bits_to_vf(words << 16);
+  odd = bits_to_vf(words & 0xffff0000u);
+}
+
+// 2*kW floats <-> the split order above.
+inline void split_even_odd(const float* src, vf& even, vf& odd) {
+  for (int64_t i = 0; i < kW; ++i) {
+    even[i] = src[2 * i];
+    odd[i] = src[2 * i + 1];
+  }
+}
+inline void merge_even_odd(vf even, vf odd, float* dst) {
+  for (int64_t i = 0; i < kW; ++i) {
+    dst[2 * i] = even[i];
+    dst[2 * i + 1] = odd[i];
+  }
+}
+
+// Asks for the next n elements (whole cache lines) of the next block's K and V.
+template <typename cache_t>
+inline void prefetch_some(const cache_t*& pk, const cache_t*& pv, int64_t& left, int64_t n,
+                          int64_t line_elems) {
+  if (left <= 0) return;
+  n = std::min(n, left);
+  for (int64_t e = 0; e < n; e += line_elems) {
+    __builtin_prefetch(pk + e);
+    __builtin_prefetch(pv + e);
+  }
+  pk += n;
+  pv += n;
+  left -= n;
+}
+
 // The heads of one kv group (G of them, adjacent in a token's rows) read the same K/V slots:
 // each K/V vector is loaded (and widened, for a 16-bit cache) once and multiplied into all G
 // rows, straight from the cache, instead of once per row.
@@ -195,6 +242,11 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
   // V is accumulated JC vectors of the head at a time so that G x JC accumulators stay in
   // registers (16 on AVX2, 32 on AVX-512).
   constexpr int JC = kNV % 4 == 0 ? 4 : (kNV % 2 == 0 ? 2 : 1);
+  // bf16 K/V in the split order (load_bf16_split), where the head is a whole number of pairs.
+  // Only on x86 builds with AVX2 or better: the generic build's vectors are emulated, and
+  // there the split order measured slower than widening.
+  constexpr bool kSplit = kSplitBf16 && std::is_same<cache_t, c10::BFloat16>::value &&
+                          kNV % 2 == 0 && JC % 2 == 0;
   static_assert(G <= kW, "a group's corrections share one vector");
   const int64_t rows = w.q_count * num_heads;
   const int64_t T = block_size;
@@ -208,9 +260,14 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
     const int64_t h = r % num_heads;
     const float* src = q + (tok * num_heads + h) * D;
     for (int64_t j = 0; j < kNV; ++j) {
-      qbuf[r * kNV + j] = loadv(src + j * kW) * scale;
+      if constexpr (kSplit) {
+        if (j % 2 == 0) split_even_odd(src + j * kW, qbuf[r * kNV + j], qbuf[r * kNV + j + 1]);
+      } else {
+        qbuf[r * kNV + j] = loadv(src + j * kW);
+      }
       acc[r * kNV + j] = vf{};
     }
+    for (int64_t j = 0; j < kNV; ++j) qbuf[r * kNV + j] *= scale;
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
@@ -218,9 +275,10 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
   const int64_t n_blocks = (ctx + T - 1) / T;
   vi lane;
   for (int64_t i = 0; i < kW; ++i) lane[i] = static_cast<int32_t>(i);
-  // The next block's K/V lines are requested a slice at a time between the (tile, token,
-  // group) steps of this one: asked for all at once, they overflow the core's miss buffers
-  // and the loads behind them wait (measured: blocks 2 or 3 ahead were slower).
+  // The next block's K/V lines are requested a few at a time, spread over the keys of this
+  // one: asked for all at once, they overflow the core's miss buffers and the loads behind
+  // them wait (a slice per group step of 16 keys was 10-15% slower than a slice per key;
+  // blocks 2 or 3 ahead were slower too).
   const int64_t line_elems = 64 / static_cast<int64_t>(sizeof(cache_t));
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t pos0 = b * T;
@@ -234,7 +292,8 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
       pk = k_cache + block_table[b + 1] * T * slot_elems;
       pv = v_cache + block_table[b + 1] * T * slot_elems;
       pf_left = std::min(T, ctx - pos0 - T) * slot_elems;
-      const int64_t steps = ((n_tok + kGroupTile - 1) / kGroupTile) * w.q_count * num_kv_heads;
+      const int64_t steps = ((n_tok + kGroupTile - 1) / kGroupTile) * w.q_count * num_kv_heads *
+                            kGroupTile;
       pf_step = ((pf_left + steps - 1) / steps + line_elems - 1) / line_elems * line_elems;
     }
     for (int64_t t0 = 0; t0 < n_tok; t0 += kGroupTile) {
@@ -242,17 +301,10 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
       for (int64_t i = 0; i < w.q_count; ++i) {
         const int64_t visible = std::min(tile, first_pos + w.q_begin + i - pos0 - t0 + 1);
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          if (pf_left > 0) {
-            const int64_t n = std::min(pf_step, pf_left);
-            for (int64_t e = 0; e < n; e += line_elems) {
-              __builtin_prefetch(pk + e);
-              __builtin_prefetch(pv + e);
-            }
-            pk += n;
-            pv += n;
-            pf_left -= n;
+          if (visible <= 0) {
+            prefetch_some(pk, pv, pf_left, pf_step * kGroupTile, line_elems);
+            continue;
           }
-          if (visible <= 0) continue;
           const int64_t r0 = i * num_heads + g * G;
           const vf* qr = qbuf + r0 * kNV;
           const cache_t* kr = kb + t0 * slot_elems + g * D;
@@ -262,17 +314,29 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
             vf dots[G][ES_W];
             for (int64_t t = 0; t < kW; ++t) {
               const int64_t key = tv * kW + t;
+              prefetch_some(pk, pv, pf_left, pf_step, line_elems);
               if (key >= visible) {
                 for (int gg = 0; gg < G; ++gg) dots[gg][t] = vf{};
                 continue;
               }
               const cache_t* kt = kr + key * slot_elems;
               vf a[G];
-              const vf k0 = loadv(kt);
-              for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * k0;
-              for (int64_t j = 1; j < kNV; ++j) {
-                const vf kj = loadv(kt + j * kW);
-                for (int gg = 0; gg < G; ++gg) a[gg] += qr[gg * kNV + j] * kj;
+              if constexpr (kSplit) {
+                vf ke, ko;
+                load_bf16_split(kt, ke, ko);
+                for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * ke + qr[gg * kNV + 1] * ko;
+                for (int64_t j = 2; j < kNV; j += 2) {
+                  load_bf16_split(kt + j * kW, ke, ko);
+                  for (int gg = 0; gg < G; ++gg)
+                    a[gg] += qr[gg * kNV + j] * ke + qr[gg * kNV + j + 1] * ko;
+                }
+              } else {
+                const vf k0 = loadv(kt);
+                for (int gg = 0; gg < G; ++gg) a[gg] = qr[gg * kNV] * k0;
+                for (int64_t j = 1; j < kNV; ++j) {
+                  const vf kj = loadv(kt + j * kW);
+                  for (int gg = 0; gg < G; ++gg) a[gg] += qr[gg * kNV + j] * kj;
+                }
               }
               for (int gg = 0; gg < G; ++gg) dots[gg][t] = a[gg];
             }
@@ -311,9 +375,20 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
               for (int j = 0; j < JC; ++j) ar[gg][j] = acc[(r0 + gg) * kNV + jc + j] * corr[gg];
             for (int64_t t = 0; t < visible; ++t) {
               const cache_t* vt = vr + t * slot_elems + jc * kW;
-              for (int j = 0; j < JC; ++j) {
-                const vf v = loadv(vt + j * kW);
-                for (int gg = 0; gg < G; ++gg) ar[gg][j] += ev[gg][t] * v;
+              if constexpr (kSplit) {
+                for (int j = 0; j < JC; j += 2) {
+                  vf ve, vo;
+                  load_bf16_split(vt + j * kW, ve, vo);
+                  for (int gg = 0; gg < G; ++gg) {
+                    ar[gg][j] += ev[gg][t] * ve;
+                    ar[gg][j + 1] += ev[gg][t] * vo;
+                  }
+                }
+              } else {
+                for (int j = 0; j < JC; ++j) {
+                  const vf v = loadv(vt + j * kW);
+                  for (int gg = 0; gg < G; ++gg) ar[gg][j] += ev[gg][t] * v;
+                }
               }
             }
             for (int gg = 0; gg < G; ++gg)
@@ -330,7 +405,11 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t j = 0; j < kNV; ++j) {
       const vf o = acc[r * kNV + j] * inv;
-      std::memcpy(dst + j * kW, &o, sizeof(o));
+      if constexpr (kSplit) {
+        if (j % 2 == 1) merge_even_odd(acc[r * kNV + j - 1] * inv, o, dst + (j - 1) * kW);
+      } else {
+        std::memcpy(dst + j * kW, &o, sizeof(o));
+      }
     }
   }
 }
