@@ -130,6 +130,21 @@ def test_linear_small_matches_fp32_matmul(dtype, rows, kernels):
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("k", [100, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_linear_small_bf16_weights_beside_fp32_rows(k, rows, kernels):
+    """`--quantization bf16` under `--dtype float32`: the weights widen exactly (on x86 builds
+    one row reads them as even/odd pairs against a reordered copy of x), so the product matches
+    fp32 to accumulation-order error, with or without a k remainder after the 32-wide steps."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(70, k, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    out = kernels.linear_small(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_agrees_with_f_linear_on_every_route(dtype, kernels):
     """Small inputs take the GEMV, larger ones the packed fp32 GEMM (whose stand-in "original

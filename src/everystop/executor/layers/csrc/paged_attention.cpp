@@ -182,38 +182,6 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
 constexpr int64_t kGroupTile = 16;
 constexpr int kTileVecs = static_cast<int>(kGroupTile / kW);
 
-// A bf16 K/V slot read as pairs: 2*kW values load as kW 32-bit words; the even-indexed values
-// are the words' low halves (a shift makes them fp32) and the odd-indexed ones their high halves
-// (a mask). That widens with two cheap bitwise ops instead of a zero-extending shuffle per kW
-// values, which shares its port with the FMAs. The rows' q and accumulators are kept in the
-// same split order (even lanes, then odd lanes, per 2*kW values) and interleaved once at the end.
-#if defined(__AVX2__)
-constexpr bool kSplitBf16 = true;
-#else
-constexpr bool kSplitBf16 = false;
-#endif
-
-inline void load_bf16_split(const c10::BFloat16* src, vf& even, vf& odd) {
-  vu words;
-  std::memcpy(&words, src, sizeof(words));
-  even = bits_to_vf(words << 16);
-  odd = bits_to_vf(words & 0xffff0000u);
-}
-
-// 2*kW floats <-> the split order above.
-inline void split_even_odd(const float* src, vf& even, vf& odd) {
-  for (int64_t i = 0; i < kW; ++i) {
-    even[i] = src[2 * i];
-    odd[i] = src[2 * i + 1];
-  }
-}
-inline void merge_even_odd(vf even, vf odd, float* dst) {
-  for (int64_t i = 0; i < kW; ++i) {
-    dst[2 * i] = even[i];
-    dst[2 * i + 1] = odd[i];
-  }
-}
-
 // Asks for the next n elements (whole cache lines) of the next block's K and V.
 template <typename cache_t>
 inline void prefetch_some(const cache_t*& pk, const cache_t*& pv, int64_t& left, int64_t n,
@@ -242,9 +210,8 @@ void run_item_grouped(const WorkItem& w, const float* q, float* out, const cache
   // V is accumulated JC vectors of the head at a time so that G x JC accumulators stay in
   // registers (16 on AVX2, 32 on AVX-512).
   constexpr int JC = kNV % 4 == 0 ? 4 : (kNV % 2 == 0 ? 2 : 1);
-  // bf16 K/V in the split order (load_bf16_split), where the head is a whole number of pairs.
-  // Only on x86 builds with AVX2 or better: the generic build's vectors are emulated, and
-  // there the split order measured slower than widening.
+  // bf16 K/V in the split order (simd.h's load_bf16_split), where the head is a whole number
+  // of pairs; the rows' q and accumulators are kept in that order and interleaved at the end.
   constexpr bool kSplit = kSplitBf16 && std::is_same<cache_t, c10::BFloat16>::value &&
                           kNV % 2 == 0 && JC % 2 == 0;
   static_assert(G <= kW, "a group's corrections share one vector");
