@@ -18,6 +18,18 @@ def test_fleet_speed_runs_as_a_bench_subcommand(tmp_path):
     # the scheduler's own passes are a part of the run's CPU, not all of it
     assert 0 < r["scheduler_pass_cpu_ms_per_request"] < r["cpu_ms_per_request"]
     assert r["other_cpu_ms_per_request"] > 0
+    # timed by tenths of the arrivals: ten CPU rates, which cover the run's CPU but the
+    # building of the replicas before the first arrival, and the fleet's fill-up over them
+    tenths = r["cpu_ms_per_request_by_tenth"]
+    assert len(tenths) == 10 and all(t > 0 for t in tenths)
+    assert sum(tenths) / 10 <= r["cpu_ms_per_request"] * 1.01
+    assert r["steady_cpu_ms_per_request"] > 0
+    rows = r["running_rows_per_scheduler_pass_by_tenth"]
+    assert len(rows) == 10 and all(n is None or n >= 0 for n in rows)
+    assert rows[0] < max(n for n in rows if n is not None)  # the fleet starts empty
+    assert r["extrapolated_cpu_s_for_target"] == round(
+        r["steady_cpu_ms_per_request"] / 1e3 * r["target_requests"], 1)
+    assert r["baseline"]["steady_cpu_ms_per_request"] > 0
     # the baseline here is this very tree, run in a fresh process: it must simulate the same
     assert r["baseline"]["same_summary"] is True and r["baseline"]["cpu_s"] > 0
     assert abs(sum(r["profile_time_share"].values()) - 1.0) < 0.01

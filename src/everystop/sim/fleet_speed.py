@@ -11,6 +11,14 @@ The machine is shared: CPU seconds (process time) are the figure to trust, wall 
 beside it, and the load average before and after. The timed run also splits its CPU between
 the passes the scheduler runs itself and everything else (stretches, routing, the event loop),
 without a profiler: process time around each replica's `start_pass` and `end_pass`.
+
+The cost per request is not flat over a run: the fleet starts empty and its replicas' running
+batches fill up over the first ~20 simulated seconds (mean rows per scheduler pass ~35 in the
+first 10 s, ~88 from 20 s on, at 64 replicas and 0.9 load), and every pass the scheduler runs
+itself walks all of them; then, once the KV pools have turned over, every block taken evicts a
+cached prefix. So the run is timed per tenth of its arrivals (`by_tenth`), and the 1M-request
+extrapolation uses the rate over tenths 6-9 (`steady_cpu_ms_per_request`), not the whole run's
+mean, which a short run's warm-up pulls down.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import pstats
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,7 +39,7 @@ from everystop.results import write_result
 from everystop.routing import make_router
 from everystop.sim.fleet import Replica, simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
-from everystop.sim.fleet_workload import fleet_traffic
+from everystop.sim.fleet_workload import FleetRequest, fleet_traffic
 from everystop.sim.node import build_node
 from everystop.sim.plan import DESIGN_TRAFFIC
 
@@ -47,13 +55,21 @@ from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
-replicas, router, spec = json.loads(sys.argv[1])
+replicas, router, spec, n = json.loads(sys.argv[1])
 node = build_node("llama-3-70b", "h100-sxm", 4)
+marks = []
+def timed(requests):  # process time at every tenth of the arrivals (as tenth_marks does)
+    for i, r in enumerate(requests):
+        if i * 10 % n < 10:
+            marks.append(time.process_time())
+        yield r
 cpu0, wall0 = time.process_time(), time.perf_counter()
-result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
+result = simulate_fleet(timed(fleet_traffic(spec)), node.setup, node.cost.latency, replicas,
                         make_router(router), stats_interval_s=1.0)
 cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-print(json.dumps({"summary": summarize_fleet(result, 12.0), "cpu_s": cpu, "wall_s": wall}))
+marks.append(time.process_time())
+print(json.dumps({"summary": summarize_fleet(result, 12.0), "cpu_s": cpu, "wall_s": wall,
+                  "marks": marks}))
 """
 
 
@@ -65,21 +81,33 @@ def traffic_spec(requests: int, replicas: int, load: float) -> str:
 def baseline_run(src: str, requests: int, replicas: int, load: float, router: str) -> dict:
     """timed_run on the sources under `src` (e.g. an export of the commit before a speed-up)."""
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
-    arg = json.dumps([replicas, router, traffic_spec(requests, replicas, load)])
+    arg = json.dumps([replicas, router, traffic_spec(requests, replicas, load), requests])
     out = subprocess.run([sys.executable, "-c", _BASELINE_DRIVER, arg], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 @contextmanager
-def scheduler_pass_cpu(spent: list[float]) -> Iterator[None]:
+def scheduler_pass_cpu(spent: list[float], marks: list[float] | None = None,
+                       rows: list[list[int]] | None = None) -> Iterator[None]:
     """Adds to spent[0] the process time of the passes the scheduler runs itself
     (Replica.start_pass: schedule() and the pass's latency; Replica.end_pass:
-    update_from_output()). Two clock reads per such pass, well under 1% of a run."""
+    update_from_output()). Two clock reads per such pass, well under 1% of a run.
+    With `rows`: per tenth of the arrivals (len(marks) - 1, see tenth_marks), how many such
+    passes started and the rows running as each started (before its admissions), summed."""
     originals = {name: getattr(Replica, name) for name in ("start_pass", "end_pass")}
 
     def timed(method: Callable) -> Callable:
+        counting = rows is not None and marks is not None and method.__name__ == "start_pass"
+
         def run(self: Replica) -> object:
+            if counting:
+                assert rows is not None and marks is not None
+                while len(rows) < len(marks):
+                    rows.append([0, 0])
+                if rows:
+                    rows[-1][0] += 1
+                    rows[-1][1] += len(self.sched.running)
             t0 = time.process_time()
             try:
                 return method(self)
@@ -96,24 +124,59 @@ def scheduler_pass_cpu(spent: list[float]) -> Iterator[None]:
             setattr(Replica, name, method)
 
 
-def timed_run(requests: int, replicas: int, load: float,
-              router: str) -> tuple[dict, float, float]:
+def tenth_marks(requests: Iterable[FleetRequest], n: int,
+                marks: list[float]) -> Iterator[FleetRequest]:
+    """The requests, appending the process time to `marks` as the simulator takes the first of
+    each tenth of the n (a multiple of 10; one more mark after the run closes the last tenth
+    and the drain)."""
+    for i, r in enumerate(requests):
+        if i * 10 % n < 10:
+            marks.append(time.process_time())
+        yield r
+
+
+def by_tenth(marks: list[float], n: int) -> dict:
+    """CPU-ms per request in each tenth of the arrivals (the last one includes the drain after
+    the last arrival and the teardown), and the rate over tenths 6-9: the steady state a long
+    run settles in (the drain's finishes are work its requests owe, paid late; a 1M run's
+    warm-up and drain are a sliver of it)."""
+    if len(marks) != 11:
+        return {"cpu_ms_per_request_by_tenth": None, "steady_cpu_ms_per_request": None}
+    tenth = n / 10
+    return {"cpu_ms_per_request_by_tenth": [round((b - a) / tenth * 1e3, 3)
+                                            for a, b in zip(marks, marks[1:])],
+            "steady_cpu_ms_per_request": round((marks[9] - marks[5]) / (4 * tenth) * 1e3, 3)}
+
+
+def timed_run(requests: int, replicas: int, load: float, router: str,
+              marks: list[float] | None = None) -> tuple[dict, float, float]:
     node = build_node("llama-3-70b", "h100-sxm", 4)
     spec = traffic_spec(requests, replicas, load)
+    traffic: Iterable[FleetRequest] = fleet_traffic(spec)
+    if marks is not None:
+        traffic = tenth_marks(traffic, requests, marks)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    result = simulate_fleet(fleet_traffic(spec), node.setup, node.cost.latency, replicas,
+    result = simulate_fleet(traffic, node.setup, node.cost.latency, replicas,
                             make_router(router), stats_interval_s=1.0)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    if marks is not None:
+        marks.append(time.process_time())
     return summarize_fleet(result, 12.0), cpu, wall
 
 
 def timed_split_run(requests: int, replicas: int, load: float,
-                    router: str) -> tuple[dict, float, float, float]:
-    """timed_run, plus the CPU seconds of the scheduler's own passes within it."""
+                    router: str) -> tuple[dict, float, float, float, dict]:
+    """timed_run, plus the CPU seconds of the scheduler's own passes within it, and the run
+    by tenths of its arrivals (CPU per request, and mean running rows per scheduler pass)."""
     spent = [0.0]
-    with scheduler_pass_cpu(spent):
-        summary, cpu, wall = timed_run(requests, replicas, load, router)
-    return summary, cpu, wall, spent[0]
+    marks: list[float] = []
+    rows: list[list[int]] = []  # per tenth: [scheduler passes, running rows summed over them]
+    with scheduler_pass_cpu(spent, marks, rows):
+        summary, cpu, wall = timed_run(requests, replicas, load, router, marks)
+    tenths = by_tenth(marks, requests)
+    tenths["running_rows_per_scheduler_pass_by_tenth"] = [
+        round(r / p, 1) if p else None for p, r in rows]
+    return summary, cpu, wall, spent[0], tenths
 
 
 def profile_split(requests: int, replicas: int, load: float, router: str) -> dict:
@@ -158,15 +221,23 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline_src:
         baseline = baseline_run(args.baseline_src, args.requests, args.replicas, args.load,
                                 args.router)
-    summary, cpu, wall, sched_cpu = timed_split_run(args.requests, args.replicas, args.load,
-                                                    args.router)
+    summary, cpu, wall, sched_cpu, tenths = timed_split_run(args.requests, args.replicas,
+                                                            args.load, args.router)
     load_after = os.getloadavg()
     per_req_cpu = cpu / args.requests
+    steady = tenths["steady_cpu_ms_per_request"]
+    # the 1M run is almost all steady state: its rate, where the run was long enough to time it
+    per_req_target = steady / 1e3 if steady is not None else per_req_cpu
     if baseline is not None:
+        base_tenths = by_tenth(baseline.get("marks", []), args.requests)
+        base_steady = base_tenths["steady_cpu_ms_per_request"]
         baseline = {"src": args.baseline_src, "cpu_s": round(baseline["cpu_s"], 2),
                     "wall_s": round(baseline["wall_s"], 2),
                     "cpu_ms_per_request": round(baseline["cpu_s"] / args.requests * 1e3, 3),
                     "speedup_cpu": round(baseline["cpu_s"] / cpu, 3),
+                    **base_tenths,
+                    "speedup_steady": (round(base_steady / steady, 3)
+                                       if base_steady and steady else None),
                     "same_summary": json.loads(json.dumps(summary)) == baseline["summary"]}
     write_result({
         "benchmark": "fleet_sim_speed",
@@ -186,11 +257,15 @@ def run(args: argparse.Namespace) -> int:
         "scheduler_pass_cpu_s": round(sched_cpu, 2),
         "scheduler_pass_cpu_ms_per_request": round(sched_cpu / args.requests * 1e3, 3),
         "other_cpu_ms_per_request": round((cpu - sched_cpu) / args.requests * 1e3, 3),
-        "extrapolated_cpu_s_for_target": round(per_req_cpu * args.target_requests, 1),
+        **tenths,
+        "extrapolated_cpu_s_for_target": round(per_req_target * args.target_requests, 1),
         "target_requests": args.target_requests, "target_s": 600,
-        "meets_target_extrapolated": per_req_cpu * args.target_requests < 600,
-        "extrapolation": "linear in requests: the fleet is in steady state after the first "
-                         "seconds, so each request costs the same scheduler passes",
+        "meets_target_extrapolated": per_req_target * args.target_requests < 600,
+        "extrapolation": "the CPU per request over tenths 6-9 of the arrivals (steady_cpu_ms_"
+                         "per_request) times the target: the fleet fills up over the first "
+                         "simulated seconds (running_rows_per_scheduler_pass_by_tenth), and "
+                         "every scheduler pass walks all running rows, so the whole run's mean "
+                         "understates a long run's cost",
         "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
         "simulated": {k: summary[k] for k in ("num_finished", "makespan_s", "output_tokens",
                                               "num_passes", "ttft_p99_ms", "tpot_p50_ms",
