@@ -197,3 +197,15 @@ def test_linear_small_takes_decode_batches_8_rows_at_a_time(dtype, rows, kernels
     assert out.dtype == dtype and out.shape == (rows, 70)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_the_build_root_is_torchs_without_importing_its_build_module():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from everystop.executor.layers.cpu_kernels import "
+            "_default_build_root as ours; root = ours(); "
+            "assert 'torch.utils.cpp_extension' not in sys.modules; "
+            "from torch.utils.cpp_extension import get_default_build_root as theirs; "
+            "assert root == theirs(), (root, theirs())")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -129,15 +129,13 @@ def _load_or_build(isa: Isa) -> None:
     other's, and a cached build is loaded without running the compiler's up-to-date check
     (seconds at startup).
     """
-    from torch.utils.cpp_extension import get_default_build_root, load
-
     cflags = [*_COMMON_CFLAGS, *isa.cflags, f"-DES_NS=everystop_{isa.name}"]
     files = [*_SOURCES, *_HEADERS]
     texts = [src.read_bytes() for src in files]
     digest = hashlib.sha256(b"\0".join([*texts, " ".join(cflags).encode(),
                                           torch.__version__.encode()])).hexdigest()[:12]
     name = f"everystop_kernels_{isa.name}_{digest}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
     build_dir = Path(root) / name
     library = build_dir / f"{name}.so"
     if library.is_file() and not (build_dir / "lock").exists():
@@ -153,8 +151,19 @@ def _load_or_build(isa: Isa) -> None:
             os.replace(tmp, copy)
         if src in _SOURCES:
             copies.append(str(copy))
+    from torch.utils.cpp_extension import load  # only to build: it imports setuptools
+
     load(name=name, sources=copies, build_directory=str(build_dir), extra_cflags=cflags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def _default_build_root() -> str:
+    """torch.utils.cpp_extension.get_default_build_root(), without importing that module: it
+    imports setuptools and distutils (95 modules, ~4.4 MiB resident that a server loading a
+    cached build never uses; session 13)."""
+    from torch import _appdirs
+
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 @dataclass(frozen=True)
