@@ -2,7 +2,8 @@
 //
 // One work item = (sequence, tile of query tokens). All heads of all tokens of the tile form
 // the item's "rows", so each K/V block is streamed once per item, front to back, and reused by
-// every row. Softmax is online (running max
+// every row. Prefill chunks in AVX-512 builds split instead into (16 tokens, one kv group)
+// items scored against transposed key tiles (run_item_prefill). Softmax is online (running max
 // and sum per row), accumulation is fp32. Only ATen core and torch/library.h are included so
 // the build stays short; the op is registered as torch.ops.<ES_NS>.paged_attention (simd.h).
 #include <ATen/core/Tensor.h>
