@@ -451,10 +451,10 @@ template <typename W, int R>
 void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
                 float* out, int64_t out_stride) {
   if constexpr (kSplitBf16 && std::is_same<W, c10::BFloat16>::value && R == 1) {
-    // x in the split order, once per block of columns (k floats against 64 weight rows of
-    // k): the weights then widen with a shift and a mask, no shuffles. One row only: over
-    // the SmolLM2 layers' bf16 weights it streamed 6% faster on AVX2 (3% AVX-512) at one
-    // row, no faster at 2, 4 or 8 (paired builds, one run).
+    // x in the split order, once per thread's range of columns (k floats against 64 or more
+    // weight rows of k): the weights then widen with a shift and a mask, no shuffles. One row
+    // only: over the SmolLM2 layers' bf16 weights it streamed 6% faster on AVX2 (3% AVX-512)
+    // at one row, no faster at 2, 4 or 8 (paired builds, one run).
     thread_local std::vector<float> split;
     split.resize(static_cast<size_t>(R * k));
     const int64_t kv = k - k % 32;
