@@ -93,6 +93,25 @@ def test_mixed_batch_matches_reference(impl, dtype, block_size, heads):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i.startswith("kernel-")])
+def test_a_head_narrower_than_the_vectors_is_never_read_past(impl):
+    """head_dim 40 against 16-wide vectors (8-wide divide it): the last slot of the pool's last
+    block ends right before memory holding NaN, and the output must still be exact."""
+    h, kvh, d, bs = 2, 1, 40, 16
+    q, kc, vc, meta = make_batch([(bs, 1)], h, kvh, d, bs, torch.float32, seed=3)
+    nb = kc.shape[0]
+    meta.block_tables[0, 0] = nb - 1  # the sequence fills the pool's last block
+    caches = []
+    for c in (kc, vc):
+        spare = torch.full((nb + 1, *c.shape[1:]), float("nan"))
+        spare[:nb] = c
+        caches.append(spare[:nb])  # contiguous, followed in memory by a NaN block
+    ref = paged_attention_reference(q, *caches, meta, d ** -0.5)
+    out = run(impl, q, *caches, meta, d ** -0.5)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), impl=st.sampled_from(IMPLS),
        heads=st.sampled_from([(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48), (6, 2, 40)]),

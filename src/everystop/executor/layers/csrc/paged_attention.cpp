@@ -51,18 +51,22 @@ inline void prefetch_block(const cache_t* k_cache, const cache_t* v_cache, int64
   }
 }
 
-// src_t: what the inner loops read, the cache's own dtype (in place) or float (a converted
-// copy of the block).
+// kInPlace: the inner loops read the cache itself (head_dim a multiple of kW), or a converted,
+// zero-padded fp32 copy of each block.
+// NOTE: an fp32 cache whose head_dim is not a multiple of kW needs the copy too: read in place,
+// a head's last vector runs past it, and past the pool's end at its last slot (a NaN there
+// made the scores NaN; the tests' head_dim 40 with 16-wide vectors).
 //
 // A work item covers every head of its tokens, so it walks each K/V block front to back: a
 // block's slots hold all kv heads side by side ([block_size, kv_heads, head_dim]), and reading
 // only one head's slice of each slot would touch a quarter or less of every few cache lines.
-template <typename cache_t, typename src_t, int kNV>
+template <typename cache_t, bool kInPlace, int kNV>
 void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
                   const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
                   int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, int64_t block_size, float scale) {
-  constexpr bool in_place = std::is_same<cache_t, src_t>::value;
+  constexpr bool in_place = kInPlace;
+  using src_t = typename std::conditional<kInPlace, cache_t, float>::type;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = w.q_count * num_heads;
   const int64_t D = head_dim;
@@ -572,12 +576,12 @@ void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_ca
   // widening into the block copy, shared by all rows, is cheaper (measured both ways).
   const bool one_row = w.q_count * (num_heads / num_kv_heads) == 1;
   if (D % kW == 0 && (std::is_same<cache_t, float>::value || one_row)) {
-    run_item_src<cache_t, cache_t, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
-                                        seq_len, qlen, num_heads, num_kv_heads, D, block_size,
-                                        scale);
+    run_item_src<cache_t, true, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
+                                     seq_len, qlen, num_heads, num_kv_heads, D, block_size,
+                                     scale);
   } else {
     // kNV > 0 only when head_dim == kNV * kW: the copy keeps the register-resident rows too.
-    run_item_src<cache_t, float, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
+    run_item_src<cache_t, false, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
                                       seq_len, qlen, num_heads, num_kv_heads, D, block_size,
                                       scale);
   }
