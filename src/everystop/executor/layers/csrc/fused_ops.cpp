@@ -388,12 +388,16 @@ constexpr int kCols = ES_W == 16 ? (R <= 2 ? 8 : (R <= 5 ? 4 : 2))
 
 // Output columns n..n+C-1 for R rows of x, over k: a cache line of each weight row per step,
 // one prefetch per line (a prefetch per vector spent load slots on lines already requested).
-template <typename W, int R, int C>
+// kPairs (bf16 weights read as pairs, simd.h's load_bf16_split): xs is x in the split order
+// for its vector part (the first k - k % 32 values); x itself serves the remainder.
+template <typename W, int R, int C, bool kPairs = false>
 inline void gemv_cols(const float* x, int64_t k, const W* w, int64_t n, float* out,
-                      int64_t out_stride) {
+                      int64_t out_stride, const float* xs = nullptr) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(W));
   constexpr int kL = static_cast<int>(kLine >= kW ? kLine / kW : 1);
   constexpr int64_t kStep = kL * kW;
+  static_assert(!kPairs || (std::is_same<W, c10::BFloat16>::value && kL % 2 == 0),
+                "pairs: bf16 weights, whole pairs of vectors per cache line");
   const int64_t kv = k - k % kStep;
   vf acc[R][C];
   for (int m = 0; m < R; ++m)
@@ -401,44 +405,27 @@ inline void gemv_cols(const float* x, int64_t k, const W* w, int64_t n, float* o
   const W* w0 = w + n * k;
   for (int64_t i = 0; i < kv; i += kStep) {
     for (int j = 0; j < C; ++j) prefetch_next_tile(w0 + (C + j) * k + i);
-    for (int u = 0; u < kL; ++u) {
-      vf a[C];
-      for (int j = 0; j < C; ++j) a[j] = loadv(w0 + j * k + i + u * kW);
-      for (int m = 0; m < R; ++m) {
-        const vf xv = loadv(x + m * k + i + u * kW);
-        for (int j = 0; j < C; ++j) acc[m][j] += xv * a[j];
+    if constexpr (kPairs) {
+      for (int u = 0; u < kL; u += 2) {
+        vf xe[R], xo[R];
+        for (int m = 0; m < R; ++m) {
+          xe[m] = loadv(xs + m * k + i + u * kW);
+          xo[m] = loadv(xs + m * k + i + (u + 1) * kW);
+        }
+        for (int j = 0; j < C; ++j) {
+          vf we, wo;
+          load_bf16_split(w0 + j * k + i + u * kW, we, wo);
+          for (int m = 0; m < R; ++m) acc[m][j] += xe[m] * we + xo[m] * wo;
+        }
       }
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < C; ++j)
-      out[m * out_stride + n + j] = hsum(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, kv, k);
-}
-
-// gemv_cols for bf16 weights read as pairs (simd.h's load_bf16_split): xs is x in the split
-// order for its first k - k % 32 values (the vector part), x itself serves the remainder.
-template <int R, int C>
-inline void gemv_cols_bf16_pairs(const float* x, const float* xs, int64_t k,
-                                 const c10::BFloat16* w, int64_t n, float* out,
-                                 int64_t out_stride) {
-  constexpr int64_t kStep = 32;  // one cache line of bf16
-  const int64_t kv = k - k % kStep;
-  vf acc[R][C];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < C; ++j) acc[m][j] = vf{};
-  const c10::BFloat16* w0 = w + n * k;
-  for (int64_t i = 0; i < kv; i += kStep) {
-    for (int j = 0; j < C; ++j) prefetch_next_tile(w0 + (C + j) * k + i);
-    for (int64_t u = 0; u < kStep; u += 2 * kW) {
-      vf xe[R], xo[R];
-      for (int m = 0; m < R; ++m) {
-        xe[m] = loadv(xs + m * k + i + u);
-        xo[m] = loadv(xs + m * k + i + u + kW);
-      }
-      for (int j = 0; j < C; ++j) {
-        vf we, wo;
-        load_bf16_split(w0 + j * k + i + u, we, wo);
-        for (int m = 0; m < R; ++m) acc[m][j] += xe[m] * we + xo[m] * wo;
+    } else {
+      for (int u = 0; u < kL; ++u) {
+        vf a[C];
+        for (int j = 0; j < C; ++j) a[j] = loadv(w0 + j * k + i + u * kW);
+        for (int m = 0; m < R; ++m) {
+          const vf xv = loadv(x + m * k + i + u * kW);
+          for (int j = 0; j < C; ++j) acc[m][j] += xv * a[j];
+        }
       }
     }
   }
@@ -450,28 +437,23 @@ inline void gemv_cols_bf16_pairs(const float* x, const float* xs, int64_t k,
 template <typename W, int R>
 void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
                 float* out, int64_t out_stride) {
-  if constexpr (kSplitBf16 && std::is_same<W, c10::BFloat16>::value && R == 1) {
-    // x in the split order, once per thread's range of columns (k floats against 64 or more
-    // weight rows of k): the weights then widen with a shift and a mask, no shuffles. One row
-    // only: over the SmolLM2 layers' bf16 weights it streamed 6% faster on AVX2 (3% AVX-512)
-    // at one row, no faster at 2, 4 or 8 (paired builds, one run).
+  // One row of fp32 x against bf16 weights reads them as pairs: x goes into the split order
+  // once per thread's range of columns (k floats against 64 or more weight rows of k), and
+  // the weights then widen with a shift and a mask, no shuffles. Over the SmolLM2 layers' bf16
+  // weights that streamed 6% faster on AVX2 (3% AVX-512) at one row, no faster at 2, 4 or 8
+  // (paired builds, one run).
+  constexpr bool kPairs = kSplitBf16 && std::is_same<W, c10::BFloat16>::value && R == 1;
+  const float* xs = nullptr;
+  if constexpr (kPairs) {
     thread_local std::vector<float> split;
-    split.resize(static_cast<size_t>(R * k));
-    const int64_t kv = k - k % 32;
-    for (int m = 0; m < R; ++m)
-      for (int64_t i = 0; i < kv; i += 2 * kW) {
-        vf even, odd;
-        split_even_odd(x + m * k + i, even, odd);
-        std::memcpy(split.data() + m * k + i, &even, sizeof(vf));
-        std::memcpy(split.data() + m * k + i + kW, &odd, sizeof(vf));
-      }
-    constexpr int C = kCols<R>;
-    int64_t n = n_begin;
-    for (; n + C <= n_end; n += C)
-      gemv_cols_bf16_pairs<R, C>(x, split.data(), k, w, n, out, out_stride);
-    for (; n < n_end; ++n)
-      for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
-    return;
+    split.resize(static_cast<size_t>(k));
+    for (int64_t i = 0; i + 2 * kW <= k; i += 2 * kW) {
+      vf even, odd;
+      split_even_odd(x + i, even, odd);
+      std::memcpy(split.data() + i, &even, sizeof(vf));
+      std::memcpy(split.data() + i + kW, &odd, sizeof(vf));
+    }
+    xs = split.data();
   }
   // Where R rows leave registers for one column only (AVX2, 7-8 rows), the rows go in two
   // passes over each group of columns instead: the second pass reads those weight rows from L1.
@@ -481,7 +463,7 @@ void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t 
   constexpr int C = kCols<R1>;
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
-    gemv_cols<W, R1, C>(x, k, w, n, out, out_stride);
+    gemv_cols<W, R1, C, kPairs>(x, k, w, n, out, out_stride, xs);
     if constexpr (R2 > 0) gemv_cols<W, R2, C>(x + R1 * k, k, w, n, out + R1 * out_stride,
                                                out_stride);
   }
