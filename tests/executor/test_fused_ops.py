@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from everystop.config import CacheConfig, ModelConfig
+from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.executor.layers.attention import write_kv
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import SMALL_ROWS, linear
@@ -174,14 +174,38 @@ def test_model_logits_same_with_and_without_fused_ops(default_runner):
     assert fused_tokens == plain_tokens
 
 
-def test_16bit_gemm_route_follows_the_config():
+@pytest.mark.parametrize("has_16bit_gemm", [True, False])
+def test_16bit_gemm_route_follows_the_config(monkeypatch, has_16bit_gemm):
+    # Both CPU kinds on any machine: whether oneDNN has a bf16 GEMM is patched, not read.
+    from everystop.executor import model_runner
     from everystop.executor.model_runner import select_backends
 
-    for choice, fp32 in (("fp32", True), ("native", False)):
-        backends = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm=choice))
-        assert backends.kernels is not None and backends.kernels.fp32_gemm_for_16bit is fp32
+    monkeypatch.setattr(model_runner, "onednn_16bit_gemm_supported", lambda _: has_16bit_gemm)
+    fp32 = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="fp32"))
+    assert fp32.kernels is not None and fp32.kernels.fp32_gemm_for_16bit is True
     auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"))
     assert auto.kernels is not None and isinstance(auto.kernels.fp32_gemm_for_16bit, bool)
+    if has_16bit_gemm:
+        native = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"))
+        assert native.kernels is not None and native.kernels.fp32_gemm_for_16bit is False
+    else:
+        # An AVX2-only CPU: oneDNN cannot build a bf16 GEMM, so "native" is refused by name
+        # and "auto" never picks it (the first block-weight prefill would fail).
+        assert auto.kernels.fp32_gemm_for_16bit is True
+        with pytest.raises(ConfigError, match=r"cpu_16bit_gemm 'native'.*no bfloat16 GEMM"):
+            select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"))
+
+
+def test_the_16bit_gemm_check_matches_what_onednn_builds():
+    from everystop.executor.layers.linear import onednn_16bit_gemm_supported
+
+    x, w = torch.randn(12, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    try:
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        builds = True
+    except RuntimeError:
+        builds = False
+    assert onednn_16bit_gemm_supported(torch.bfloat16) is builds
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -20,7 +20,7 @@ from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutp
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import cpu_flags, load_cpu_kernels
-from everystop.executor.layers.linear import fp32_gemm_is_faster
+from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_16bit_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
@@ -65,8 +65,16 @@ def select_backends(config: ModelConfig) -> Backends:
     kernels = None
     if torch.device(config.device).type == "cpu":
         fp32_gemm = config.cpu_16bit_gemm == "fp32"
+        # The bf16 tiles call oneDNN's bf16 GEMM directly, with no fallback: on a CPU where
+        # oneDNN cannot build one (AVX2-only) every block-weight prefill would fail, so
+        # "native" is refused here by name. (fp16 and dense weights go through F.linear,
+        # which falls back to torch's own kernels.)
+        native_ok = config.dtype != "bfloat16" or onednn_16bit_gemm_supported(torch.bfloat16)
+        if config.cpu_16bit_gemm == "native" and not native_ok:
+            raise ConfigError("cpu_16bit_gemm 'native': this CPU's oneDNN has no bfloat16 "
+                              "GEMM (it needs AVX-512 or AMX); use 'auto' or 'fp32'")
         if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
-            fp32_gemm = fp32_gemm_is_faster(DTYPES[config.dtype])
+            fp32_gemm = not native_ok or fp32_gemm_is_faster(DTYPES[config.dtype])
         kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm, config.int8_decode_dot)
     return Backends(kernels, config.attention_backend, config.decoder_stack)
 
