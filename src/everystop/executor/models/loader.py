@@ -206,7 +206,7 @@ def round_as_held(model: torch.nn.Module, quantization: str) -> int:
     """In place: each matrix (2-D parameter) of a dense Llama, ours loaded with
     quantization="none" or transformers', becomes the values `quantization` ("q8_0"/"q4_0")
     would hold it as (`_held_weight`'s formats, our quantizer's rounding), still in fp32: the
-    format's rounding alone, without the block kernels' arithmetic. Returns how many changed.
+    format's rounding alone, without the block kernels' arithmetic. Returns how many it rounded.
     """
     count = 0
     for name, w in model.named_parameters():  # a tied LM head is listed once, as the embedding
