@@ -5,6 +5,7 @@ the full 32 x 64 measurement is `everystop bench quant-accuracy`)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -13,9 +14,14 @@ import torch
 
 from everystop.bench.quant_accuracy import measure, prompts
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
-from everystop.executor.layers.linear import linear, onednn_16bit_gemm_supported
-from everystop.executor.layers.quant import FORMATS, dequantize, quantize
-from everystop.executor.models.loader import default_model_path, weight_memory
+from everystop.executor.layers.linear import HeldWeight, linear, onednn_16bit_gemm_supported
+from everystop.executor.layers.quant import DENSE, FORMATS, dequantize, quantize
+from everystop.executor.models.loader import (
+    default_model_path,
+    load_model,
+    round_as_held,
+    weight_memory,
+)
 
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -169,6 +175,39 @@ def test_quantized_model_follows_fp32():
     assert 1.9 < result["bf16-held"]["bytes_per_param"] < 2.1
     assert result["q4_0"]["top1_agreement"] >= 0.70
     assert result["q8_0"]["bytes_per_param"] < 1.1 and result["q4_0"]["bytes_per_param"] < 0.8
+
+
+@pytest.fixture(scope="module")
+def fp32_model() -> torch.nn.Module:
+    return load_model(quantization="none")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_rounding_variant_holds_exactly_the_real_variants_values(fp32_model, fmt):
+    """`bench quant-accuracy`'s `{fmt}_rounding` (round_as_held on the fp32 model) separates
+    the format's rounding from the block kernels only if its weights are, bit for bit, what
+    the `fmt` variant holds dequantized: every matrix that variant holds as blocks (the
+    embedding as the file's own Q8_0 blocks), and nothing else changed."""
+    real = load_model(quantization=fmt)
+    rounded = copy.deepcopy(fp32_model)
+    fp32 = dict(fp32_model.named_parameters())
+    changed = round_as_held(rounded, fmt)
+    blocks = {f"{n}.weight": m for n, m in real.named_modules()
+              if isinstance(m, HeldWeight) and m.weight_format != DENSE}
+    assert changed == len(blocks) > 0
+    assert blocks["model.embed_tokens.weight"].weight_format == "q8_0"
+    for name, w in rounded.named_parameters():
+        if name in blocks:
+            m = blocks[name]
+            held = dequantize(m.weight, m.weight_format, m.weight_cols)
+            assert torch.equal(w, held), name
+            # The file's embedding is Q8_0 already (rounding it again is idempotent); every
+            # Q4_1 projection does change.
+            if name != "model.embed_tokens.weight":
+                assert not torch.equal(w, fp32[name]), name
+        else:
+            assert torch.equal(w, fp32[name]), name
 
 
 def test_metrics_expose_rss_and_weight_bytes():

@@ -202,6 +202,23 @@ def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantiz
     return q
 
 
+def round_as_held(model: torch.nn.Module, quantization: str) -> int:
+    """In place: each matrix (2-D parameter) of a dense Llama, ours loaded with
+    quantization="none" or transformers', becomes the values `quantization` ("q8_0"/"q4_0")
+    would hold it as (`_held_weight`'s formats, our quantizer's rounding), still in fp32: the
+    format's rounding alone, without the block kernels' arithmetic. Returns how many it rounded.
+    """
+    count = 0
+    for name, w in model.named_parameters():  # a tied LM head is listed once, as the embedding
+        if w.dim() != 2:
+            continue
+        held = _held_weight(name, [w.data], quantization, w.dtype, [])
+        if isinstance(held, QuantizedTensor):
+            w.data.copy_(held.dequantize())
+            count += 1
+    return count
+
+
 def weight_memory(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes, parameters) of the weights as held: a block-format matrix counts its logical
     rows x columns as parameters and its blocks as bytes."""
