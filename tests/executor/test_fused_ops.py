@@ -180,7 +180,7 @@ def test_16bit_gemm_route_follows_the_config(monkeypatch, has_16bit_gemm):
     from everystop.executor import model_runner
     from everystop.executor.model_runner import select_backends
 
-    monkeypatch.setattr(model_runner, "onednn_16bit_gemm_supported", lambda _: has_16bit_gemm)
+    monkeypatch.setattr(model_runner, "onednn_bf16_gemm_supported", lambda: has_16bit_gemm)
     fp32 = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="fp32"))
     assert fp32.kernels is not None and fp32.kernels.fp32_gemm_for_16bit is True
     auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"))
@@ -196,8 +196,8 @@ def test_16bit_gemm_route_follows_the_config(monkeypatch, has_16bit_gemm):
             select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"))
 
 
-def test_the_16bit_gemm_check_matches_what_onednn_builds():
-    from everystop.executor.layers.linear import onednn_16bit_gemm_supported
+def test_the_bf16_gemm_check_matches_what_onednn_builds():
+    from everystop.executor.layers.linear import onednn_bf16_gemm_supported
 
     x, w = torch.randn(12, 64).bfloat16(), torch.randn(32, 64).bfloat16()
     try:
@@ -205,7 +205,7 @@ def test_the_16bit_gemm_check_matches_what_onednn_builds():
         builds = True
     except RuntimeError:
         builds = False
-    assert onednn_16bit_gemm_supported(torch.bfloat16) is builds
+    assert onednn_bf16_gemm_supported() is builds
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

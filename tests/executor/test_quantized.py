@@ -14,7 +14,7 @@ import torch
 
 from everystop.bench.quant_accuracy import measure, prompts
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
-from everystop.executor.layers.linear import HeldWeight, linear, onednn_16bit_gemm_supported
+from everystop.executor.layers.linear import HeldWeight, linear, onednn_bf16_gemm_supported
 from everystop.executor.layers.quant import DENSE, FORMATS, dequantize, quantize
 from everystop.executor.models.loader import (
     default_model_path,
@@ -244,8 +244,8 @@ def test_bf16_tiles_multiply_the_held_weights_rounded_to_bf16(kernels, fmt, rows
     # Where bf16 GEMMs were timed faster (fp32_gemm_for_16bit False), block weights meeting a
     # bf16 x are dequantized into bf16 tiles for a bf16 GEMM: the product of x with the held
     # weights each rounded to bf16, as a bf16 model's linear computes it.
-    if not onednn_16bit_gemm_supported(torch.bfloat16):
-        # select_backends refuses the native path on such a CPU (tested in test_backends.py).
+    if not onednn_bf16_gemm_supported():
+        # select_backends refuses the native path on such a CPU (tested in test_fused_ops.py).
         pytest.skip("this CPU's oneDNN has no bf16 GEMM (AVX2-only): the bf16 tiles cannot run")
     g = torch.Generator().manual_seed(rows)
     q = quantize(torch.randn(200, 320, generator=g), fmt)

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from everystop.bench.hf_reference import default_model_location
 from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ScheduledSequence
 from everystop.executor.model_runner import ModelRunner
-from everystop.executor.models.loader import default_model_path, load_model, round_as_held
+from everystop.executor.models.loader import load_model, round_as_held
 from everystop.results import write_result
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import load_tokenizer
@@ -194,11 +194,11 @@ def hf_crosscheck(prompt_ids: list[list[int]], num_new: int, formats: list[str],
     transformers' fp32 ones."""
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
+    directory, name = default_model_location()
 
     t0 = time.perf_counter()
     fp32 = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        directory, gguf_file=name, dtype=torch.float32).eval()
     ref = _hf_greedy(fp32, prompt_ids, num_new)
     n = len(prompt_ids)
     out: dict[str, Any] = {"prompts": n, "new_tokens": num_new}

@@ -20,7 +20,7 @@ from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutp
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import cpu_flags, load_cpu_kernels
-from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_16bit_gemm_supported
+from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
@@ -69,7 +69,7 @@ def select_backends(config: ModelConfig) -> Backends:
         # oneDNN cannot build one (AVX2-only) every block-weight prefill would fail, so
         # "native" is refused here by name. (fp16 and dense weights go through F.linear,
         # which falls back to torch's own kernels.)
-        native_ok = config.dtype != "bfloat16" or onednn_16bit_gemm_supported(torch.bfloat16)
+        native_ok = config.dtype != "bfloat16" or onednn_bf16_gemm_supported()
         if config.cpu_16bit_gemm == "native" and not native_ok:
             raise ConfigError("cpu_16bit_gemm 'native': this CPU's oneDNN has no bfloat16 "
                               "GEMM (it needs AVX-512 or AMX); use 'auto' or 'fp32'")

@@ -104,14 +104,12 @@ class HeldWeight(nn.Module):
         return linear(x, self.weight, kernels, self.weight_format, self.weight_cols)
 
 
-def onednn_16bit_gemm_supported(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN has a GEMM for `dtype` (bf16: AVX-512, natively with
-    AVX512-BF16 or AMX, else emulated; fp16: AVX512-FP16 or AMX). Without one oneDNN refuses
-    to build the primitive (an AVX2-only CPU), so the bf16 tiles cannot run at all."""
-    check = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else
-             torch.ops.mkldnn._is_mkldnn_fp16_supported)
+def onednn_bf16_gemm_supported() -> bool:
+    """Whether this CPU's oneDNN has a bf16 GEMM (AVX-512: natively with AVX512-BF16 or AMX,
+    else emulated). Without one oneDNN refuses to build the primitive (an AVX2-only CPU), so
+    the bf16 tiles cannot run at all."""
     try:
-        return bool(check())
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
