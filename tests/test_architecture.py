@@ -33,8 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": {"core", "engine", "routing", "server", "tokenizer"},
     # the measurements time the executor's own parts (profile, the attention kernels),
     # calibrate the simulator and run the routing policies in the fleet simulator
-    # (bench routing --simulate)
-    "bench": {"core", "engine", "tokenizer", "executor", "executor.layers", "sim", "routing"},
+    # (bench routing --simulate); quant-accuracy rounds weights as a format holds them
+    # (executor.models' round_as_held), on our model and on transformers'
+    "bench": {"core", "engine", "tokenizer", "executor", "executor.layers", "executor.models",
+              "sim", "routing"},
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.
