@@ -10,7 +10,7 @@ from everystop.cli import main
 def test_fleet_speed_runs_as_a_bench_subcommand(tmp_path):
     out = tmp_path / "speed.json"
     assert main(["bench", "fleet-speed", "--requests", "40", "--replicas", "2",
-                 "--profile-requests", "20", "--out", str(out),
+                 "--profile-requests", "20", "--out", str(out), "--workers", "2",
                  "--baseline-src", str(Path(everystop.__file__).parents[1])]) == 0
     r = json.loads(out.read_text())
     assert r["requests"] == 40 and r["simulated"]["num_finished"] == 40
@@ -33,3 +33,10 @@ def test_fleet_speed_runs_as_a_bench_subcommand(tmp_path):
     # the baseline here is this very tree, run in a fresh process: it must simulate the same
     assert r["baseline"]["same_summary"] is True and r["baseline"]["cpu_s"] > 0
     assert abs(sum(r["profile_time_share"].values()) - 1.0) < 0.01
+    # the same run on two worker processes simulates the same, timed by the wall clock
+    par = r["parallel"]
+    assert par["workers"] == 2 and par["same_summary"] is True
+    assert par["wall_s"] > 0 and par["workers_cpu_s"] > 0
+    assert len(par["wall_ms_per_request_by_tenth"]) == 10
+    assert par["extrapolated_wall_s_for_target"] == round(
+        par["steady_wall_ms_per_request"] / 1e3 * r["target_requests"], 1)

@@ -47,12 +47,13 @@ def digest(result: FleetResult) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_seeded_fleet_run_is_unchanged(case):
+def test_seeded_fleet_run_is_unchanged(case, workers):
     scheduling, blocks, options, router, interval, want = CASES[case]
     node = build_node("llama-3-8b", "a100-80gb", 1, scheduling, num_gpu_blocks=blocks,
                       max_num_seqs=24, swap_space_bytes=2 * 2**30, **options)
     result = simulate_fleet(fleet_traffic(TRAFFIC), node.setup, node.cost.latency, 3,
-                            make_router(router), stats_interval_s=interval)
+                            make_router(router), stats_interval_s=interval, workers=workers)
     assert len(result.finished) > 200
     assert digest(result) == want

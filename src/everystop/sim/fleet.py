@@ -35,12 +35,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected, Scheduler
-from everystop.routing import ReplicaLoad, Router, RouteRequest, route_request
+from everystop.routing import ReplicaLoad, Router, route_request
 from everystop.routing.policies import PrefixAffinityRouter
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import IterationShape
@@ -95,7 +96,7 @@ class Replica:
         self.sched = Scheduler(setup.scheduler, self.kv, cost_model=setup.preemption_cost,
                                clock=self.clock)
         # request id -> the request and what the router was told of it, until it finishes
-        self.routed: dict[str, tuple[Request, RouteRequest]] = {}
+        self.routed: dict[str, tuple[Request, Any]] = {}  # (request, what on_finished gets)
         self.inbox: list[Request] = []  # arrived during the pass in flight
         self.in_pass: SchedulerOutput | None = None
         self.latency = 0.0
@@ -106,6 +107,7 @@ class Replica:
         self.stretch: DecodeStretch | None = None
         self.stretch_token = PASS_END  # stretch events carry tokens below PASS_END
         self.stretch_at = 0  # the boundary of the stretch's pending event
+        self.last_refusal = ""  # why the last offer() it refused (QueueFull) was refused
 
     @property
     def busy(self) -> bool:
@@ -204,12 +206,19 @@ class Replica:
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                    latency_fn: Callable[[IterationShape], float], num_replicas: int,
                    router: Router, *, stats_interval_s: float = 1.0,
-                   decode_stretches: bool = True) -> FleetResult:
+                   decode_stretches: bool = True, workers: int = 1) -> FleetResult:
     """Route `requests` (in arrival order) over `num_replicas` simulated replicas.
 
     `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival.
-    `decode_stretches=False`: every pass through the scheduler (the same results, slower)."""
+    `decode_stretches=False`: every pass through the scheduler (the same results, slower).
+    `workers` > 1: the replicas spread over that many processes (sim/fleet_parallel.py; the
+    same results)."""
     _check_fleet_args(num_replicas, stats_interval_s)
+    if workers > 1 and num_replicas > 1:
+        from everystop.sim.fleet_parallel import simulate_fleet_parallel
+        return simulate_fleet_parallel(requests, setup, latency_fn, num_replicas, router,
+                                       stats_interval_s=stats_interval_s,
+                                       decode_stretches=decode_stretches, workers=workers)
     # The replicas' block tables are hundreds of thousands of objects that live as long as the
     # run, and requests, their hashes and their Finished records pile up as it goes: the cyclic
     # collector is kept off for the run (see _gc_frozen), the building of the block pools
@@ -290,8 +299,14 @@ def _check_fleet_args(num_replicas: int, stats_interval_s: float) -> None:
         raise ValueError(f"stats_interval_s must be >= 0, not {stats_interval_s}")
 
 
-def _replica_event(r: Replica, token: int, now: float, router: Router, finished: list[Finished],
-                   rejected: dict[str, str], decode_stretches: bool,
+class FinishListener(Protocol):
+    """Who hears of a routed request's end: the router, or a worker's outbox to it."""
+
+    def on_finished(self, replica_id: str, request: Any) -> None: ...
+
+
+def _replica_event(r: Replica, token: int, now: float, router: FinishListener,
+                   finished: list[Finished], rejected: dict[str, str], decode_stretches: bool,
                    push: Callable[[Replica, float, int], None],
                    wake: Callable[[Replica, float], None]) -> None:
     """A replica's event at `now`: a pass ends (or a stretch step, or a stale one is dropped),
@@ -381,43 +396,56 @@ def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
            loads: list[ReplicaLoad], rejected: dict[str, str], want_hashes: bool,
            block_size: int, wake: Callable[[Replica, float], None],
            cut: Callable[[Replica, float], None]) -> None:
-    tokens = spec.prompt_token_ids
-    route = route_request(tokens, block_size, with_hashes=want_hashes)
+    route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
     reason = "no replica"
     for replica_id in router.rank(route, loads):
         r = replicas[int(replica_id.removeprefix("r"))]
-        req = Request(spec.request_id, tokens,
-                      SamplingParams(max_tokens=spec.max_tokens, temperature=0.0,
-                                     ignore_eos=True),
-                      arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant)
-        if r.busy:
-            # NOTE: a busy replica queues it until the pass ends (the single-node loop adds
-            # arrivals between passes); admission is checked then, so it cannot bounce here.
-            r.inbox.append(req)
-            if r.stretch is not None:
-                cut(r, spec.arrival_s)  # the pass it arrives in is the stretch's last
-        else:
-            try:
-                r.sched.add_request(req)
-            except QueueFull as exc:
-                reason = str(exc)
-                continue  # the router tries the next replica, as the live one does
-            except RequestRejected as exc:
-                rejected[spec.request_id] = str(exc)
-                return
-            if r.wake_at is None or r.wake_at > spec.arrival_s:
-                # Idle, or stalled until a later timeout: this arrival wakes it now (a stalled
-                # replica's clock has to move, as the single-node loop's does).
-                r.clock.now = max(r.clock.now + (1e-9 if r.stalled else 0.0), spec.arrival_s)
-                wake(r, r.clock.now)
-        r.routed[spec.request_id] = (req, route)
-        r.num_routed += 1
-        router.on_sent(r.replica_id, route)
-        return
+        taken, why = offer(r, spec, route, wake, cut)
+        if taken:
+            router.on_sent(r.replica_id, route)
+            return
+        if why is not None:  # RequestRejected: no replica could ever run it
+            rejected[spec.request_id] = why
+            return
+        reason = r.last_refusal
     rejected[spec.request_id] = reason
 
 
-def _add(r: Replica, req: Request, router: Router, rejected: dict[str, str]) -> None:
+def offer(r: Replica, spec: FleetRequest, route: object,
+          wake: Callable[[Replica, float], None],
+          cut: Callable[[Replica, float], None]) -> tuple[bool, str | None]:
+    """Hand an arrival to replica `r` at its arrival time: (True, None) if it took it, (False,
+    None) on QueueFull (the router tries the next; the reason is left in `r.last_refusal`),
+    (False, reason) if it can never run (RequestRejected). `route` is what `r.routed` keeps
+    for the router's on_finished."""
+    req = Request(spec.request_id, spec.prompt_token_ids,
+                  SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
+                  arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant)
+    if r.busy:
+        # NOTE: a busy replica queues it until the pass ends (the single-node loop adds
+        # arrivals between passes); admission is checked then, so it cannot bounce here.
+        r.inbox.append(req)
+        if r.stretch is not None:
+            cut(r, spec.arrival_s)  # the pass it arrives in is the stretch's last
+    else:
+        try:
+            r.sched.add_request(req)
+        except QueueFull as exc:
+            r.last_refusal = str(exc)
+            return False, None  # the router tries the next replica, as the live one does
+        except RequestRejected as exc:
+            return False, str(exc)
+        if r.wake_at is None or r.wake_at > spec.arrival_s:
+            # Idle, or stalled until a later timeout: this arrival wakes it now (a stalled
+            # replica's clock has to move, as the single-node loop's does).
+            r.clock.now = max(r.clock.now + (1e-9 if r.stalled else 0.0), spec.arrival_s)
+            wake(r, r.clock.now)
+    r.routed[spec.request_id] = (req, route)
+    r.num_routed += 1
+    return True, None
+
+
+def _add(r: Replica, req: Request, router: FinishListener, rejected: dict[str, str]) -> None:
     try:
         r.sched.add_request(req)
     except (RequestRejected, QueueFull) as exc:

@@ -30,6 +30,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="how often the router gets fresh load reports (0 = every request)")
     g.add_argument("--affinity-margin", type=float, default=DEFAULT_AFFINITY_MARGIN)
     g.add_argument("--traffic", default=None, help=TRAFFIC_HELP)
+    g.add_argument("--workers", type=int, default=1,
+                   help="spread the replicas over this many processes (the same results; "
+                   "one per core is the most that helps)")
     g.add_argument("--price-per-gpu-hour", type=float, default=None,
                    help="USD per GPU-hour for the fleet's $/1M tokens (default: the assumption "
                    "listed for the hardware in everystop/sim/plan.py)")
@@ -38,6 +41,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 def run_fleet(args: argparse.Namespace, node: Node) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, not {args.replicas}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, not {args.workers}")
     if (args.traffic is None) == (args.workload is None):
         raise ValueError("give exactly one of --workload (a trace or single-node spec) and "
                          "--traffic (a fleet traffic spec)")
@@ -50,7 +55,7 @@ def run_fleet(args: argparse.Namespace, node: Node) -> int:
         requests = from_workload(workload)
     router = make_router(args.router, affinity_margin=args.affinity_margin, seed=args.seed)
     result = simulate_fleet(requests, node.setup, node.cost.latency, args.replicas, router,
-                            stats_interval_s=args.stats_interval_s)
+                            stats_interval_s=args.stats_interval_s, workers=args.workers)
     price, source = replica_price(args.hardware, args.tp, args.price_per_gpu_hour)
     report = {"node": node.describe(), "replicas": args.replicas, "router": args.router,
               "stats_interval_s": args.stats_interval_s, "price_assumption": source,

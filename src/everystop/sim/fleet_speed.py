@@ -28,6 +28,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import subprocess
 import sys
 import time
@@ -124,14 +125,14 @@ def scheduler_pass_cpu(spent: list[float], marks: list[float] | None = None,
             setattr(Replica, name, method)
 
 
-def tenth_marks(requests: Iterable[FleetRequest], n: int,
-                marks: list[float]) -> Iterator[FleetRequest]:
+def tenth_marks(requests: Iterable[FleetRequest], n: int, marks: list[float],
+                clock: Callable[[], float] = time.process_time) -> Iterator[FleetRequest]:
     """The requests, appending the process time to `marks` as the simulator takes the first of
     each tenth of the n (a multiple of 10; one more mark after the run closes the last tenth
     and the drain)."""
     for i, r in enumerate(requests):
         if i * 10 % n < 10:
-            marks.append(time.process_time())
+            marks.append(clock())
         yield r
 
 
@@ -179,6 +180,31 @@ def timed_split_run(requests: int, replicas: int, load: float,
     return summary, cpu, wall, spent[0], tenths
 
 
+def parallel_run(requests: int, replicas: int, load: float, router: str,
+                 workers: int) -> dict:
+    """The same run on `workers` processes (sim/fleet_parallel.py): wall time, the parent's and
+    the workers' CPU, and wall time per request by tenth of the arrivals (the parent takes
+    arrivals in order, so its wall clock at each tenth times the whole fleet up to there)."""
+    node = build_node("llama-3-70b", "h100-sxm", 4)
+    marks: list[float] = []
+    traffic = tenth_marks(fleet_traffic(traffic_spec(requests, replicas, load)), requests,
+                          marks, time.perf_counter)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    result = simulate_fleet(traffic, node.setup, node.cost.latency, replicas,
+                            make_router(router), stats_interval_s=1.0, workers=workers)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    marks.append(time.perf_counter())
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tenths = by_tenth(marks, requests)
+    return {"workers": workers, "wall_s": round(wall, 2), "parent_cpu_s": round(cpu, 2),
+            "workers_cpu_s": round(children.ru_utime + children.ru_stime
+                                   - children0.ru_utime - children0.ru_stime, 2),
+            "wall_ms_per_request_by_tenth": tenths["cpu_ms_per_request_by_tenth"],
+            "steady_wall_ms_per_request": tenths["steady_cpu_ms_per_request"],
+            "summary": summarize_fleet(result, 12.0)}
+
+
 def profile_split(requests: int, replicas: int, load: float, router: str) -> dict:
     """Share of profiled time per part of the code (cProfile inflates everything about 3x, but
     evenly enough to show where the time goes)."""
@@ -212,6 +238,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--baseline-src", default=None,
                     help="also time the same run on the sources in this directory (an export "
                          "of another commit's src/), first, and check it simulates the same")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="also time the run on this many processes (sim/fleet_parallel.py) and "
+                         "check it simulates the same; its wall time is the figure then")
     ap.add_argument("--out", default=None)
 
 
@@ -223,6 +252,19 @@ def run(args: argparse.Namespace) -> int:
                                 args.router)
     summary, cpu, wall, sched_cpu, tenths = timed_split_run(args.requests, args.replicas,
                                                             args.load, args.router)
+    parallel = None
+    if args.workers > 1:
+        parallel = parallel_run(args.requests, args.replicas, args.load, args.router,
+                                args.workers)
+        par_summary = parallel.pop("summary")
+        parallel["same_summary"] = json.loads(json.dumps(par_summary)) == json.loads(
+            json.dumps(summary))
+        par_steady = parallel["steady_wall_ms_per_request"]
+        parallel["extrapolated_wall_s_for_target"] = (
+            round(par_steady / 1e3 * args.target_requests, 1) if par_steady else None)
+        if par_steady and tenths["steady_cpu_ms_per_request"]:
+            parallel["speedup_steady_vs_one_process"] = round(
+                tenths["steady_cpu_ms_per_request"] / par_steady, 3)
     load_after = os.getloadavg()
     per_req_cpu = cpu / args.requests
     steady = tenths["steady_cpu_ms_per_request"]
@@ -244,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
                     f"{args.replicas} --load {args.load} --router {args.router} "
                     f"--profile-requests {args.profile_requests}"
-                    + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")),
+                    + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")
+                    + (f" --workers {args.workers}" if args.workers > 1 else "")),
         "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
         "replicas": args.replicas, "router": args.router, "traffic": DESIGN_TRAFFIC,
         "offered_load_fraction": args.load, "requests": args.requests,
@@ -271,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
                                               "num_passes", "ttft_p99_ms", "tpot_p50_ms",
                                               "busy_fraction_min_max")},
         "baseline": baseline,
+        "parallel": parallel,
         "profile_time_share": profile_split(args.profile_requests, args.replicas, args.load,
                                             args.router),
     }, args.out)
