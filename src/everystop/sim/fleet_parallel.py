@@ -1,28 +1,33 @@
 """The fleet simulation on several processes: the same results as `fleet.simulate_fleet`, with
-the replicas' work shared among worker processes (one per core).
+the replicas' work shared among processes (one per core).
 
 Replicas only meet at the router: a replica's passes depend on nothing but the requests routed
 to it, and the router needs, at each arrival, what every replica's events before that arrival
 left (the finishes it corrects its books by, and the load report at the last grid point). So
-the parent holds the workload, the router and the report grid; each worker holds every W-th
-replica with its own event queue. At each arrival the parent sends every worker one message:
-hand over the previous arrival (to the worker holding the replica the router picked), run your
-events up to the report's grid point and report, run them up to this arrival; each answers with
-the offer's outcome, the load reports and what finished. The parent then ranks the arrival. One
-round trip per arrival; the workers run in parallel between them.
+the replicas are dealt into W groups (replica i to group i mod W), each with its own event
+queue: group 0 in this process, which also holds the workload, the router and the report grid,
+and groups 1..W-1 in forked worker processes. At each arrival every group gets one message:
+take the previous arrival (the group holding the replica the router picked), run your events up
+to the report's grid point and report, run them up to this arrival; each answers with the
+offer's outcome, its load reports and what finished. The router then ranks the arrival. One
+round trip per arrival; the groups run in parallel between them, the ranking does not.
 
-Why it gives the serial run's results exactly: a worker processes its replicas' events in the
-serial loop's order (time, then replica index, then push order); events of replicas held by
-different workers never affect each other; the router's books change only by sends and
+Why it gives the one-process results exactly: a group processes its replicas' events in the
+serial loop's order (time, then replica index, then push order); events of replicas in
+different groups never affect each other; the router's books change only by sends and
 finishes, and a finish on one replica commutes with one on another (the books are per
 replica); the report the router holds at an arrival is the one at the last grid point before
 it, which holds what every event before that point left, whichever event took it. The
 finished records are put back in the serial order (event time, then replica index). A test
-compares the two runs field by field.
+compares the two runs record by record.
 
-NOTE: with queue caps configured (QueueFull possible) the parent waits for each offer's outcome
-before the next arrival (a refusal sends the request to the router's next choice at the same
-time): a second round trip per arrival.
+What it gains is bounded by the lockstep: per arrival the slowest group's events, then the
+ranking alone. Between two arrivals there are few heavy events (a scheduler pass over a full
+batch, a decode stretch opened or closed), and they land on one group or the other.
+
+NOTE: with queue caps configured (QueueFull possible) each offer's outcome is awaited before
+the next arrival (a refusal sends the request to the router's next choice at the same time):
+a second round trip per arrival.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from everystop.sim.fleet import (
     FleetResult,
     Replica,
     _check_fleet_args,
+    _gc_frozen,
     _last_grid_point,
     _replica_event,
     offer,
@@ -161,26 +167,43 @@ def _serve(conn: Connection, indices: list[int], setup: SimSetup,
 
 
 class _Workers:
-    def __init__(self, num_workers: int, num_replicas: int, setup: SimSetup,
+    """The groups: group 0 in this process (the parent's cores would idle while it waits),
+    groups 1.. in forked worker processes. `send` then `recv` per group; the local group runs
+    at its `send`, so send to it last (after the others have their work)."""
+
+    def __init__(self, num_groups: int, num_replicas: int, setup: SimSetup,
                  latency_fn: Callable[[IterationShape], float], decode_stretches: bool) -> None:
         # fork: the workers inherit the setup and the latency function (often a closure)
         # instead of pickling them.
         ctx = multiprocessing.get_context("fork")
-        self.conns: list[Connection] = []
-        self.procs = []
-        for w in range(num_workers):
+        self.num_groups = num_groups
+        self.conns: dict[int, Connection] = {}
+        self.procs = {}
+        for w in range(1, num_groups):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, daemon=True,
-                            args=(child, list(range(w, num_replicas, num_workers)), setup,
+                            args=(child, list(range(w, num_replicas, num_groups)), setup,
                                   latency_fn, decode_stretches))
             p.start()
             child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
-        for w in range(num_workers):
+            self.conns[w], self.procs[w] = parent, p
+        self.local = _Group(list(range(0, num_replicas, num_groups)), setup, latency_fn,
+                            decode_stretches)
+        self.local_reply: Any = None
+        for w in range(1, num_groups):
             self.recv(w)
 
+    def send(self, w: int, msg: tuple) -> None:
+        if w:
+            self.conns[w].send(msg)
+        elif msg[0] == "step":
+            self.local_reply = self.local.step(*msg[1:])
+        else:
+            self.local_reply = self.local.result()
+
     def recv(self, w: int) -> Any:
+        if not w:
+            return self.local_reply
         try:
             kind, payload = self.conns[w].recv()
         except EOFError:
@@ -191,10 +214,10 @@ class _Workers:
         return payload
 
     def close(self) -> None:
-        for conn in self.conns:
+        for conn in self.conns.values():
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("close",))
-        for p in self.procs:
+        for p in self.procs.values():
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
@@ -212,19 +235,20 @@ def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
     cfg = setup.scheduler
     # With queue caps, an offer may be refused and the next replica tried at the same time.
     may_refuse = bool(cfg.max_queued_per_tenant or any(cfg.max_queued_per_tier))
-    num_workers = min(workers, num_replicas)
-    pool = _Workers(num_workers, num_replicas, setup, latency_fn, decode_stretches)
-    try:
-        return _drive(pool, requests, router, num_replicas, stats_interval_s, setup.block_size,
-                      may_refuse)
-    finally:
-        pool.close()
+    with _gc_frozen():  # as the one-process run (its group 0 runs here)
+        pool = _Workers(min(workers, num_replicas), num_replicas, setup, latency_fn,
+                        decode_stretches)
+        try:
+            return _drive(pool, requests, router, num_replicas, stats_interval_s,
+                          setup.block_size, may_refuse)
+        finally:
+            pool.close()
 
 
 def _drive(pool: _Workers, requests: Iterable[FleetRequest], router: Router,
            num_replicas: int, stats_interval_s: float, block_size: int,
            may_refuse: bool) -> FleetResult:
-    num_workers = len(pool.conns)
+    num_workers = pool.num_groups
     want_hashes = isinstance(router, PrefixAffinityRouter)
     routes: dict[str, tuple[str, RouteRequest]] = {}  # request id -> (replica id, route)
     finished: list[tuple[float, int, Finished]] = []
@@ -237,9 +261,9 @@ def _drive(pool: _Workers, requests: Iterable[FleetRequest], router: Router,
 
     def exchange(report_at: float | None, until: float) -> None:
         nonlocal handed
-        for w, conn in enumerate(pool.conns):
+        for w in reversed(range(num_workers)):  # the local group (0) last
             give = (handed[1], handed[2]) if handed is not None and handed[0] == w else None
-            conn.send(("step", give, report_at, report_seq, until))
+            pool.send(w, ("step", give, report_at, report_seq, until))
         replies = [pool.recv(w) for w in range(num_workers)]
         # The hand-over happened at the previous arrival, before anything in these replies.
         for taken, _, _ in replies:
@@ -286,10 +310,9 @@ def _drive(pool: _Workers, requests: Iterable[FleetRequest], router: Router,
         _offer_in_turn(pool, spec, route, ranked, router, routes, rejected)
     exchange(None, math.inf)
 
-    results = []
-    for w, conn in enumerate(pool.conns):
-        conn.send(("result",))
-        results.append(pool.recv(w))
+    for w in reversed(range(num_workers)):
+        pool.send(w, ("result",))
+    results = [pool.recv(w) for w in range(num_workers)]
     stuck = sorted(i for res in results for i in res["stuck"])
     if stuck:
         raise RuntimeError(f"replicas {[f'r{i}' for i in stuck]} cannot run anything and no "
@@ -310,13 +333,13 @@ def _offer_in_turn(pool: _Workers, spec: FleetRequest, route: RouteRequest, rank
                    router: Router, routes: dict[str, tuple[str, RouteRequest]],
                    rejected: dict[str, str]) -> None:
     """The router's choices in turn, each answered before the next (QueueFull: the next)."""
-    num_workers = len(pool.conns)
+    num_workers = pool.num_groups
     reason = "no replica"
     for replica_id in ranked:
         index = int(replica_id.removeprefix("r"))
         w = index % num_workers
         # A step to the arrival's own time: hand it over, run nothing further.
-        pool.conns[w].send(("step", (index, spec), None, 0, spec.arrival_s))
+        pool.send(w, ("step", (index, spec), None, 0, spec.arrival_s))
         (ok, why, refusal), _, (done, ended, refused) = pool.recv(w)
         assert not done and not ended and not refused
         if ok:
