@@ -447,6 +447,8 @@ def _running_it() -> list[str]:
         "everystop simulate --replicas 16 --workload my_trace.json",
         "# router information delay: fresh stats every 5 s (0 = every request)",
         "everystop simulate --replicas 16 --stats-interval-s 5 --traffic 'n=20000,rate=150'",
+        "# the replicas on two processes (one per core; the same results)",
+        "everystop simulate --replicas 64 --workers 2 --traffic 'n=20000,rate=500'",
         "# capacity plan",
         "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
         "    --slo-ttft-p99 1.0 --slo-tpot-p50 0.05",
@@ -454,6 +456,8 @@ def _running_it() -> list[str]:
         "everystop bench fleet-report",
         "everystop bench fleet-speed --requests 20000 --baseline-src OLD_TREE/src \\",
         "    --out benchmarks/results/sim/fleet_speed.json",
+        "everystop bench fleet-speed --requests 60000 --profile-requests 1000 --workers 2 \\",
+        "    --out benchmarks/results/sim/fleet_speed_parallel.json",
         "```",
         "",
         "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "
