@@ -52,6 +52,7 @@ from everystop.sim.simulator import SimSetup
 
 ARRIVAL, PASS = 0, 1  # event kinds: at equal times arrivals go first (the single-node order)
 PASS_END = -1  # the token of a pass's end; a pass start carries its replica's wake token
+TAKEN, FULL, REJECTED = "taken", "full", "rejected"  # what offer() says of an arrival
 
 
 @dataclass
@@ -107,7 +108,6 @@ class Replica:
         self.stretch: DecodeStretch | None = None
         self.stretch_token = PASS_END  # stretch events carry tokens below PASS_END
         self.stretch_at = 0  # the boundary of the stretch's pending event
-        self.last_refusal = ""  # why the last offer() it refused (QueueFull) was refused
 
     @property
     def busy(self) -> bool:
@@ -400,24 +400,23 @@ def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
     reason = "no replica"
     for replica_id in router.rank(route, loads):
         r = replicas[int(replica_id.removeprefix("r"))]
-        taken, why = offer(r, spec, route, wake, cut)
-        if taken:
+        outcome, why = offer(r, spec, route, wake, cut)
+        if outcome == TAKEN:
             router.on_sent(r.replica_id, route)
             return
-        if why is not None:  # RequestRejected: no replica could ever run it
+        if outcome == REJECTED:  # no replica could ever run it
             rejected[spec.request_id] = why
             return
-        reason = r.last_refusal
+        reason = why  # QueueFull: the next one
     rejected[spec.request_id] = reason
 
 
 def offer(r: Replica, spec: FleetRequest, route: object,
           wake: Callable[[Replica, float], None],
-          cut: Callable[[Replica, float], None]) -> tuple[bool, str | None]:
-    """Hand an arrival to replica `r` at its arrival time: (True, None) if it took it, (False,
-    None) on QueueFull (the router tries the next; the reason is left in `r.last_refusal`),
-    (False, reason) if it can never run (RequestRejected). `route` is what `r.routed` keeps
-    for the router's on_finished."""
+          cut: Callable[[Replica, float], None]) -> tuple[str, str]:
+    """Hand an arrival to replica `r` at its arrival time: (TAKEN, ""), (FULL, why) on
+    QueueFull (the router tries its next choice), or (REJECTED, why) if it can never run
+    (RequestRejected). `route` is what `r.routed` keeps for the router's on_finished."""
     req = Request(spec.request_id, spec.prompt_token_ids,
                   SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
                   arrival_time=spec.arrival_s, priority=spec.priority, tenant=spec.tenant)
@@ -431,10 +430,9 @@ def offer(r: Replica, spec: FleetRequest, route: object,
         try:
             r.sched.add_request(req)
         except QueueFull as exc:
-            r.last_refusal = str(exc)
-            return False, None  # the router tries the next replica, as the live one does
+            return FULL, str(exc)  # the router tries the next replica, as the live one does
         except RequestRejected as exc:
-            return False, str(exc)
+            return REJECTED, str(exc)
         if r.wake_at is None or r.wake_at > spec.arrival_s:
             # Idle, or stalled until a later timeout: this arrival wakes it now (a stalled
             # replica's clock has to move, as the single-node loop's does).
@@ -442,7 +440,7 @@ def offer(r: Replica, spec: FleetRequest, route: object,
             wake(r, r.clock.now)
     r.routed[spec.request_id] = (req, route)
     r.num_routed += 1
-    return True, None
+    return TAKEN, ""
 
 
 def _add(r: Replica, req: Request, router: FinishListener, rejected: dict[str, str]) -> None:

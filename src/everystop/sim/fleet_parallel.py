@@ -48,6 +48,8 @@ from everystop.routing.policies import PrefixAffinityRouter
 from everystop.sim.cost_model import IterationShape
 from everystop.sim.fleet import (
     PASS,
+    REJECTED,
+    TAKEN,
     Finished,
     FleetResult,
     Replica,
@@ -117,12 +119,13 @@ class _Group:
 
     def step(self, handed: tuple[int, FleetRequest] | None, report_at: float | None,
              report_seq: int, until: float) -> tuple[Any, list[ReplicaLoad] | None, Any]:
-        taken = None
+        """One message: the arrival `handed` over to one of these replicas (at its arrival
+        time, where this group stands), a report at `report_at`, then every event before
+        `until`. Returns offer()'s outcome, the reports, and (finished, ended, rejected)."""
+        outcome = None
         if handed is not None:
             index, spec = handed
-            r = self.replicas[index]
-            ok, why = offer(r, spec, spec.request_id, self.wake, self.cut)
-            taken = (ok, why, r.last_refusal)
+            outcome = offer(self.replicas[index], spec, spec.request_id, self.wake, self.cut)
         loads = None
         if report_at is not None:
             self.advance(report_at)
@@ -130,7 +133,7 @@ class _Group:
         self.advance(until)
         news = (self.finished, self.ended, self.rejected)
         self.finished, self.ended, self.rejected = [], [], {}
-        return taken, loads, news
+        return outcome, loads, news
 
     def result(self) -> dict[str, Any]:
         rs = self.replicas.values()
@@ -266,15 +269,16 @@ def _drive(pool: _Workers, requests: Iterable[FleetRequest], router: Router,
             pool.send(w, ("step", give, report_at, report_seq, until))
         replies = [pool.recv(w) for w in range(num_workers)]
         # The hand-over happened at the previous arrival, before anything in these replies.
-        for taken, _, _ in replies:
-            if taken is not None:
+        for given, _, _ in replies:
+            if given is not None:
                 assert handed is not None
                 _, index, spec, route = handed
-                ok, why, _ = taken
-                if ok:
+                outcome, why = given
+                if outcome == TAKEN:
                     routes[spec.request_id] = (f"r{index}", route)
                     router.on_sent(f"r{index}", route)
-                else:  # RequestRejected (a QueueFull is handled before, see may_refuse)
+                else:  # REJECTED (without queue caps no FULL: see may_refuse)
+                    assert outcome == REJECTED, outcome
                     rejected[spec.request_id] = why
         for _, worker_loads, (done, ended, refused) in replies:
             if worker_loads is not None:
@@ -340,15 +344,15 @@ def _offer_in_turn(pool: _Workers, spec: FleetRequest, route: RouteRequest, rank
         w = index % num_workers
         # A step to the arrival's own time: hand it over, run nothing further.
         pool.send(w, ("step", (index, spec), None, 0, spec.arrival_s))
-        (ok, why, refusal), _, (done, ended, refused) = pool.recv(w)
+        (outcome, why), _, (done, ended, refused) = pool.recv(w)
         assert not done and not ended and not refused
-        if ok:
+        if outcome == TAKEN:
             routes[spec.request_id] = (replica_id, route)
             router.on_sent(replica_id, route)
             return
-        if why is not None:
+        if outcome == REJECTED:
             rejected[spec.request_id] = why
             return
-        reason = refusal
+        reason = why
     rejected[spec.request_id] = reason
 
