@@ -130,15 +130,19 @@ def test_replayed_trace_matches_the_single_node_simulator_on_one_replica(tmp_pat
     assert fleet["ttft_p99_ms"] == summarize(single)["ttft_p99_ms"]
 
 
+PLAN_ARGS = ["simulate", "plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp", "1",
+             "--rate", "60", "--slo-ttft-p99", "0.3", "--slo-tpot-p50", "0.02",
+             "--traffic", "prompt=uniform:32:512,output=uniform:4:32", "--duration-s", "3",
+             "--min-requests", "100"]
+
+
 def test_plan_finds_the_fewest_replicas_that_meet_the_slo(tmp_path):
-    out = tmp_path / "plan.json"
-    rc = main(["simulate", "plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp",
-               "1", "--rate", "60", "--slo-ttft-p99", "0.3", "--slo-tpot-p50", "0.02",
-               "--traffic", "prompt=uniform:32:512,output=uniform:4:32", "--duration-s", "3",
-               "--min-requests", "100",
-               "--out", str(out)])
-    assert rc == 0
+    out, out2 = tmp_path / "plan.json", tmp_path / "plan2.json"
+    assert main([*PLAN_ARGS, "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
+    # on two processes per fleet run: the same search, the same plan
+    assert main([*PLAN_ARGS, "--workers", "2", "--out", str(out2)]) == 0
+    assert json.loads(out2.read_text()) == plan
     curve = {p["replicas"]: p for p in plan["curve"]}
     n = plan["replicas"]
     assert curve[n]["meets_slo"] and curve[n]["ttft_p99_ms"] <= 300

@@ -69,6 +69,7 @@ class Planner:
     seed: int = 0
     resolution: float = 0.02  # relative precision of the replica count
     progress: Callable[[dict], None] | None = None
+    workers: int = 1  # processes per fleet run (sim/fleet_parallel.py; the same results)
     _single: tuple[float, list[dict]] | None = field(default=None, init=False, repr=False)
 
     def evaluate(self, replicas: int, rate: float) -> dict:
@@ -77,7 +78,7 @@ class Planner:
         result = simulate_fleet(fleet_traffic(spec, self.node.cost.model.max_model_len),
                                 self.node.setup, self.node.cost.latency, replicas,
                                 make_router(self.router, seed=self.seed),
-                                stats_interval_s=self.stats_interval_s)
+                                stats_interval_s=self.stats_interval_s, workers=self.workers)
         summary = summarize_fleet(result, self.price_per_replica_hour)
         point = {"replicas": replicas, "rate_rps": rate, "meets_slo": self.slo.met(summary),
                  **{k: summary[k] for k in ("num_finished", "ttft_p50_ms", "ttft_p99_ms",

@@ -38,17 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="relative precision of the replica count (0.02: within 2%%)")
     p.add_argument("--max-replicas", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes per simulated fleet (the same plan; one per core helps most)")
     p.add_argument("--out", type=Path, default=None, help="write the plan JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, not {args.workers}")
         node = build_node(args.model, args.hardware, args.tp)
         price, source = replica_price(args.hardware, args.tp, args.price_per_gpu_hour)
         planner = Planner(node, SLO(args.slo_ttft_p99, args.slo_tpot_p50), price,
                           traffic=args.traffic, router=args.router, duration_s=args.duration_s,
                           stats_interval_s=args.stats_interval_s, seed=args.seed,
                           resolution=args.resolution, min_requests=args.min_requests,
+                          workers=args.workers,
                           progress=lambda p: print(json.dumps(p), file=sys.stderr))
         plan = planner.plan(args.rate, args.max_replicas)
     except ValueError as exc:
