@@ -8,6 +8,7 @@ import pytest
 
 from everystop.core.scheduler import Scheduler
 from everystop.routing import make_router
+from everystop.sim.decode_stretch import DecodeStretch
 from everystop.sim.fleet import FleetResult, Replica, simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
@@ -68,17 +69,30 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
         return event
 
     schedule = Scheduler.schedule
-    tpot_stretches = []
+    tpot_stretches, lazy_rows = [], []
 
     def schedule_spy(self):
         out = schedule(self)
         tpot_stretches.append(out.tpot_stretch)
+        lazy_rows.append(out.num_lazy_decodes)
         return out
+
+    give_back = DecodeStretch.give_back
+    given_back = []
+
+    def give_back_spy(self, step):
+        given_back.append(self.begun)
+        give_back(self, step)
 
     monkeypatch.setattr(Replica, "begin", spy)
     monkeypatch.setattr(Scheduler, "schedule", schedule_spy)
+    monkeypatch.setattr(DecodeStretch, "give_back", give_back_spy)
     fast = _run(case, True)
     assert sum(stretched) >= 10  # stretches really ran
+    # and rode along the scheduler's own passes (lazy rows), given back where it preempted
+    assert sum(n > 0 for n in lazy_rows) >= 10
+    if case in ("tight-pool", "pool-runs-dry", "priority-aging"):
+        assert given_back
     slow = _run(case, False)
     assert len(fast.finished) >= 60 and fast.num_preemptions >= 0
     assert _facts(fast) == _facts(slow)

@@ -74,7 +74,8 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the previous step.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Decode-shaped rows, static padding rows included (they cost the same compute).
+    # Decode-shaped rows, static padding rows included (they cost the same compute), and the
+    # lazy ones below.
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     num_padding_tokens: int = 0
@@ -85,6 +86,11 @@ class SchedulerOutput:
     tpot_target_s: float | None = None
     tpot_stretch: float = 1.0
     prefill_budget_tokens: int = 0
+    # Decode rows the pass runs that `scheduled` does not list: those a caller keeps in bulk
+    # (Scheduler.lazy, the fleet simulator's decode stretch); their count and the context they
+    # read (positions + 1, summed). Always 0 in the engine.
+    num_lazy_decodes: int = 0
+    lazy_context_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -92,7 +98,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return not (self.scheduled or self.num_lazy_decodes or self.blocks_to_swap_out
+                    or self.blocks_to_swap_in)
 
 
 @dataclass

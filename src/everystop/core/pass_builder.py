@@ -28,10 +28,13 @@ class PassBuilder:
     stretched: dict[str, float] = field(default_factory=dict)
     # Static padding rows among `decodes` (counted as emitted: never dropped, see drop()).
     num_padding: int = 0
+    # Decode rows a caller keeps in bulk (Scheduler.lazy), budgeted but not in `decodes`.
+    num_lazy: int = 0
+    lazy_context: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills)
+        return not (self.decodes or self.prefills or self.num_lazy)
 
     def prefill_size(self, cfg: SchedulerConfig, req: Request, start: int) -> int:
         """Prefill tokens `req` gets this pass from position `start` (see core/step_budget.py
@@ -48,7 +51,7 @@ class PassBuilder:
             stretch = 1.0
             if (cfg.ttft_target_ms != 0 and budget.timed
                     and budget.targets_s[req.priority] is not None):
-                if not self.decodes:
+                if not (self.decodes or self.num_lazy):
                     chunk = budget.max_tokens  # rule 6: nothing to interleave with
                 elif cfg.tpot_max_stretch > 1.0 and budget.may_stretch(req.priority):
                     lateness = waited + budget.alone_s(remaining, start)  # rule 5
@@ -68,8 +71,9 @@ class PassBuilder:
             return remaining
         return 0
 
-    def emit(self, req: Request, n: int, block_ids: list[int]) -> None:
-        """Schedule tokens num_computed_tokens .. +n of `req`."""
+    def emit(self, req: Request, n: int, block_ids: list[int], budgeted: bool = False) -> None:
+        """Schedule tokens num_computed_tokens .. +n of `req` (`budgeted`: a lazy decode row
+        given back, whose budget was counted already)."""
         # NOTE: runs once per scheduled row (the simulator's hot path): lengths are read once,
         # the token slice (Request.token_slice) and a decode row's budget (StepBudget.add)
         # are inlined, and the row is built positionally.
@@ -95,6 +99,8 @@ class PassBuilder:
         budget = self.budget
         if n == 1 and end == num_prompt + num_output:
             self.decodes[rid] = entry
+            if budgeted:
+                return
             budget.add_decode_row(start, req.priority)
         else:
             self.prefills[rid] = entry
@@ -128,7 +134,8 @@ class PassBuilder:
     def finish(self) -> SchedulerOutput:
         out, budget = self.out, self.budget
         out.scheduled = [*self.decodes.values(), *self.prefills.values()]
-        out.num_decode_tokens = len(self.decodes)
+        out.num_decode_tokens = len(self.decodes) + self.num_lazy
+        out.num_lazy_decodes, out.lazy_context_tokens = self.num_lazy, self.lazy_context
         out.num_padding_tokens = self.num_padding
         out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())
         out.predicted_time_s = budget.predicted_s

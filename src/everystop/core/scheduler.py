@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from everystop.config import SchedulerConfig
 from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
@@ -55,6 +56,23 @@ from everystop.core.request_queue import RequestQueue
 from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
+
+
+class LazyDecodes(Protocol):
+    """Decode rows held in bulk by the caller: the first rows of `running`, in its order, each
+    decoding one token per pass, their tokens brought up to date only when given back."""
+
+    def begin_pass(self, step: PassBuilder) -> int:
+        """At the pass's start: grow the rows' blocks and add them to the budget, in running
+        order, as step 1 would; how many leading rows of `running` that covers (0: it gave
+        them back instead, e.g. the pool is short for their growth)."""
+        ...
+
+    def give_back(self, step: PassBuilder) -> None:
+        """Bring the rows up to date; if this pass had begun, emit them first in `step`'s
+        decodes (budget already counted). The scheduler then treats them as any row."""
+        ...
+
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
 
@@ -90,6 +108,10 @@ class Scheduler:
         self.auto_tpot_target_s = default_target_s(self.step_cost)
         self.last_prefill_budget_tokens = config.max_num_batched_tokens
         self._tier_targets = TierTargets()
+        # Decode rows a caller keeps in bulk: the fleet simulator's decode stretch holds the
+        # first rows of `running` through passes the scheduler runs (LazyDecodes). None in the
+        # engine.
+        self.lazy: LazyDecodes | None = None
 
     # -- intake ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -143,6 +165,8 @@ class Scheduler:
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
             self._release_padding()
+        if self.lazy is not None and len(self.running) > self.num_seats:
+            self._give_back_lazy(step)
         while len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
             self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
         if cfg.scheduling == "static":
@@ -168,7 +192,9 @@ class Scheduler:
         # Those not decoding, for step 2: the rows running after step 1 that are not decodes
         # (step 1 only removes from `running`, and emits or preempts every decode it visits).
         prefilling = []
-        for req in list(self.running):
+        # The lazy rows (the first of `running`) grow and are budgeted in bulk, in this order.
+        skip = self.lazy.begin_pass(step) if self.lazy is not None else 0
+        for req in self.running[skip:]:
             if req.status is not running:
                 continue
             computed = req.num_computed_tokens
@@ -186,6 +212,13 @@ class Scheduler:
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
                 self._emit(step, req, n)
+
+    def _give_back_lazy(self, step: PassBuilder) -> None:
+        """The lazy rows become ordinary rows of this pass (up to date, and emitted first if
+        their pass had begun): a preemption is about to rank them."""
+        lazy, self.lazy = self.lazy, None
+        assert lazy is not None
+        lazy.give_back(step)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
@@ -262,6 +295,8 @@ class Scheduler:
         progress - the engine cannot deadlock on KV memory."""
         if self.kv.allocate(req, n):
             return True
+        if self.lazy is not None:  # a victim may be among them
+            self._give_back_lazy(step)
         cfg, now = self.config, step.now
         rank = victim_rank(req, cfg, now)
         while not self.kv.allocate(req, n):
@@ -277,6 +312,8 @@ class Scheduler:
     def _preempt_worse_tier(self, req: Request, step: PassBuilder) -> bool:
         """Free a seat or blocks for a waiting request by preempting a running one of a strictly
         lower tier (never a protected one, never one admitted this step)."""
+        if self.lazy is not None:  # a victim may be among them
+            self._give_back_lazy(step)
         cfg, now = self.config, step.now
         victims = [r for r in self.running if r.priority > req.priority
                    and r.request_id not in step.admitted_now

@@ -35,7 +35,7 @@ class StepShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
-        context = 0
+        context = out.lazy_context_tokens
         for e in out.scheduled:  # sum(e.seq_len ...) without a property call per row
             context += e.start_pos + len(e.token_ids)
         return cls(out.num_prefill_tokens, out.num_decode_tokens, context)

@@ -19,9 +19,22 @@ Tokens and positions of a row are brought up to date only when one of those touc
 the stretch's end), so a pass costs the cost model's arithmetic plus the rows that cross a block
 boundary in it. The fleet loop makes every change visible when the real loop would: a finish is
 an event at its pass end (router.on_finished), a load report first applies the passes that ended
-before it, and an arrival routed here ends the stretch with the pass it arrived in; the next
-pass is then scheduled for real. A pass that would run the pool dry (the scheduler would
-preempt) also ends the stretch before it starts.
+before it, and an arrival routed here ends the planned passes with the pass it arrived in; the
+next passes are then the scheduler's. A pass that would run the pool dry (the scheduler would
+preempt) also ends the planned passes before it starts.
+
+Mixed passes: the rows stay the stretch's while the scheduler runs the passes that admit and
+prefill the newcomer (`to_mixed`). They are the first rows of `Scheduler.running`, held as
+`Scheduler.lazy`: at each such pass's start the scheduler has the stretch grow their blocks and
+add them to the pass's budget, in running order, as its own decode loop would (`begin_pass`),
+and walks only the other rows; the pass's shape counts them (`SchedulerOutput.num_lazy_decodes`);
+at its end the stretch applies their registrations and finishes before `update_from_output`
+does the other rows' (`end_mixed`: their order in the pass). Once every running row decodes and
+nothing waits, the newcomers join the stretch at that boundary (`absorb`) and planned passes
+resume. Where the scheduler would rank the rows for a preemption (a pool short for growth, a
+seat or blocks for a better tier), it first takes them back, brought up to date and emitted
+as its own rows of that pass (`give_back`), and the stretch is over. A newcomer thus costs the
+rows it adds, not a walk over every row of the replica per pass.
 
 NOTE: the step-cost fit (`Scheduler.step_cost`) is replayed pass by pass only when a TPOT target
 is on, the one case where it steers a decision (the prefill budget); with every target off it
@@ -36,6 +49,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from everystop.core.intake import model_len_limit
+from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
 from everystop.core.step_budget import tier_targets_s
@@ -49,8 +63,9 @@ TOKEN = SimExecutor.SAMPLED_TOKEN
 FIRST_PLAN_PASSES = 8
 
 
-def can_stretch(sched: Scheduler, num_inbox: int) -> bool:
-    """Whether the replica's next pass is pure decode with nothing that could join it."""
+def can_stretch(sched: Scheduler, num_inbox: int, skip: int = 0) -> bool:
+    """Whether the replica's next pass is pure decode with nothing that could join it (the
+    first `skip` running rows are a stretch's already)."""
     if (num_inbox or not sched.running or sched.waiting or sched.preempted or sched.swapped
             or sched.config.scheduling != "continuous" or sched.oom_seat_cap.limit is not None
             or len(sched.running) > sched.num_seats):
@@ -58,7 +73,7 @@ def can_stretch(sched: Scheduler, num_inbox: int) -> bool:
     running = RequestStatus.RUNNING
     # Newest first: a prompt still mid-prefill (the usual reason to say no once the queues are
     # empty) was admitted last, so the scan stops at once rather than after every decode row.
-    for req in reversed(sched.running):
+    for req in reversed(sched.running[skip:]):
         params = req.sampling_params
         if (req.status is not running or not req.output_token_ids
                 or len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -117,6 +132,7 @@ class DecodeStretch:
         self.grow_count: dict[int, int] = {}
         self.grow_frontier = 1
         self.unapplied_grows = 0
+        self.plan_grows: dict[int, int] = {}  # pass -> growth plan() counted at its start
         # NOTE: one loop per stretch over every row (a stretch starts after each mixed pass),
         # so it binds what it uses once. Each row is filed under the next pass end that touches
         # it (on_end): the one that fills its block (prefix caching on) or its last token's.
@@ -145,6 +161,11 @@ class DecodeStretch:
         self.finishes = [(f, i) for i, f in enumerate(finish_at)]
         heapq.heapify(self.finishes)
         self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
+        self.order = list(range(n))  # the live rows, in running order
+        # Mixed passes (the scheduler's, with these rows lazy in them: Scheduler.lazy): on
+        # between an arrival and the moment every row decodes again (absorb); `begun`: this
+        # pass's rows are budgeted; `dead`: given back to the scheduler, the stretch is over.
+        self.mixed = self.begun = self.dead = False
         # The first pass's own growth must fit, or the scheduler would preempt in it.
         self.ok = self.unapplied_grows <= self.kv.pool.num_free_blocks
 
@@ -170,6 +191,7 @@ class DecodeStretch:
                     free -= g
                     self.unapplied_grows += g
                     self.grow_count[j - 1 + bs] = self.grow_count.get(j - 1 + bs, 0) + g
+                    self.plan_grows[j] = g
                 self.grow_frontier = j
             ctx += n
             dt = latency_fn(IterationShape(n, n, 0, ctx, ctx, n))
@@ -199,7 +221,7 @@ class DecodeStretch:
         """Apply every pass end up to `boundary` (and the next pass's start if `start_next`);
         the requests that finished, in the order the scheduler finishes them."""
         finished: list[Request] = []
-        sched, kv, bs = self.sched, self.kv, self.bs
+        sched = self.sched
         for j in range(self.applied + 1, boundary + 1):
             if self.started < j - 1:
                 self._start(j - 1)
@@ -208,55 +230,199 @@ class DecodeStretch:
             self.account(dt)
             if self.replay_fit:
                 sched.step_cost.observe(StepShape(0, self.pass_rows[j], self.pass_context[j]), dt)
-            rows = self.on_end.pop(j, None)
-            if not rows:
-                continue
-            self.clock.now = self.times[j]
-            # NOTE: once per row per block it fills, so inline: the row's tokens are brought up
-            # to j (`at`), then it is filed under its next pass end that touches it.
-            caching, base, finish_at, at, all_rows = (self.caching, self.base, self.finish_at,
-                                                      self.at, self.rows)
-            on_end = self.on_end
-            if len(rows) > 1:
-                rows.sort()
-            for i in rows:
-                req = all_rows[i]
-                k = j - at[i]
-                if k:
-                    req.num_computed_tokens += k
-                    req.output_token_ids.extend([TOKEN] * k)
-                    at[i] = j
-                if caching and (base[i] + j) % bs == 0:
-                    kv.cache_computed_blocks(req)
-                if j == finish_at[i]:
-                    sched.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
-                    finished.append(req)
-                    self._drop(i, j)
-                else:
-                    nxt = finish_at[i]
-                    if caching:
-                        nxt = min(nxt, j + 1 + (-(base[i] + j + 1)) % bs)
-                    on_end.setdefault(nxt, []).append(i)
+            if j in self.on_end:
+                self._apply_end(j, finished)
         if start_next and self.started < boundary:
             self._start(boundary)
         return finished
 
+    def _apply_end(self, j: int, finished: list[Request]) -> None:
+        """Pass j's end for the rows it touches: a filled block registered, a last token's row
+        finished (appended to `finished`)."""
+        rows = self.on_end.pop(j)
+        self.clock.now = self.times[j]
+        # NOTE: once per row per block it fills, so inline: the row's tokens are brought up
+        # to j (`at`), then it is filed under its next pass end that touches it.
+        sched, kv, bs = self.sched, self.kv, self.bs
+        caching, base, finish_at, at, all_rows = (self.caching, self.base, self.finish_at,
+                                                  self.at, self.rows)
+        on_end = self.on_end
+        if len(rows) > 1:
+            rows.sort()
+        for i in rows:
+            req = all_rows[i]
+            k = j - at[i]
+            if k:
+                req.num_computed_tokens += k
+                req.output_token_ids.extend([TOKEN] * k)
+                at[i] = j
+            if caching and (base[i] + j) % bs == 0:
+                kv.cache_computed_blocks(req)
+            if j == finish_at[i]:
+                sched.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(req)
+                self._drop(i, j)
+            else:
+                nxt = finish_at[i]
+                if caching:
+                    nxt = min(nxt, j + 1 + (-(base[i] + j + 1)) % bs)
+                on_end.setdefault(nxt, []).append(i)
+
     def close(self, boundary: int) -> None:
         """The stretch ends at `boundary` (its pass end applied): rows brought up to it."""
         assert self.applied == boundary and self.started < boundary
-        tokens = TOKEN
-        for req, finish, at in zip(self.rows, self.finish_at, self.at):  # rows still running
-            if finish > boundary and at < boundary:
-                req.num_computed_tokens += boundary - at
-                req.output_token_ids.extend([tokens] * (boundary - at))
-        self.at = [boundary] * len(self.rows)
+        self._bring_up(boundary)
         self.clock.now = self.times[boundary]
 
-    def _start(self, boundary: int) -> None:
-        """The start of pass boundary+1: rows at a block boundary get their next block."""
+    def _bring_up(self, boundary: int) -> None:
+        rows, at, tokens = self.rows, self.at, TOKEN
+        for i in self.order:
+            k = boundary - at[i]
+            if k:
+                req = rows[i]
+                req.num_computed_tokens += k
+                req.output_token_ids.extend([tokens] * k)
+                at[i] = boundary
+
+    # -- mixed passes: the scheduler runs them, these rows ride along (Scheduler.lazy) ----------
+    def to_mixed(self) -> None:
+        """At the stretch's end boundary (applied, the next pass not started): the next passes
+        are the scheduler's, with these rows lazy in them. The plan past it is dropped."""
+        b = self.applied
+        assert self.started < b and self.alive
+        # The plan past b undone: its passes' growth counts moved back, as they were when b
+        # was the last pass planned (pending entries at or past b, none counted ahead).
+        grow_count, bs = self.grow_count, self.bs
+        for j in range(self.planned, b, -1):
+            g = self.plan_grows.get(j)
+            if g:
+                left = grow_count[j - 1 + bs] - g
+                if left:
+                    grow_count[j - 1 + bs] = left
+                else:
+                    del grow_count[j - 1 + bs]
+                grow_count[j - 1] = grow_count.get(j - 1, 0) + g
+                self.unapplied_grows -= g
+        self.plan_grows.clear()
+        assert self.unapplied_grows == 0
+        self.grow_frontier = b
+        extra = self.planned - b
+        if extra:
+            self.context -= self.alive * extra
+            for planned in (self.times, self.lat, self.pass_rows, self.pass_context):
+                del planned[b + 1:]
+            self.planned = b
+        self.end = None
+        self.mixed = True
+        self.sched.lazy = self
+        self.clock.now = self.times[b]
+
+    def begin_pass(self, step: PassBuilder) -> int:
+        """Scheduler.lazy's hook at a mixed pass's start (boundary b = applied): the rows at a
+        block boundary grow, then every row is budgeted, in running order, as step 1 would."""
+        b = self.applied
+        assert self.mixed and not self.begun and self.started == b - 1
+        growing = self.on_start.get(b)
+        if growing and len(growing) > self.kv.pool.num_free_blocks:
+            # The scheduler would preempt for this growth: it gets the rows back to do so.
+            self.sched.lazy = None
+            self.give_back(step)
+            return 0
+        g = self.grow_count.pop(b, 0)
+        assert g == len(growing or ())
+        if g:
+            self.grow_count[b + self.bs] = self.grow_count.get(b + self.bs, 0) + g
+            self.unapplied_grows += g  # counted, and applied at once by _start
+        self.grow_frontier = b + 1
+        self._start(b, mixed=True)
+        add, base, rows = step.budget.add_decode_row, self.base, self.rows
+        for i in self.order:
+            add(base[i] + b, rows[i].priority)
+        step.num_lazy = self.alive
+        step.lazy_context = self.context + self.alive
+        self.begun = True
+        return self.alive
+
+    def give_back(self, step: PassBuilder) -> None:
+        """Scheduler.lazy's hook before a preemption ranks the rows: up to date, emitted first
+        in this pass if it had begun (their budget is counted), and no longer this stretch's."""
+        b = self.applied
+        self._bring_up(b)
+        if self.begun:
+            others, step.decodes = step.decodes, {}
+            ids, rows = self.kv.block_ids, self.rows
+            for i in self.order:
+                req = rows[i]
+                step.emit(req, 1, ids(req.request_id), budgeted=True)
+            step.decodes.update(others)
+            step.num_lazy = step.lazy_context = 0
+        self.dead = True
+
+    def end_mixed(self, latency: float) -> list[Request]:
+        """A mixed pass ended (the clock is at its end): the rows' registrations and finishes,
+        before the scheduler's update_from_output for the other rows (their order in the
+        pass). The scheduler accounted for the pass and observed its cost."""
+        assert self.begun and not self.dead
+        self.begun = False
+        j = self.applied + 1
+        self.times.append(self.clock.now)
+        self.lat.append(latency)
+        self.pass_rows.append(self.alive)
+        self.context += self.alive
+        self.pass_context.append(self.context)
+        self.planned = self.applied = j
+        finished: list[Request] = []
+        if j in self.on_end:
+            self._apply_end(j, finished)
+        return finished
+
+    def absorb(self, num_inbox: int) -> bool:
+        """After a mixed pass: if every other running row now decodes and nothing waits, take
+        them in (at this boundary) and plan pure-decode passes again; False: not yet."""
+        sched = self.sched
+        if not can_stretch(sched, num_inbox, skip=self.alive):
+            return False
+        b = self.applied
+        bs, caching, held = self.bs, self.caching, self.kv.req_blocks
+        joining = sched.running[self.alive:]
+        growing = self.grow_count.get(b, 0) + sum(
+            len(held.get(req.request_id, ())) * bs == req.num_computed_tokens for req in joining)
+        if growing > self.kv.pool.num_free_blocks:
+            return False  # the next pass would preempt: the scheduler's, rows given back
+        max_len = model_len_limit(sched.config, self.kv)
+        for req in joining:
+            i = len(self.rows)
+            self.rows.append(req)
+            num_output = len(req.output_token_ids)
+            base = req.num_computed_tokens - b  # the row's position at boundary 0, virtually
+            finish = b + max(1, min(req.sampling_params.max_tokens - num_output,
+                                    max_len - len(req.prompt_token_ids) - num_output))
+            self.base.append(base)
+            self.at.append(b)
+            self.finish_at.append(finish)
+            g = len(held.get(req.request_id, ())) * bs - base
+            self.first_grow.append(g)
+            if g < finish:
+                self.on_start.setdefault(g, []).append(i)
+                self.grow_count[g] = self.grow_count.get(g, 0) + 1
+            nxt = min(finish, b + 1 + (-(base + b + 1)) % bs) if caching else finish
+            self.on_end.setdefault(nxt, []).append(i)
+            heapq.heappush(self.finishes, (finish, i))
+            self.context += base + b
+            self.alive += 1
+            self.order.append(i)
+        self.mixed = False
+        sched.lazy = None
+        self.look_ahead = FIRST_PLAN_PASSES
+        return True
+
+    def _start(self, boundary: int, mixed: bool = False) -> None:
+        """The start of pass boundary+1: rows at a block boundary get their next block (in a
+        mixed pass the scheduler counts the step and begins it itself)."""
         self.started = boundary
-        self.sched.num_steps += 1
-        self.kv.begin_step()  # as schedule() does: host blocks a swap-in read are free again
+        if not mixed:
+            self.sched.num_steps += 1
+            self.kv.begin_step()  # as schedule() does: host blocks a swap-in read are free
         rows = self.on_start.pop(boundary, None)
         if not rows:
             return
@@ -286,6 +452,8 @@ class DecodeStretch:
         assert (f, k) == (j, i) and j == self.planned
         self.alive -= 1
         self.context -= self.base[i] + j
+        self.rows[i] = None  # type: ignore[call-overload]  # a finished request is not kept
+        self.order.remove(i)
         g0 = self.first_grow[i]
         if g0 < j:  # its one pending planned growth, at or past the frontier, is void
             g = g0 + max(0, -(-(self.grow_frontier - g0) // self.bs)) * self.bs

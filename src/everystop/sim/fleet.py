@@ -22,7 +22,9 @@ G = k * stats_interval_s holds what every event before G left (whichever event c
 A replica that is pure decode with nothing waiting runs a `DecodeStretch` instead of one event
 per pass: its pass times are planned ahead and their effects applied lazily, made visible
 exactly where the per-pass loop would show them (sim/decode_stretch.py): the same results, a
-fraction of the work (`decode_stretches=False` runs every pass through the scheduler).
+fraction of the work (`decode_stretches=False` runs every pass through the scheduler). An
+arrival hands the next passes back to the scheduler, the stretch's rows riding along lazily
+(`Scheduler.lazy`) until every row decodes again.
 Requests are consumed lazily and forgotten when they finish (only their timings are kept), so a
 million requests fit in memory.
 """
@@ -111,7 +113,9 @@ class Replica:
 
     @property
     def busy(self) -> bool:
-        return self.in_pass is not None or self.stretch is not None
+        """A pass in flight, or a stretch's planned passes (in its mixed passes it rides
+        along the scheduler's, in_pass)."""
+        return self.in_pass is not None or (self.stretch is not None and not self.stretch.mixed)
 
     def account(self, latency: float) -> None:
         self.num_passes += 1
@@ -120,7 +124,12 @@ class Replica:
     def begin(self, decode_stretches: bool) -> tuple[float, int] | None:
         """Start the next work: a decode stretch where one can run, else one pass. The
         (time, token) of the event that ends it, or None if nothing could run."""
-        if decode_stretches and can_stretch(self.sched, len(self.inbox)):
+        st = self.stretch
+        if st is not None:  # in its mixed passes: back to planned passes once all decode
+            if st.absorb(len(self.inbox)):
+                self.stalled = False
+                return self.stretch_event()
+        elif decode_stretches and can_stretch(self.sched, len(self.inbox)):
             st = DecodeStretch(self.sched, self.clock, self.latency_fn, self.account)
             if st.ok:
                 st.advance(0, start_next=True)
@@ -147,8 +156,11 @@ class Replica:
         done = st.advance(boundary, start_next=False)
         over = st.end == boundary or st.alive == 0
         if over:
-            st.close(boundary)
-            self.stretch = None
+            if st.alive:  # the next passes are the scheduler's, with the rows lazy in them
+                st.to_mixed()
+            else:
+                st.close(boundary)
+                self.stretch = None
         # NOTE: the next pass's start is left to the next plan(), which first checks its
         # growth against the pool (the finishes just applied freed blocks; it may still be short).
         return [self.routed[r.request_id][0] for r in done], over
@@ -156,7 +168,7 @@ class Replica:
     def catch_up(self, before_s: float) -> None:
         """Apply the stretch's passes that ended before `before_s` (a report is due)."""
         st = self.stretch
-        if st is not None:
+        if st is not None and not st.mixed:
             b = st.boundaries_before(before_s)
             # b == applied too: a pass start deferred at a finish event (end_stretch_step)
             if b >= st.applied:
@@ -180,6 +192,8 @@ class Replica:
     def start_pass(self) -> float | None:
         """Schedule a pass now; its end time, or None if nothing could run."""
         out = self.sched.schedule()
+        if self.stretch is not None and self.stretch.dead:  # its rows were given back
+            self.stretch = None
         if out.is_empty:
             self.stalled = True
             return None
@@ -195,12 +209,19 @@ class Replica:
         out, self.in_pass = self.in_pass, None
         assert out is not None
         self.clock.advance(self.latency)
+        st = self.stretch
+        # The lazy rows come first in the pass: their ends before the scheduler's other rows.
+        lazy_done = (st.end_mixed(self.latency) if st is not None and out.num_lazy_decodes
+                     else [])
+        if st is not None and not st.alive:
+            self.stretch = self.sched.lazy = None
         sampled = dict.fromkeys([e.request_id for e in out.scheduled if e.sample],
                                 SimExecutor.SAMPLED_TOKEN)
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
         routed = self.routed
-        return [routed[u.request_id][0] for u in updates if u.finish_reason is not None]
+        return lazy_done + [routed[u.request_id][0] for u in updates
+                            if u.finish_reason is not None]
 
 
 def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
@@ -424,7 +445,7 @@ def offer(r: Replica, spec: FleetRequest, route: object,
         # NOTE: a busy replica queues it until the pass ends (the single-node loop adds
         # arrivals between passes); admission is checked then, so it cannot bounce here.
         r.inbox.append(req)
-        if r.stretch is not None:
+        if r.stretch is not None and not r.stretch.mixed:
             cut(r, spec.arrival_s)  # the pass it arrives in is the stretch's last
     else:
         try:
