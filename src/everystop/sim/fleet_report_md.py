@@ -111,7 +111,7 @@ def _speed() -> list[str]:
         *_speed_baseline(s),
         *_speed_long(),
         *_speed_growth(),
-        *_speed_parallel(),
+        *_speed_parallel(s),
         "",
         "How: a replica whose running sequences all decode with nothing waiting runs a decode "
         "stretch (`sim/decode_stretch.py`): its pass times are planned ahead from the cost model "
@@ -128,8 +128,8 @@ def _speed() -> list[str]:
         "registration hashes each block from the token tuple the pool keeps (one slice, not "
         "two), KV blocks have slots, and the stretches' per-row bookkeeping is inlined where it "
         "runs once per row per block; all of it the same behaviour (the same summary, the "
-        "exactness tests, and a new test of the registered hash chain). Session 12 (the "
-        "baseline above is the tree before it): a pass's rows share the KV manager's block-id "
+        "exactness tests, and a new test of the registered hash chain). Session 12: a pass's "
+        "rows share the KV manager's block-id "
         "list instead of copying it (the manager never changes a list once made, growth "
         "replaces it; the executor's input building, the tensor-parallel wire format and the "
         "out-of-memory back-off only read it); `ScheduledSequence`, `RequestUpdate` and "
@@ -142,34 +142,27 @@ def _speed() -> list[str]:
         "behaviour again: the same summary above, the exactness tests, tests/core and "
         "tests/engine.",
         "",
-        "Why 600 s is out of reach as built: the passes the scheduler runs itself (1.60 per "
-        "request at 20,000 requests, counted: a prompt's prefill chunks of up to 512 tokens, "
-        "while every other row of the replica decodes) walk every running row (72.6 per pass) "
-        "through `schedule()` (a `ScheduledSequence`), the pass's shape, and "
-        "`update_from_output()` (a `RequestUpdate`, the stop check, the registration check): "
-        "116 rows per request, at ~5.9 CPU-us each with the pass's fixed costs and its prefill "
-        "chunk spread over them (the split below), ~0.68 CPU-ms per request: above the 0.6 "
-        "CPU-ms that 1M requests in 600 s allow on its own, and everything else (the "
-        "stretches, routing, the event loop) costs about as much again.",
+        "Session 15: a stretch's rows ride along the passes the scheduler runs itself "
+        "(`Scheduler.lazy`, sim/decode_stretch.py's module note). Before, every pass that "
+        "admitted or prefilled a newcomer (1.6 per request) walked every running row of the "
+        "replica (~88) through `schedule()` and `update_from_output()`, and the stretch was "
+        "closed before and rebuilt after over every row; now the scheduler grows and budgets "
+        "the stretch's rows in bulk, in running order, walks only the others, and takes the "
+        "rows back, up to date, wherever a preemption would rank them. The same decisions "
+        "(the exactness tests above, which now also check that these passes and the give-backs "
+        "ran); the baseline paragraph above times it against the tree before it.",
+        "",
         *_speed_split(s),
-        "Where the time goes, sampled without a profiler's overhead (py-spy at 100 Hz, the same "
-        "20,000 requests x 64 replicas, session 12, after the changes above; 3,254 samples, "
-        "load 3.2): the scheduler's own passes 52% (freeing each pass's row objects "
-        "included), decode stretches 27% (block growth, prefix registration, planning, and a "
-        "new stretch over every row after each mixed pass, closed again over every row at the "
-        "next arrival), routing 8%, the event loop 8%, building the 64 replicas' block pools "
-        "2%, generating the traffic 2%.",
-        "Meeting 600 s needs the decode rows of mixed passes applied in bulk, the scheduler "
-        "walking only the rows it has a decision to make for (a change to the production "
-        "scheduler's pass walk and its output, beyond a plain speed-up: not done), or the same "
-        "work out of Python: not done. Session 13 (py-spy at 200 Hz, 25,000 requests, 8,963 "
-        "samples): that walk (`_schedule_running`, `emit`, `update_from_output`'s loop, the "
-        "passes' shapes) is ~34% of the samples and the stretches' start and close over every "
-        "row ~9%, so bulk rows alone would leave ~1.2 CPU-ms per request at the steady state, "
-        "2x over; the prefix-cache registrations, growth and evictions (~0.45 CPU-ms per "
-        "request at the steady state: a 50,000-request run with caching off, a diagnostic "
-        "with other results) and routing (~9%) would have to shrink too. A tighter decode-row "
-        "`emit` alone measured nothing (10,000 requests, 3 paired runs: within the noise).",
+        "",
+        "Why 600 s is still out of reach: what is left is mostly work every request owes "
+        "whatever the walk: its KV blocks (allocation, prefix-cache registration, eviction "
+        "once the pools are full: `KVCacheManager.cache_computed_blocks` and `allocate` alone "
+        "are ~16% of the samples, py-spy at 100 Hz, 25,000 requests, this session), the "
+        "router's ranking of 64 replicas per arrival (~15%), the step-cost fit's re-solve "
+        "after every scheduler pass (~5%), and the stretches' own per-block bookkeeping. "
+        "Two processes add little (above). Reaching 600 s on this machine needs several of "
+        "those cheaper at once, or the same work out of Python; on a machine with more cores "
+        "the parallel path takes any number of groups (not measured: no such machine here).",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
@@ -241,13 +234,11 @@ def _speed_growth() -> list[str]:
                     s.get("running_rows_per_scheduler_pass_by_tenth"))
     if not tenths or not rows:
         return []
-    short = json.loads(SPEED_JSON.read_text()) if SPEED_JSON.exists() else None
     return [
         "",
-        "Why a request costs more in a longer run ("
-        + (f"{short['cpu_ms_per_request']} CPU-ms at {short['requests']:,} requests, "
-           if short else "")
-        + f"{s['cpu_ms_per_request']} at {s['requests']:,}): not a leak, two fill-ups. By tenth "
+        "Why a request costs more in a longer run (that run, "
+        f"{s['cpu_ms_per_request']} CPU-ms at {s['requests']:,}): not a leak, two fill-ups. "
+        "By tenth "
         "of the long run's arrivals, CPU-ms per request: " + ", ".join(f"{t:g}" for t in tenths)
         + " (the last one with the drain after the last arrival and the teardown of the "
         "replicas); rows running as each scheduler pass starts, on average: "
@@ -264,34 +255,36 @@ def _speed_growth() -> list[str]:
     ]
 
 
-def _speed_parallel() -> list[str]:
+def _speed_parallel(s: dict) -> list[str]:
     """The run on worker processes (sim/fleet_parallel.py), timed beside one process."""
-    if not PARALLEL_SPEED_JSON.exists():
+    p = s.get("parallel")
+    if not p:
         return []
-    s = json.loads(PARALLEL_SPEED_JSON.read_text())
-    p = s["parallel"]
+    before = (json.loads(PARALLEL_SPEED_JSON.read_text())["parallel"]
+              if PARALLEL_SPEED_JSON.exists() else None)
     return [
         "",
         f"On {p['workers']} processes (`everystop simulate --workers N`, "
         "`sim/fleet_parallel.py`: the replicas dealt into groups, one in the parent with the "
         "router, the others in forked workers, one round trip per arrival), timed in the same "
-        f"command as one process, `{s['command']}` on {_cpu(s)} (load average "
-        f"{s['loadavg_before'][0]:.1f} before, {s['loadavg_after'][0]:.1f} after): one process "
-        f"{s['wall_s']:,} s wall, {s['steady_cpu_ms_per_request']} ms per request at the steady "
-        f"state; {p['workers']} processes {p['wall_s']:,} s wall ({p['parent_cpu_s']:,} CPU-s "
-        f"in the parent, {p['workers_cpu_s']:,} in the worker), "
-        f"{p['steady_wall_ms_per_request']} ms per request at the steady state: "
-        f"**{p['speedup_steady_vs_one_process']:.2f}x**, "
+        f"command: {p['wall_s']:,} s wall ({p['parent_cpu_s']:,} CPU-s in the parent, "
+        f"{p['workers_cpu_s']:,} in the worker), {p['steady_wall_ms_per_request']} ms per "
+        f"request at the steady state: **{p['speedup_steady_vs_one_process']:.2f}x** one "
+        "process's, "
         + ("the same simulated summary" if p["same_summary"] else "**a different summary**")
         + f"; extrapolated to {s['target_requests']:,} requests: "
         f"**{p['extrapolated_wall_s_for_target']:,.0f} s wall** against 600: "
         + ("met." if p["extrapolated_wall_s_for_target"] < 600 else "**not met**.")
+        + (f" Before the lazy rows below (`fleet_speed_parallel.json`, same machine) it gained "
+           f"{before['speedup_steady_vs_one_process']:.2f}x: the work per arrival is smaller "
+           "now, and the ranking, which the groups wait for, is a larger share of it."
+           if before else "")
         + " The same results as one process, record for record (tests/sim/"
         "test_fleet_parallel.py; the pinned digests run on two processes too). The gain is "
         "bounded by the lockstep: per arrival the slower group's events, then the ranking "
-        "alone, and between two arrivals there are few heavy events (a scheduler pass over a "
-        "full batch, a stretch opened or closed), which land on one group or the other. Three "
-        "processes on these two cores (a parent that only routes) gave ~1.1x.",
+        "alone, and between two arrivals there are few heavy events, which land on one group "
+        "or the other. Three processes on these two cores (a parent that only routes) gave "
+        "~1.1x.",
     ]
 
 
