@@ -432,3 +432,19 @@ def test_ttft_aging_starves_neither_side_and_keeps_its_cap(requests, target_ms, 
         assert true_cost(StepShape.from_output(sched)) <= allowed + 1e-9
     for rid, (prompt, max_tokens) in accepted.items():
         assert h.outputs[rid] == reference_output(prompt, max_tokens), rid
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 100_000), st.integers(0, 2)), max_size=40),
+       st.sampled_from([(None, None, None), (0.05, None, 0.2), (None, 0.1, None)]),
+       st.booleans())
+def test_bulk_decode_rows_are_the_rows_added_one_by_one(rows, targets, timed) -> None:
+    # A decode stretch's rows join a pass through add_decode_rows: the same budget, bit for bit.
+    coeffs = StepCoefficients(0.0123, 0.00071, 0.00033, 1.7e-7) if timed else None
+    one, bulk = (StepBudget(4096, coeffs, targets, floor_tokens=4) for _ in range(2))
+    for pos, tier in rows:
+        one.add_decode_row(pos, tier)
+    bulk.add_decode_rows([pos for pos, _ in rows], {tier for _, tier in rows})
+    assert (bulk.tokens_left, bulk._decode_tokens, bulk._decode_s, bulk.target_s,
+            bulk.predicted_s) == (one.tokens_left, one._decode_tokens, one._decode_s,
+                                  one.target_s, one.predicted_s)

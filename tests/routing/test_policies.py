@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from everystop.core.block_pool import hash_block_tokens
 from everystop.core.kv_cache_manager import KVCacheManager
@@ -15,6 +17,7 @@ from everystop.routing import (
     prefix_block_hashes,
     route_request,
 )
+from everystop.routing.load import tier_and_score
 from everystop.sampling_params import SamplingParams
 
 
@@ -266,3 +269,25 @@ def test_unseen_requests_sharing_a_prompt_are_charged_its_blocks_once() -> None:
     for user in range(3):
         plain.on_sent("a", route_request(system + [user], 16, with_hashes=False))
     assert plain._correct(load("a", total=160, free=160)).free_blocks == 160 - 3 * 25
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 200), st.integers(0, 5),
+                          st.integers(1, 5000), st.integers(0, 20000), st.floats(0.0, 1.0)),
+                min_size=1, max_size=12),
+       st.integers(0, 400), st.integers(0, 5000), st.integers(0, 3))
+def test_rank_scores_every_replica_exactly_as_tier_and_score(replicas, need, prompt, sends) -> None:
+    # rank() finishes each (tier, score) from score_parts inline: the same floats as the
+    # shared function, in-flight corrections included.
+    loads = [load(f"r{i}", waiting=w, running=r, swapped=s, total=t, free=int(t * f),
+                  prefill=p) for i, (w, r, s, t, p, f) in enumerate(replicas)]
+    router = make_router("least-loaded")
+    for k in range(sends):  # requests sent since the report: corrected in
+        router.on_sent(f"r{k % len(loads)}", RouteRequest(kv_blocks_needed=need // 2 + k))
+    request = RouteRequest(kv_blocks_needed=need, num_prompt_tokens=prompt)
+    ranked = router.rank(request, loads)
+    expected = {ld.replica_id: tier_and_score(router._correct(ld), request, router.weights)
+                for ld in loads}
+    assert router._keys == expected
+    assert router.last_scores == {rid: key[1] for rid, key in expected.items()}
+    assert ranked == sorted(expected, key=lambda rid: (*expected[rid], rid))

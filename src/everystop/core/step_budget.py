@@ -58,7 +58,7 @@ by batch size); no prefill budget meets such a target, and the TPOT-overrun aler
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from everystop.config import SchedulerConfig
 from everystop.core.step_cost import SEED_PROMPT_TOKENS, StepCoefficients, StepCostModel, StepShape
@@ -183,6 +183,23 @@ class StepBudget:
         target = self.targets_s[tier]
         if target is not None and (self.target_s is None or target < self.target_s):
             self.target_s = target
+
+    def add_decode_rows(self, start_positions: list[int], tiers: Iterable[int]) -> None:
+        """add_decode_row for each start position in turn (the same float sums, in the same
+        order), the rows' tiers given once each: a decode stretch's rows riding along a pass."""
+        n = len(start_positions)
+        self.tokens_left -= n
+        self._decode_tokens += n
+        c = self.coeffs
+        if c is not None:
+            decode_s, per_row, per_token = self._decode_s, c.decode_row, c.context_token
+            for pos in start_positions:
+                decode_s += per_row + per_token * (pos + 1)
+            self._decode_s = decode_s  # (without coeffs add_decode_row adds 0.0: no change)
+        for tier in tiers:
+            target = self.targets_s[tier]
+            if target is not None and (self.target_s is None or target < self.target_s):
+                self.target_s = target
 
     def remove(self, n: int, start_pos: int, *, decode: bool) -> None:
         """Undo `add` for a row dropped by a preemption (the target stays: conservative)."""

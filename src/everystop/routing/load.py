@@ -107,6 +107,18 @@ def tier_and_score(c: Corrected, request: RouteRequest, w: ScoreWeights) -> tupl
                   + w.kv_pressure * min(total, used) / total)
 
 
+def score_parts(c: Corrected, w: ScoreWeights) -> tuple[int, int, int, float, float, float]:
+    """What `tier_and_score(c, request, w)` uses that does not depend on the request, computed
+    once per correction: (total blocks, free blocks, running, the queue terms, the prefill term,
+    the high-water mark in blocks). `Router.rank` finishes them per request with the same
+    operations in the same order: the very same numbers (a test checks it)."""
+    load = c.load
+    total = load.total_kv_blocks
+    return (total, c.free_blocks, c.running,
+            w.waiting * c.waiting + w.swapped * load.num_swapped,
+            c.prefill_tokens / w.prefill_tokens_per_unit, w.kv_high_water * total)
+
+
 def depth(c: Corrected) -> int:
     """Requests on the replica (what Ray's power-of-two compares)."""
     return c.waiting + c.running + c.load.num_swapped

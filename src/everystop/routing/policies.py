@@ -23,6 +23,7 @@ from everystop.routing.load import (
     RouteRequest,
     ScoreWeights,
     depth,
+    score_parts,
     tier_and_score,
 )
 
@@ -47,8 +48,8 @@ class _Books:
     finished_blocks: int = 0
     # Bumped by every send and finish: a cached correction of an unchanged report holds until then.
     version: int = 0
-    # The last correction made: (the report, the version it saw, the result).
-    cached: tuple[ReplicaLoad, int, Corrected] | None = None
+    # The last correction made: (the report, the version it saw, the result, its score_parts).
+    cached: tuple[ReplicaLoad, int, Corrected, tuple] | None = None
 
 
 class Router:
@@ -77,8 +78,7 @@ class Router:
         self.weights = weights or ScoreWeights()
         self._books: dict[str, _Books] = {}
         self._keys: dict[str, tuple[int, float]] = {}  # this rank()'s (tier, score) per replica
-        # The score of each replica at the last rank(), for metrics and logs.
-        self.last_scores: dict[str, float] = {}
+        self._least_first: list[tuple[int, float, str]] = []  # and as (tier, score, id)
         # Why the last rank() put its first replica first; `_order` sets it.
         self.last_reason = self.REASONS[0]
         self._last_pick: tuple[int, str, str] | None = None  # (id(request), first, reason)
@@ -87,17 +87,43 @@ class Router:
     def rank(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[str]:
         """Replica ids, best first. Every replica in `loads` appears exactly once."""
         # NOTE: once per request over every replica (the fleet simulator's hot path at 64
-        # replicas): a replica's correction is redone only when its report or books changed,
-        # and its (tier, score) is computed once here for the ordering and the metrics alike.
-        corrected = [self._correct(load) for load in loads]
+        # replicas): a replica's correction, and the parts of its score that do not depend on
+        # the request (score_parts), are redone only when its report or books changed; here
+        # each (tier, score) is finished from them as tier_and_score computes it, inline.
         w = self.weights
-        self._keys = keys = {c.load.replica_id: tier_and_score(c, request, w)
-                             for c in corrected}
-        self.last_scores = {rid: key[1] for rid, key in keys.items()}
+        need = request.kv_blocks_needed
+        per_running = w.running * max(1.0, request.num_prompt_tokens / w.prefill_tokens_per_unit)
+        kv_pressure = w.kv_pressure
+        books_of = self._books
+        corrected: list[Corrected] = []
+        least_first: list[tuple[int, float, str]] = []
+        self._keys = keys = {}
+        for load in loads:
+            rid = load.replica_id
+            books = books_of.get(rid)
+            cached = books.cached if books is not None else None
+            if cached is None or cached[1] != books.version or not (  # type: ignore[union-attr]
+                    cached[0] is load or cached[0] == load):
+                cached = self._correction(load)
+            total, free, running, queue_term, prefill_term, high_water = cached[3]
+            free_after = free - need
+            used = total - free_after
+            key = (2 if free_after < 0 else 0 if used <= high_water else 1,
+                   queue_term + per_running * running + prefill_term
+                   + kv_pressure * min(total, used) / total)
+            keys[rid] = key
+            least_first.append((key[0], key[1], rid))
+            corrected.append(cached[2])
+        self._least_first = least_first
         self.last_reason = self.REASONS[0]
         ranked = self._order(request, corrected)
         self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
         return ranked
+
+    @property
+    def last_scores(self) -> dict[str, float]:
+        """The score of each replica at the last rank(), for metrics and logs."""
+        return {rid: key[1] for rid, key in self._keys.items()}
 
     def on_sent(self, replica_id: str, request: RouteRequest, reason: str | None = None) -> None:
         """`reason`: the caller's own, when the replica was not this router's pick (Ray's)."""
@@ -129,23 +155,29 @@ class Router:
 
     # -- internals -------------------------------------------------------------------------------
     def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
-        return [c.load.replica_id for c in self._least_loaded(request, corrected)]
+        # _least_loaded's order (ids are unique, so the tuples never tie)
+        return [rid for _, _, rid in sorted(self._least_first)]
 
     def _least_loaded(self, request: RouteRequest, corrected: list[Corrected]) -> list[Corrected]:
         keys = self._keys  # rank()'s (tier, score) of this request on each replica
         return sorted(corrected, key=lambda c: (*keys[c.load.replica_id], c.load.replica_id))
 
     def _correct(self, load: ReplicaLoad) -> Corrected:
+        return self._correction(load)[2]
+
+    def _correction(self, load: ReplicaLoad) -> tuple[ReplicaLoad, int, Corrected, tuple]:
+        """The replica's corrected load and its score_parts, as `_Books.cached` keeps them."""
         books = self._books.get(load.replica_id)
         if books is None:
             books = self._books[load.replica_id] = _Books()
         cached = books.cached
         if cached is not None and cached[1] == books.version and (
                 cached[0] is load or cached[0] == load):
-            return cached[2]
+            return cached
         corrected = self._correct_anew(load, books)
-        books.cached = (load, books.version, corrected)
-        return corrected
+        books.cached = cached = (load, books.version, corrected,
+                                 score_parts(corrected, self.weights))
+        return cached
 
     def _correct_anew(self, load: ReplicaLoad, books: _Books) -> Corrected:
         if load.seq != books.seq:
@@ -287,7 +319,6 @@ class PrefixAffinityRouter(Router):
         if shared:
             own = replace(request, kv_blocks_needed=max(0, request.kv_blocks_needed - shared))
             self._keys[owner] = tier_and_score(mine, own, self.weights)
-            self.last_scores[owner] = self._keys[owner][1]
             ranked = self._least_loaded(request, corrected)
         best = ranked[0]
         (mine_tier, mine_score), (best_tier, best_score) = (self._keys[mine.load.replica_id],

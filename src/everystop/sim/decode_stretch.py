@@ -335,9 +335,11 @@ class DecodeStretch:
             self.unapplied_grows += g  # counted, and applied at once by _start
         self.grow_frontier = b + 1
         self._start(b, mixed=True)
-        add, base, rows = step.budget.add_decode_row, self.base, self.rows
-        for i in self.order:
-            add(base[i] + b, rows[i].priority)
+        base, rows, budget = self.base, self.rows, step.budget
+        # Their tiers matter only where a tier has a target (the tightest one present is kept).
+        tiers = ({rows[i].priority for i in self.order}
+                 if any(t is not None for t in budget.targets_s) else ())
+        budget.add_decode_rows([base[i] + b for i in self.order], tiers)
         step.num_lazy = self.alive
         step.lazy_context = self.context + self.alive
         self.begun = True
