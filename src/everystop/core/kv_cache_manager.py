@@ -140,7 +140,47 @@ class KVCacheManager:
             cache_block(blocks[i], hashes[i], parent, tokens)
         self.registered_blocks[rid] = num_full
 
+    def cache_next_blocks(self, reqs: list[Request]) -> None:
+        """cache_computed_blocks for each request in turn, where each has just filled one block
+        past those registered (a decode stretch's rows at a block boundary): the same
+        registrations in the same order, the per-call lookups made once."""
+        if not self.enable_prefix_caching:
+            return
+        bs, registered, held, all_hashes = (self.block_size, self.registered_blocks,
+                                            self.req_blocks, self._req_hashes)
+        cache_block = self.pool.cache_block
+        for req in reqs:
+            rid = req.request_id
+            i = registered.get(rid, 0)
+            blocks = held.get(rid)
+            hashes = all_hashes.get(rid)
+            if (req.num_computed_tokens // bs != i + 1 or not blocks or len(blocks) <= i
+                    or hashes is None or len(hashes) != i):
+                self.cache_computed_blocks(req)  # not the one-block case: the general path
+                continue
+            lo = i * bs
+            tokens = tuple(req.token_slice(lo, lo + bs))
+            parent = hashes[i - 1] if i else None
+            h = hash_block_tokens(parent, tokens)
+            hashes.append(h)
+            cache_block(blocks[i], h, parent, tokens)
+            registered[rid] = i + 1
+
     # -- allocation -----------------------------------------------------------------------------
+    def grow_by_one_block(self, reqs: list[Request]) -> None:
+        """Each request's table grows by one block, in turn: what allocate(req, 1) does for
+        each when its blocks are exactly full (a decode stretch's rows at a block boundary),
+        the pool's blocks taken in one go. The caller has checked that the pool holds them."""
+        bs, held, held_ids = self.block_size, self.req_blocks, self._req_block_ids
+        for req in reqs:
+            blocks = held.get(req.request_id)
+            if blocks is None or req.num_computed_tokens != len(blocks) * bs:
+                raise ValueError(f"{req.request_id}: not at a block boundary of its table")
+        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs))):
+            rid = req.request_id
+            held[rid].append(block)
+            held_ids[rid] = held_ids[rid] + [block.block_id]  # a new list (see block_ids)
+
     def num_new_blocks_needed(self, req: Request, num_new_tokens: int,
                               computed: list[KVBlock] = ()) -> int:  # type: ignore[assignment]
         held = len(self.req_blocks.get(req.request_id, ())) + len(computed)

@@ -13,6 +13,7 @@ reports by the router's own count of requests sent and finished.
 from __future__ import annotations
 
 import random
+from itertools import islice
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -184,11 +185,12 @@ class Router:
             books.seq, books.finished, books.finished_blocks = load.seq, 0, 0
         running = max(0, load.num_running - books.finished)
         seen = running + load.num_waiting + load.num_swapped
-        # The newest sends beyond what the report shows have not reached it yet.
+        # The newest sends beyond what the report shows have not reached it yet (taken from
+        # the end: a replica has ~100 outstanding, and a send leaves one or two unseen).
         num_unseen = max(0, len(books.outstanding) - seen)
-        sent = [r for r, _ in books.outstanding.values()] if num_unseen else []
-        unseen = sent[seen:]
-        free = (load.free_kv_blocks - self._unseen_blocks(sent[:seen], unseen)
+        unseen = ([r for r, _ in islice(reversed(books.outstanding.values()), num_unseen)][::-1]
+                  if num_unseen else [])
+        free = (load.free_kv_blocks - self._unseen_blocks(books, unseen)
                 + books.finished_blocks)
         return Corrected(
             load=load,
@@ -198,9 +200,9 @@ class Router:
             prefill_tokens=load.prefill_tokens_queued + sum(r.num_prompt_tokens for r in unseen))
 
 
-    def _unseen_blocks(self, seen: list[RouteRequest], unseen: list[RouteRequest]) -> int:
-        """KV blocks the requests a report does not show yet will take (`seen`: the replica's
-        other unfinished requests from this router, oldest first)."""
+    def _unseen_blocks(self, books: _Books, unseen: list[RouteRequest]) -> int:
+        """KV blocks the requests a report does not show yet will take (`unseen`: the newest
+        of `books.outstanding`, oldest first)."""
         return sum(r.kv_blocks_needed for r in unseen)
 
 
@@ -272,10 +274,11 @@ class PrefixAffinityRouter(Router):
                     del pinned[h]
         super().on_finished(replica_id, request)
 
-    def _unseen_blocks(self, seen: list[RouteRequest], unseen: list[RouteRequest]) -> int:
+    def _unseen_blocks(self, books: _Books, unseen: list[RouteRequest]) -> int:
         """Each unseen request's blocks less the leading ones an earlier unfinished request on
         the same replica shares (the prefix cache allocates those once)."""
-        held = {h for r in seen for h in r.prefix_hashes}
+        seen = list(books.outstanding.values())[:len(books.outstanding) - len(unseen)]
+        held = {h for r, _ in seen for h in r.prefix_hashes}
         total = 0
         for r in unseen:
             shared = 0

@@ -249,6 +249,7 @@ class DecodeStretch:
         on_end = self.on_end
         if len(rows) > 1:
             rows.sort()
+        filled = []
         for i in rows:
             req = all_rows[i]
             k = j - at[i]
@@ -257,8 +258,14 @@ class DecodeStretch:
                 req.output_token_ids.extend([TOKEN] * k)
                 at[i] = j
             if caching and (base[i] + j) % bs == 0:
-                kv.cache_computed_blocks(req)
+                filled.append(req)
+        # Registrations first, then finishes: a finish frees blocks but evicts nothing, so this
+        # is the scheduler's row-by-row order in effect.
+        if filled:
+            kv.cache_next_blocks(filled)
+        for i in rows:
             if j == finish_at[i]:
+                req = all_rows[i]
                 sched.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 finished.append(req)
                 self._drop(i, j)
@@ -428,11 +435,12 @@ class DecodeStretch:
         rows = self.on_start.pop(boundary, None)
         if not rows:
             return
-        kv, nxt = self.kv, boundary + self.bs
-        allocate, finish_at, at, all_rows = kv.allocate, self.finish_at, self.at, self.rows
+        nxt = boundary + self.bs
+        finish_at, at, all_rows = self.finish_at, self.at, self.rows
         later = None
         if len(rows) > 1:
             rows.sort()
+        growing = []
         for i in rows:  # once per row per block it grows by: its tokens brought up, inline
             req = all_rows[i]
             k = boundary - at[i]
@@ -440,12 +448,13 @@ class DecodeStretch:
                 req.num_computed_tokens += k
                 req.output_token_ids.extend([TOKEN] * k)
                 at[i] = boundary
-            grew = allocate(req, 1)
-            assert grew, "planned growth found the pool short"
+            growing.append(req)
             if nxt < finish_at[i]:
                 if later is None:
                     later = self.on_start.setdefault(nxt, [])
                 later.append(i)
+        assert len(rows) <= self.kv.pool.num_free_blocks, "planned growth found the pool short"
+        self.kv.grow_by_one_block(growing)  # allocate(req, 1) for each, in running order
         self.unapplied_grows -= len(rows)
 
     def _drop(self, i: int, j: int) -> None:
