@@ -150,18 +150,35 @@ def _speed() -> list[str]:
         "the stretch's rows in bulk, in running order, walks only the others, and takes the "
         "rows back, up to date, wherever a preemption would rank them. The same decisions "
         "(the exactness tests above, which now also check that these passes and the give-backs "
-        "ran); the baseline paragraph above times it against the tree before it.",
+        "ran).",
+        "",
+        "Session 16: the router finishes each replica's (tier, score) for a request from "
+        "parts kept with its in-flight correction (`routing.load.score_parts`, redone only "
+        "when that replica's report or books change) instead of calling `tier_and_score` per "
+        "replica, and takes a report's unseen sends from the end of its books instead of "
+        "copying all of them; a stretch's rows join a mixed pass's budget in one call "
+        "(`StepBudget.add_decode_rows`); the rows at a block boundary grow and register their "
+        "blocks in one KV call each (`KVCacheManager.grow_by_one_block`, `cache_next_blocks`) "
+        "instead of one `allocate` and one `cache_computed_blocks` per row. The same floats and "
+        "the same pool states as the row-by-row calls (hypothesis tests in tests/routing and "
+        "tests/core, evictions and duplicate hashes included) and the same summary; the "
+        "baseline paragraph above times them against session 15's tree.",
         "",
         *_speed_split(s),
         "",
-        "Why 600 s is still out of reach: what is left is mostly work every request owes "
-        "whatever the walk: its KV blocks (allocation, prefix-cache registration, eviction "
-        "once the pools are full: `KVCacheManager.cache_computed_blocks` and `allocate` alone "
-        "are ~16% of the samples, py-spy at 100 Hz, 25,000 requests, this session), the "
-        "router's ranking of 64 replicas per arrival (~15%), the step-cost fit's re-solve "
-        "after every scheduler pass (~5%), and the stretches' own per-block bookkeeping. "
-        "Two processes add little (above). Reaching 600 s on this machine needs several of "
-        "those cheaper at once, or the same work out of Python; on a machine with more cores "
+        "Why 600 s is still out of reach: what is left is spread thin, and most of it is work "
+        "every request owes whatever the walk. py-spy at 60 Hz over 30,000 requests (session "
+        "16, after the cuts above), inclusive shares: its KV blocks ~29% (growth and "
+        "registration at block boundaries ~16%, the prompt's lookup hashes, allocation and "
+        "registration ~9%, freeing ~3%), the router's ranking of 64 replicas per arrival ~9% "
+        "(~95 us), the step-cost fit's re-solve after every scheduler pass ~6%, the stretches' "
+        "planning (a cost-model call per planned pass) ~5%, and the event loop, the requests' "
+        "creation and the workload generator around them. Nothing left is above a tenth of "
+        "the time, and the steady state needs about half of it gone; two processes do not "
+        "help here (above). Reaching 600 s on this machine needs that work out of Python (a "
+        "compiled block pool and router, or the whole simulator under a compiler such as "
+        "mypyc: three core modules compiled gave ~8% in a trial, session 16, not adopted), or "
+        "a parallel scheme that does not wait at every arrival; on a machine with more cores "
         "the parallel path takes any number of groups (not measured: no such machine here).",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
@@ -275,16 +292,24 @@ def _speed_parallel(s: dict) -> list[str]:
         + f"; extrapolated to {s['target_requests']:,} requests: "
         f"**{p['extrapolated_wall_s_for_target']:,.0f} s wall** against 600: "
         + ("met." if p["extrapolated_wall_s_for_target"] < 600 else "**not met**.")
-        + (f" Before the lazy rows below (`fleet_speed_parallel.json`, same machine) it gained "
-           f"{before['speedup_steady_vs_one_process']:.2f}x: the work per arrival is smaller "
-           "now, and the ranking, which the groups wait for, is a larger share of it."
+        + (f" Before session 15's lazy rows (`fleet_speed_parallel.json`, same machine) it "
+           f"gained {before['speedup_steady_vs_one_process']:.2f}x; the work per arrival has "
+           "shrunk since (the lazy rows, session 16's cuts below), the exchange per arrival "
+           "has not."
            if before else "")
+        + (" Two processes are now slower than one on this machine. In an instrumented "
+           "10,000-request run (session 16) the two groups' events took about the same CPU in "
+           "all (~4 s each), yet the parent waited ~240 us per arrival for the worker's answer "
+           "(the heavy events between two arrivals land on one group or the other), and the "
+           "worker spent ~150 us per message outside its events (receiving, unpickling, "
+           "pickling, sending)."
+           if p["speedup_steady_vs_one_process"] < 1 else "")
         + " The same results as one process, record for record (tests/sim/"
         "test_fleet_parallel.py; the pinned digests run on two processes too). The gain is "
         "bounded by the lockstep: per arrival the slower group's events, then the ranking "
         "alone, and between two arrivals there are few heavy events, which land on one group "
         "or the other. Three processes on these two cores (a parent that only routes) gave "
-        "~1.1x.",
+        "~1.1x (session 15).",
     ]
 
 
@@ -440,7 +465,7 @@ def _running_it() -> list[str]:
         "everystop simulate --replicas 16 --workload my_trace.json",
         "# router information delay: fresh stats every 5 s (0 = every request)",
         "everystop simulate --replicas 16 --stats-interval-s 5 --traffic 'n=20000,rate=150'",
-        "# the replicas on two processes (one per core; the same results)",
+        "# the replicas on two processes (the same results; not faster on this 2-core machine)",
         "everystop simulate --replicas 64 --workers 2 --traffic 'n=20000,rate=500'",
         "# capacity plan",
         "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
