@@ -139,3 +139,21 @@ def test_the_regime_form_prices_gemv_chunks_gemm_conversions_and_attention_apart
     (11, 3, (2, 2))])
 def test_gemv_chunks_counts_chunks_of_8_and_the_narrow_ones(rows, narrow_rows, expected):
     assert gemv_chunks(rows, 8, narrow_rows) == expected
+
+
+@pytest.mark.parametrize("regime", [False, True])
+def test_the_decode_fast_path_is_latency_of_the_decode_shape(regime):
+    # A decode stretch plans each pass with decode_latency(n, context): the very same float
+    # as latency() of the shape it stands for (roofline form written out; the regime form
+    # falls back to latency itself).
+    coeffs = Coefficients.from_hardware(A100)
+    if regime:
+        coeffs = Coefficients(sec_per_flop=5e-12, sec_per_byte=1e-9, overhead_s=1e-3,
+                              attention_apart=True, sec_per_attention_flop=3e-12,
+                              sec_per_kv_byte=2e-10)
+    for model in (M70, load_model("smollm2-135m")):
+        for tp in (1, 2, 4, 8):
+            cost = CostModel(model, tp, coeffs, A100)
+            for n, ctx in ((1, 1), (7, 901), (88, 53_117), (256, 1_048_576)):
+                assert cost.decode_latency(n, ctx) == cost.latency(
+                    IterationShape(n, n, 0, ctx, ctx, n)), (model.name, tp, n, ctx)

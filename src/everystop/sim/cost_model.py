@@ -235,6 +235,30 @@ class CostModel:
                 + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
                 + swap * c.sec_per_swap_byte)
 
+    def decode_latency(self, n: int, context: int) -> float:
+        """`latency(IterationShape(n, n, 0, context, context, n))`: a pure decode pass of n rows
+        reading `context` tokens, the same float without building the shape (a decode stretch
+        plans one per pass). NOTE: the roofline form's terms as `latency` writes them, in the
+        same order; a test holds the two equal."""
+        c = self.coeffs
+        if c.attention_apart or c.gemv_max_tokens:
+            return self.latency(IterationShape(n, n, 0, context, context, n))
+        m, tp = self.model, self.tp
+        flops = (2 * m.layer_params * n + 2 * m.lm_head_params * n
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * context) / tp
+        kv_bytes = m.kv_bytes_per_token
+        nbytes = (m.pass_weight_bytes + (context + n) * kv_bytes) / tp
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp * n * m.hidden_size * m.dtype_bytes
+            comm = 2 * m.num_layers * (c.allreduce_latency_s + ring * c.sec_per_link_byte)
+        else:
+            comm = 0 * (c.allreduce_latency_s + 0.0 * c.sec_per_link_byte)
+        swap = 0 * self.block_size * kv_bytes / tp
+        return (max(flops * c.sec_per_flop, nbytes * c.sec_per_byte)
+                + comm
+                + (c.overhead_s + c.overhead_per_seq_s * n)
+                + swap * c.sec_per_swap_byte)
+
     def roofline_s(self, s: IterationShape) -> float:
         """Physical floor: peak FLOPs and full HBM bandwidth, no comm, no overhead. No real
         iteration of this shape on this hardware can be faster."""

@@ -54,7 +54,7 @@ from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
 from everystop.core.step_budget import tier_targets_s
 from everystop.core.step_cost import StepShape
-from everystop.sim.cost_model import IterationShape
+from everystop.sim.cost_model import CostModel, IterationShape
 from everystop.sim.sim_executor import SimClock, SimExecutor
 
 TOKEN = SimExecutor.SAMPLED_TOKEN
@@ -96,6 +96,12 @@ class DecodeStretch:
                  account: Callable[[float], None]) -> None:
         self.sched, self.kv, self.clock = sched, sched.kv, clock
         self.latency_fn, self.account = latency_fn, account
+        # The cost model's own latency has a pure-decode form that builds no shape per planned
+        # pass (CostModel.decode_latency: the same float); any other latency_fn is called as is.
+        owner = getattr(latency_fn, "__self__", None)
+        self.decode_latency: Callable[[int, int], float] | None = (
+            owner.decode_latency if isinstance(owner, CostModel)
+            and getattr(latency_fn, "__func__", None) is CostModel.latency else None)
         cfg = sched.config
         self.replay_fit = any(t is not None
                               for t in tier_targets_s(cfg, sched.auto_tpot_target_s))
@@ -178,7 +184,8 @@ class DecodeStretch:
         stop = min(self.finishes[0][0], self.planned + self.look_ahead)
         self.look_ahead = min(2 * self.look_ahead, 1024)
         free = self.kv.pool.num_free_blocks - self.unapplied_grows
-        n, bs, latency_fn = self.alive, self.bs, self.latency_fn
+        n, bs, latency_fn, decode_latency = (self.alive, self.bs, self.latency_fn,
+                                             self.decode_latency)
         t, ctx = self.times[-1], self.context
         for j in range(self.planned + 1, stop + 1):
             if j >= 2:  # growth at the start of pass j (boundary j-1); boundary 0's is counted
@@ -194,7 +201,8 @@ class DecodeStretch:
                     self.plan_grows[j] = g
                 self.grow_frontier = j
             ctx += n
-            dt = latency_fn(IterationShape(n, n, 0, ctx, ctx, n))
+            dt = (decode_latency(n, ctx) if decode_latency is not None
+                  else latency_fn(IterationShape(n, n, 0, ctx, ctx, n)))
             t += dt
             self.times.append(t)
             self.lat.append(dt)
