@@ -13,10 +13,10 @@ reports by the router's own count of requests sent and finished.
 from __future__ import annotations
 
 import random
-from itertools import islice
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from everystop.routing.load import (
     Corrected,
