@@ -29,6 +29,9 @@ def test_fleet_speed_runs_as_a_bench_subcommand(tmp_path):
     assert rows[0] < max(n for n in rows if n is not None)  # the fleet starts empty
     assert r["extrapolated_cpu_s_for_target"] == round(
         r["steady_cpu_ms_per_request"] / 1e3 * r["target_requests"], 1)
+    # 40 requests are not the 1M target: extrapolated, not measured
+    assert r["measured_cpu_s_for_target"] is None and r["meets_target_measured"] is None
+    assert r["max_rss_mib"] > 0
     assert r["baseline"]["steady_cpu_ms_per_request"] > 0
     # the baseline here is this very tree, run in a fresh process: it must simulate the same
     assert r["baseline"]["same_summary"] is True and r["baseline"]["cpu_s"] > 0
@@ -40,3 +43,12 @@ def test_fleet_speed_runs_as_a_bench_subcommand(tmp_path):
     assert len(par["wall_ms_per_request_by_tenth"]) == 10
     assert par["extrapolated_wall_s_for_target"] == round(
         par["steady_wall_ms_per_request"] / 1e3 * r["target_requests"], 1)
+
+
+def test_a_run_of_the_target_size_is_measured_not_extrapolated(tmp_path):
+    out = tmp_path / "speed.json"
+    assert main(["bench", "fleet-speed", "--requests", "30", "--replicas", "2",
+                 "--target-requests", "30", "--profile-requests", "10", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["measured_cpu_s_for_target"] == round(r["cpu_ms_per_request"] / 1e3 * 30, 1)
+    assert r["meets_target_measured"] is (r["measured_cpu_s_for_target"] < 600)
