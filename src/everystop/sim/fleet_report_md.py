@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and ben
 SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed.json"
 # A longer run of the same command (no baseline), the basis of the 1M extrapolation if present.
 LONG_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_long.json"
+# The whole target run, 1M requests x 64 replicas, if it has been run (a measurement, not an
+# extrapolation).
+MILLION_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m.json"
 PARALLEL_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_parallel.json"
 # Session 16's first run of the speed command (the same machine, an earlier commit).
 FIRST_S16_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s16_first.json"
@@ -111,6 +114,7 @@ def _speed() -> list[str]:
         f" against the 600 s target: "
         + ("met." if s["meets_target_extrapolated"] else "**not met**."),
         *_speed_baseline(s),
+        *_speed_million(),
         *_speed_long(),
         *_speed_growth(),
         *_speed_parallel(s),
@@ -176,8 +180,8 @@ def _speed() -> list[str]:
         "(~95 us), the step-cost fit's re-solve after every scheduler pass ~6%, the stretches' "
         "planning (a cost-model call per planned pass) ~5%, and the event loop, the requests' "
         "creation and the workload generator around them. Nothing left is above a tenth of "
-        "the time, and the steady state needs about half of it gone; two processes do not "
-        "help here (above). Reaching 600 s on this machine needs that work out of Python (a "
+        "the time, and the measured 1M run needs about two thirds of it gone; two processes do "
+        "not help here (above). Reaching 600 s on this machine needs that work out of Python (a "
         "compiled block pool and router, or the whole simulator under a compiler such as "
         "mypyc: three core modules compiled gave ~8% in a trial, session 16, not adopted), or "
         "a parallel scheme that does not wait at every arrival; on a machine with more cores "
@@ -224,6 +228,29 @@ def _extrapolation(s: dict) -> str:
                 "down in a short run, see below)")
     return (f"Extrapolated from its steady state ({s['steady_cpu_ms_per_request']} CPU-ms per "
             "request over tenths 6-9 of the arrivals)")
+
+
+def _speed_million() -> list[str]:
+    """The target run itself, where one was made."""
+    if not MILLION_SPEED_JSON.exists():
+        return []
+    s = json.loads(MILLION_SPEED_JSON.read_text())
+    if s.get("measured_cpu_s_for_target") is None:
+        return []
+    return [
+        "",
+        f"**The target run itself**, `{s['command']}`: {s['requests']:,} requests over "
+        f"{s['replicas']} replicas, **{s['cpu_s']:,.0f} CPU-s** ({s['wall_s']:,.0f} s wall, one "
+        f"process, peak resident memory {s['max_rss_mib']:,.0f} MiB) against 600 s: "
+        + ("met." if s["meets_target_measured"] else "**not met**.")
+        + f" {s['cpu_ms_per_request']} CPU-ms per request, by tenth of the arrivals: "
+        + ", ".join(f"{t:g}" for t in s["cpu_ms_per_request_by_tenth"])
+        + " (no trend after the third tenth; the 60,000-request runs' steady state, above, "
+        "came out 24-37% lower: the machine's speed moves by that much between hours, and "
+        "a run of 60,000 may not reach the whole fleet's long-run state). The scheduler's own "
+        f"passes took {s['scheduler_pass_cpu_ms_per_request']} CPU-ms per request of it."
+        + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
+    ]
 
 
 def _speed_long() -> list[str]:
