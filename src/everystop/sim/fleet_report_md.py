@@ -257,20 +257,13 @@ def _speed_long() -> list[str]:
     if not LONG_SPEED_JSON.exists():
         return []
     s = json.loads(LONG_SPEED_JSON.read_text())
-    if s.get("measured_cpu_s_for_target") is not None:  # the target's size: no extrapolation
-        verdict = (f"The whole {s['requests']:,}-request run, measured: "
-                   f"**{s['cpu_s']:,.0f} CPU-s** ({s['wall_s']:,.0f} s wall, peak resident "
-                   f"memory {s['max_rss_mib']:,.0f} MiB) against 600 s: "
-                   + ("met." if s["meets_target_measured"] else "**not met**."))
-    else:
-        verdict = (f"{_extrapolation(s)} to {s['target_requests']:,} requests: "
-                   f"**{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s** against 600 s: "
-                   + ("met." if s["meets_target_extrapolated"] else "**not met**."))
     return [
         "",
         f"A longer run, `{s['command']}`: {s['cpu_s']:,} CPU-s ({s['wall_s']:,} s wall, load "
         f"average {s['loadavg_before'][0]:.1f} before and {s['loadavg_after'][0]:.1f} after), "
-        f"{s['cpu_ms_per_request']} CPU-ms per request. {verdict}"
+        f"{s['cpu_ms_per_request']} CPU-ms per request. {_extrapolation(s)} to "
+        f"{s['target_requests']:,} requests: **{s['extrapolated_cpu_s_for_target']:,.0f} CPU-s**"
+        " against 600 s: " + ("met." if s["meets_target_extrapolated"] else "**not met**.")
         + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
         *_speed_baseline(s),
         "",
