@@ -79,7 +79,6 @@ class Router:
         self.weights = weights or ScoreWeights()
         self._books: dict[str, _Books] = {}
         self._keys: dict[str, tuple[int, float]] = {}  # this rank()'s (tier, score) per replica
-        self._least_first: list[tuple[int, float, str]] = []  # and as (tier, score, id)
         # Why the last rank() put its first replica first; `_order` sets it.
         self.last_reason = self.REASONS[0]
         self._last_pick: tuple[int, str, str] | None = None  # (id(request), first, reason)
@@ -97,7 +96,6 @@ class Router:
         kv_pressure = w.kv_pressure
         books_of = self._books
         corrected: list[Corrected] = []
-        least_first: list[tuple[int, float, str]] = []
         self._keys = keys = {}
         for load in loads:
             rid = load.replica_id
@@ -113,9 +111,7 @@ class Router:
                    queue_term + per_running * running + prefill_term
                    + kv_pressure * min(total, used) / total)
             keys[rid] = key
-            least_first.append((key[0], key[1], rid))
             corrected.append(cached[2])
-        self._least_first = least_first
         self.last_reason = self.REASONS[0]
         ranked = self._order(request, corrected)
         self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
@@ -157,7 +153,7 @@ class Router:
     # -- internals -------------------------------------------------------------------------------
     def _order(self, request: RouteRequest, corrected: list[Corrected]) -> list[str]:
         # _least_loaded's order (ids are unique, so the tuples never tie)
-        return [rid for _, _, rid in sorted(self._least_first)]
+        return [rid for _, _, rid in sorted((*key, rid) for rid, key in self._keys.items())]
 
     def _least_loaded(self, request: RouteRequest, corrected: list[Corrected]) -> list[Corrected]:
         keys = self._keys  # rank()'s (tier, score) of this request on each replica
