@@ -1,6 +1,8 @@
 """The per-pass cost model respects physics and behaves monotonically."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.sampling_params import SamplingParams
@@ -157,3 +159,29 @@ def test_the_decode_fast_path_is_latency_of_the_decode_shape(regime):
             for n, ctx in ((1, 1), (7, 901), (88, 53_117), (256, 1_048_576)):
                 assert cost.decode_latency(n, ctx) == cost.latency(
                     IterationShape(n, n, 0, ctx, ctx, n)), (model.name, tp, n, ctx)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seqs=st.integers(0, 512), decode=st.integers(0, 512), prefill=st.integers(0, 8192),
+       context=st.integers(0, 1 << 22), pairs=st.integers(0, 1 << 26),
+       sampled=st.integers(0, 512), swap=st.integers(0, 64), tp=st.sampled_from([1, 2, 4, 8]),
+       hw=st.sampled_from(["a100-80gb", "h100-sxm"]),
+       model=st.sampled_from(["llama-3-70b", "llama-3-8b", "smollm2-135m"]))
+def test_no_pass_is_priced_below_the_floor(seqs, decode, prefill, context, pairs, sampled,
+                                           swap, tp, hw, model):
+    # The parallel fleet run applies a pass's end ahead of arrivals that come less than this
+    # floor after its start (fleet_parallel): one pass priced below it, even by the last bit,
+    # would reorder events.
+    cost = CostModel.from_specs(load_model(model), load_hardware(hw), tp)
+    floor = cost.min_latency_s()
+    assert floor > 0
+    shape = IterationShape(seqs, decode, prefill, context, pairs, sampled, swap)
+    assert cost.latency(shape) >= floor
+    assert cost.decode_latency(max(1, decode), context) >= floor
+
+
+def test_the_extended_form_claims_no_floor():
+    coeffs = Coefficients(sec_per_flop=5e-12, sec_per_byte=1e-9, overhead_s=1e-3,
+                          attention_apart=True, sec_per_attention_flop=3e-12,
+                          sec_per_kv_byte=2e-10)
+    assert CostModel(M70, 4, coeffs, A100).min_latency_s() == 0.0

@@ -144,7 +144,8 @@ def test_a_report_between_passes_sees_what_single_passes_left():
                 fast.end_pass()
                 over = True
             else:
-                _, over = fast.end_stretch_step()
+                fast.end_stretch_step()
+                over = fast.stretch_over()
             event = (fast.begin(True) if fast.sched.has_unfinished else None) if over else (
                 fast.stretch_event())
         stretched += fast.stretch is not None

@@ -2,9 +2,12 @@
 results exactly: every finished record in the same order, every rejection, every replica's
 passes and busy time, and the router's own account of why each request went where it went."""
 
+from collections import Counter
+
 import pytest
 
 from everystop.routing import make_router
+from everystop.sim import fleet_parallel
 from everystop.sim.fleet import FleetResult, simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
@@ -16,11 +19,11 @@ TRAFFIC = ("n=240,prompt=uniform:20:900,output=uniform:5:200,rate=80,tiers=0.3:0
 
 
 def _run(workers: int, router: str, interval: float, scheduling: str = "chunked",
-         **options) -> tuple[FleetResult, dict]:
+         traffic: str = TRAFFIC, **options) -> tuple[FleetResult, dict]:
     node = build_node("llama-3-8b", "a100-80gb", 1, scheduling, num_gpu_blocks=400,
                       max_num_seqs=16, max_model_len=1600, swap_space_bytes=2**30, **options)
     r = make_router(router, seed=3)
-    result = simulate_fleet(fleet_traffic(TRAFFIC), node.setup, node.cost.latency, 5, r,
+    result = simulate_fleet(fleet_traffic(traffic), node.setup, node.cost.latency, 5, r,
                             stats_interval_s=interval, workers=workers)
     return result, dict(r.reasons)
 
@@ -38,6 +41,48 @@ def test_two_and_three_workers_simulate_exactly_what_one_process_does(router, in
             one.num_passes, one.busy_s, one.num_routed)
         assert (many.num_preemptions, many.end_time_s) == (one.num_preemptions, one.end_time_s)
         assert many_reasons == reasons
+
+
+# Several arrivals per pass (400/s over 5 replicas, no pass under ~11 ms): each group applies
+# pass ends ahead of the arrivals that cannot change them, so arrivals reach replicas whose
+# last pass has ended here but not yet continued (its stretch cut there, or a request no
+# replica can run queued there, refused at the continuation).
+BUSY = TRAFFIC.replace("n=240", "n=600").replace("rate=80", "rate=400")
+
+
+@pytest.mark.parametrize("router,interval", [("least-loaded", 0.5), ("prefix-affinity", 1.0)])
+def test_groups_looking_ahead_of_the_arrivals_still_simulate_what_one_process_does(
+        router, interval, monkeypatch):
+    seen = Counter()
+    real_offer, real_end_part = fleet_parallel.offer, fleet_parallel.end_part
+
+    def offer(r, spec, *rest):  # the parent's own group (a worker's are counted in it)
+        seen["to a parked replica"] += r.parked is not None
+        return real_offer(r, spec, *rest)
+
+    def end_part(*args):
+        seen["pass ends applied ahead"] += 1
+        return real_end_part(*args)
+
+    monkeypatch.setattr(fleet_parallel, "offer", offer)
+    monkeypatch.setattr(fleet_parallel, "end_part", end_part)
+    one, reasons = _run(1, router, interval, traffic=BUSY)
+    assert len(one.finished) > 500 and len(one.rejected) > 20
+    for workers in (2, 3):
+        many, many_reasons = _run(workers, router, interval, traffic=BUSY)
+        assert many.finished == one.finished and many.rejected == one.rejected
+        assert (many.num_passes, many.busy_s, many.num_routed, many.end_time_s) == (
+            one.num_passes, one.busy_s, one.num_routed, one.end_time_s)
+        assert many_reasons == reasons
+    assert seen["pass ends applied ahead"] > 100 and seen["to a parked replica"] > 50
+
+
+def test_replicas_are_dealt_evenly_with_a_smaller_share_for_the_parent():
+    groups = fleet_parallel.deal(64, 2)
+    assert groups.count(0) == 29 and groups.count(1) == 35
+    assert max(len(run) for run in "".join(map(str, groups)).split("1")) == 1  # spread out
+    assert sorted(set(fleet_parallel.deal(64, 3))) == [0, 1, 2]
+    assert fleet_parallel.deal(2, 2) == [0, 1] and fleet_parallel.deal(3, 3) == [0, 1, 2]
 
 
 def test_queue_caps_refusals_go_to_the_next_replica_as_in_one_process():

@@ -259,6 +259,20 @@ class CostModel:
                 + (c.overhead_s + c.overhead_per_seq_s * n)
                 + swap * c.sec_per_swap_byte)
 
+    def min_latency_s(self) -> float:
+        """A floor under `latency` for every pass shape, or 0.0 where none is derived (the
+        extended form). The roofline form's terms at no tokens, no context and no sequences:
+        each term of the sum is at least its floor here and float addition is monotone, so
+        no pass of any shape is priced below it, to the last bit (fleet_parallel relies on
+        that: a pass started at t cannot end before t + this)."""
+        c = self.coeffs
+        if c.attention_apart or c.gemv_max_tokens:
+            return 0.0
+        m, tp = self.model, self.tp
+        memory = m.pass_weight_bytes / tp * c.sec_per_byte
+        comm = 2 * m.num_layers * c.allreduce_latency_s if tp > 1 else 0.0
+        return memory + comm + c.overhead_s
+
     def roofline_s(self, s: IterationShape) -> float:
         """Physical floor: peak FLOPs and full HBM bandwidth, no comm, no overhead. No real
         iteration of this shape on this hardware can be faster."""

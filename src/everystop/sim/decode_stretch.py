@@ -215,7 +215,12 @@ class DecodeStretch:
     def cut_at(self, arrival_s: float) -> int:
         """An arrival routed here at `arrival_s`: the stretch ends with the pass it arrives in
         (the first ending at or after it: at equal times arrivals go first)."""
-        j = bisect_left(self.times, arrival_s, self.applied + 1, self.planned + 1)
+        if self.applied and arrival_s <= self.times[self.applied]:
+            # That pass's end is applied already, its continuation not (a pipelined fleet
+            # group applies pass ends ahead of the arrivals they cannot depend on).
+            j = self.applied
+        else:
+            j = bisect_left(self.times, arrival_s, self.applied + 1, self.planned + 1)
         assert j <= self.planned, "an arrival past the stretch's pending event"
         self.end = j if self.end is None else min(self.end, j)
         return self.end

@@ -110,12 +110,16 @@ class Replica:
         self.stretch: DecodeStretch | None = None
         self.stretch_token = PASS_END  # stretch events carry tokens below PASS_END
         self.stretch_at = 0  # the boundary of the stretch's pending event
+        # fleet_parallel only: the token of an event whose end is applied and whose
+        # continuation waits for the arrivals before it (a pass still in flight to them)
+        self.parked: int | None = None
 
     @property
     def busy(self) -> bool:
         """A pass in flight, or a stretch's planned passes (in its mixed passes it rides
-        along the scheduler's, in_pass)."""
-        return self.in_pass is not None or (self.stretch is not None and not self.stretch.mixed)
+        along the scheduler's, in_pass), or a parked event's continuation."""
+        return (self.in_pass is not None or self.parked is not None
+                or (self.stretch is not None and not self.stretch.mixed))
 
     def account(self, latency: float) -> None:
         self.num_passes += 1
@@ -147,13 +151,21 @@ class Replica:
         self.stretch_token -= 1
         return self.stretch.times[self.stretch_at], self.stretch_token
 
-    def end_stretch_step(self) -> tuple[list[Request], bool]:
-        """At the stretch's event: apply its passes up to it; the requests they finished, and
-        whether the stretch is over (then the next pass is the scheduler's)."""
+    def end_stretch_step(self) -> list[Request]:
+        """At the stretch's event: apply its passes up to it; the requests they finished.
+        Whether the stretch is over is `stretch_over`'s to say, next (an arrival in the last
+        pass may end it in between: fleet_parallel applies a pass end ahead of its arrivals)."""
+        st = self.stretch
+        assert st is not None
+        done = st.advance(self.stretch_at, start_next=False)
+        return [self.routed[r.request_id][0] for r in done]
+
+    def stretch_over(self) -> bool:
+        """After `end_stretch_step`: whether the stretch is over (then the next pass is the
+        scheduler's, with its rows lazy in it if any are left)."""
         st = self.stretch
         assert st is not None
         boundary = self.stretch_at
-        done = st.advance(boundary, start_next=False)
         over = st.end == boundary or st.alive == 0
         if over:
             if st.alive:  # the next passes are the scheduler's, with the rows lazy in them
@@ -163,7 +175,7 @@ class Replica:
                 self.stretch = None
         # NOTE: the next pass's start is left to the next plan(), which first checks its
         # growth against the pool (the finishes just applied freed blocks; it may still be short).
-        return [self.routed[r.request_id][0] for r in done], over
+        return over
 
     def catch_up(self, before_s: float) -> None:
         """Apply the stretch's passes that ended before `before_s` (a report is due)."""
@@ -332,22 +344,38 @@ def _replica_event(r: Replica, token: int, now: float, router: FinishListener,
                    wake: Callable[[Replica, float], None]) -> None:
     """A replica's event at `now`: a pass ends (or a stretch step, or a stale one is dropped),
     or it wakes; then it starts its next pass, or sets the timeout that may unblock it."""
-    if token == PASS_END or token < PASS_END:
-        if token == PASS_END:
-            done = r.end_pass()
-        elif token != r.stretch_token:
-            return  # a stretch event superseded by a cut
-        else:
-            done, over = r.end_stretch_step()
-            if not over:
-                for req in done:
-                    router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
-                    finished.append(_finished(req, r.index))
-                push(r, *r.stretch_event())
-                return
-        for req in done:
-            router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
-            finished.append(_finished(req, r.index))
+    if end_part(r, token, router, finished):
+        continuation(r, token, now, router, rejected, decode_stretches, push, wake)
+
+
+def end_part(r: Replica, token: int, router: FinishListener, finished: list[Finished]) -> bool:
+    """The part of a replica's event that no arrival at its time or before can change: a pass's
+    (or stretch step's) end applied, its finishes told. False if the event is stale (a stretch
+    step superseded by a cut); a wake-up has no such part."""
+    if token == PASS_END:
+        done = r.end_pass()
+    elif token < PASS_END:
+        if token != r.stretch_token:
+            return False  # a stretch event superseded by a cut
+        done = r.end_stretch_step()
+    else:
+        return True
+    for req in done:
+        router.on_finished(r.replica_id, r.routed.pop(req.request_id)[1])
+        finished.append(_finished(req, r.index))
+    return True
+
+
+def continuation(r: Replica, token: int, now: float, router: FinishListener,
+                 rejected: dict[str, str], decode_stretches: bool,
+                 push: Callable[[Replica, float, int], None],
+                 wake: Callable[[Replica, float], None]) -> None:
+    """The rest of the event, which needs every arrival up to `now` handed over: the arrivals
+    queued during the pass join, the next pass or stretch step starts (or a wake-up's)."""
+    if token <= PASS_END:
+        if token < PASS_END and not r.stretch_over():
+            push(r, *r.stretch_event())
+            return
         for req in r.inbox:
             _add(r, req, router, rejected)
         r.inbox.clear()

@@ -4,30 +4,38 @@ the replicas' work shared among processes (one per core).
 Replicas only meet at the router: a replica's passes depend on nothing but the requests routed
 to it, and the router needs, at each arrival, what every replica's events before that arrival
 left (the finishes it corrects its books by, and the load report at the last grid point). So
-the replicas are dealt into W groups (replica i to group i mod W), each with its own event
-queue: group 0 in this process, which also holds the workload, the router and the report grid,
-and groups 1..W-1 in forked worker processes. At each arrival every group gets one message:
-take the previous arrival (the group holding the replica the router picked), run your events up
-to the report's grid point and report, run them up to this arrival; each answers with the
-offer's outcome, its load reports and what finished. The router then ranks the arrival. One
-round trip per arrival; the groups run in parallel between them, the ranking does not.
+the replicas are dealt into W groups (`deal`), each with its own event queue: group 0 in this
+process, which also holds the workload, the router and the report grid, and groups 1..W-1 in
+forked worker processes. Each arrival sends every group one message: take the previous arrival
+(the group holding the replica the router picked), report at the grid point if one is due, and
+run your events up to this arrival. Workers answer with what finished and their reports.
+
+Looking ahead: no pass is priced below a floor (`CostModel.min_latency_s`, ~16 ms for a
+4xH100/70B replica, while arrivals come every ~2 ms at 64 replicas), and finishes happen only
+at pass ends. A pass that ends before `until + floor` started before `until`, so once a group
+knows every arrival before `until` it can apply those passes' ends and tell their finishes,
+parking the rest of each such event (the queued arrivals joining, the next pass starting)
+until its arrivals are known. The parent ranks an arrival as soon as every group has told
+every finish before it, so it does not wait for the worker at each arrival (the lockstep this
+module used to run, which left two processes no faster than one), only when the worker falls
+more than a floor behind; the pipes carry the steps in order meanwhile. A report's grid point
+bounds the look-ahead (it holds what every event before it left, nothing after).
 
 Why it gives the one-process results exactly: a group processes its replicas' events in the
 serial loop's order (time, then replica index, then push order); events of replicas in
-different groups never affect each other; the router's books change only by sends and
-finishes, and a finish on one replica commutes with one on another (the books are per
-replica); the report the router holds at an arrival is the one at the last grid point before
-it, which holds what every event before that point left, whichever event took it. The
-finished records are put back in the serial order (event time, then replica index). A test
-compares the two runs record by record.
+different groups never affect each other; a parked event's end is what the serial loop would
+do at its time whatever arrives meanwhile (an arrival during the pass waits in the inbox, and
+one that cuts a decode stretch cuts it at that very pass: `DecodeStretch.cut_at`); the router's
+books change only by sends and finishes, and a finish on one replica commutes with one on
+another (the books are per replica); the report the router holds at an arrival is the one at
+the last grid point before it. The finished records are put back in the serial order (event
+time, then replica index). Tests compare the runs record by record.
 
-What it gains is bounded by the lockstep: per arrival the slowest group's events, then the
-ranking alone. Between two arrivals there are few heavy events (a scheduler pass over a full
-batch, a decode stretch opened or closed), and they land on one group or the other.
-
-NOTE: with queue caps configured (QueueFull possible) each offer's outcome is awaited before
-the next arrival (a refusal sends the request to the router's next choice at the same time):
-a second round trip per arrival.
+NOTE: two cases wait for a group's answer. A request no replica could ever run is refused at
+once by an idle replica but queued by a busy one (and refused as it joins, an end the router
+hears of then), so the parent asks for that offer's outcome; and with queue caps configured
+(QueueFull possible) every offer's outcome is awaited and nothing is looked ahead (a refusal
+sends the request to the router's next choice at the same time).
 """
 
 from __future__ import annotations
@@ -43,11 +51,16 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from everystop.core.intake import QueuedCounts, RequestRejected, check_admissible
+from everystop.core.request import Request
 from everystop.routing import ReplicaLoad, Router, RouteRequest, route_request
 from everystop.routing.policies import PrefixAffinityRouter
-from everystop.sim.cost_model import IterationShape
+from everystop.sampling_params import SamplingParams
+from everystop.sim.cost_model import CostModel, IterationShape
 from everystop.sim.fleet import (
+    FULL,
     PASS,
+    PASS_END,
     REJECTED,
     TAKEN,
     Finished,
@@ -57,28 +70,46 @@ from everystop.sim.fleet import (
     _gc_frozen,
     _last_grid_point,
     _replica_event,
+    continuation,
+    end_part,
     offer,
 )
 from everystop.sim.fleet_workload import FleetRequest
 from everystop.sim.simulator import SimSetup
 
+CONTINUE = 0  # the token of a parked event's continuation (wake-ups count from 1)
+
 
 class _Group:
-    """One worker's replicas (every W-th) and their events, driven by the parent's messages."""
+    """One worker's replicas (every W-th) and their events, driven by the parent's messages.
+
+    `ahead_s`: no pass is shorter (the cost model's floor; 0 turns looking ahead off). Told
+    every arrival before `until`, the group runs every event before it, and applies the ends of
+    the passes that end before `until + ahead_s` (they started before `until`, so no arrival to
+    come can change them), parking each one's continuation until its arrivals are known: its
+    finishes reach the router that far ahead, so the parent rarely waits for this group."""
 
     def __init__(self, indices: list[int], setup: SimSetup,
                  latency_fn: Callable[[IterationShape], float],
-                 decode_stretches: bool) -> None:
+                 decode_stretches: bool, ahead_s: float, stats_interval_s: float) -> None:
         self.replicas = {i: Replica(i, setup, latency_fn) for i in indices}
         self.decode_stretches = decode_stretches
+        self.ahead_s, self.stats_interval_s = ahead_s, stats_interval_s
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
-        self.last_event_s = 0.0
-        # Since the last message: (event time, replica, record) finished, request ids whose
-        # end the router must hear of (finished, or refused when taken from the inbox).
+        self.now = self.last_event_s = 0.0
+        self.parked: dict[int, float] = {}  # replica -> its parked continuation's time
+        # Replicas whose inbox holds a request that will be refused as it joins (an end the
+        # router must hear of at that continuation's time, so nothing past it is complete).
+        self.doomed: set[int] = set()
+        # Since the last collect(): (event time, replica, record) finished, (time, request id)
+        # whose end the router must hear of (finished, or refused when taken from the inbox),
+        # the refusals' reasons, the outcomes asked for, the load reports (seq, loads).
         self.finished: list[tuple[float, int, Finished]] = []
-        self.ended: list[str] = []
+        self.ended: list[tuple[float, str]] = []
         self.rejected: dict[str, str] = {}
+        self.outcomes: list[tuple[str, str, str]] = []
+        self.reports: list[tuple[int, list[ReplicaLoad]]] = []
 
     # The serial loop's closures, over this group's queue.
     def push(self, r: Replica, at: float, token: int) -> None:
@@ -97,43 +128,96 @@ class _Group:
             self.push(r, *r.stretch_event(boundary))
 
     def on_finished(self, replica_id: str, route: Any) -> None:
-        """The router's hook, as _replica_event calls it: `route` is the request id here."""
-        self.ended.append(route)
+        """The router's hook, as the fleet's events call it: `route` is the request id here."""
+        self.ended.append((self.now, route))
 
-    def advance(self, until: float) -> None:
-        """Process every event strictly before `until` (an arrival at `until` goes first)."""
-        events, replicas, finished = self.events, self.replicas, []
-        while events and events[0][0] < until:
-            now, _, index, _, token = heapq.heappop(events)
-            self.last_event_s = now
-            _replica_event(replicas[index], token, now, self, finished, self.rejected,
-                           self.decode_stretches, self.push, self.wake)
+    def advance(self, until: float, ahead: float) -> None:
+        """Every event strictly before `until` (an arrival at `until` goes first), and the end
+        parts of those before `ahead` (their continuations parked)."""
+        events, replicas, finished, rejected = self.events, self.replicas, [], self.rejected
+        decode_stretches, push, wake = self.decode_stretches, self.push, self.wake
+        deferred = []
+        while events and events[0][0] < ahead:
+            event = heapq.heappop(events)
+            now, _, index, seq, token = event
+            self.now = now
+            r = replicas[index]
+            if now < until:
+                if token == CONTINUE:
+                    token, r.parked = r.parked, None  # type: ignore[assignment]
+                    del self.parked[index]
+                    continuation(r, token, now, self, rejected, decode_stretches, push, wake)
+                else:
+                    _replica_event(r, token, now, self, finished, rejected, decode_stretches,
+                                   push, wake)
+                if self.doomed and not r.inbox:
+                    self.doomed.discard(index)
+            elif token == CONTINUE or token > PASS_END:  # a wake-up is all continuation
+                deferred.append(event)
+                continue
+            elif end_part(r, token, self, finished):
+                r.parked = token
+                self.parked[index] = now
+                deferred.append((now, PASS, index, seq, CONTINUE))  # its place in the order
+            if now > self.last_event_s:
+                self.last_event_s = now
             if finished:
                 self.finished.extend((now, index, f) for f in finished)
                 finished.clear()
+        for event in deferred:
+            heapq.heappush(events, event)
+
+    def ahead(self, until: float) -> float:
+        """How far pass ends can be applied once every arrival before `until` is known: the
+        shortest pass past it, and never past the next report's grid point (a report holds
+        what the events before it left, and nothing after)."""
+        if until == math.inf or not self.ahead_s:
+            return until
+        grid = self.stats_interval_s
+        if not grid:
+            return until  # a report at every arrival
+        return min(until + self.ahead_s, (_last_grid_point(until, grid) + 1) * grid)
+
+    def progress(self, ahead: float) -> float:
+        """Every end the router must hear of before this time has been told."""
+        if self.doomed:
+            waits = [self.parked[i] for i in self.doomed if i in self.parked]
+            if waits:
+                return min(ahead, *waits)
+        return ahead
 
     def loads(self, at: float, seq: int) -> list[ReplicaLoad]:
         for r in self.replicas.values():
             r.catch_up(at)
         return [r.load(seq) for r in self.replicas.values()]
 
-    def step(self, handed: tuple[int, FleetRequest] | None, report_at: float | None,
-             report_seq: int, until: float) -> tuple[Any, list[ReplicaLoad] | None, Any]:
+    def step(self, handed: tuple[int, FleetRequest, bool, bool] | None,
+             report_at: float | None, report_seq: int, until: float) -> float:
         """One message: the arrival `handed` over to one of these replicas (at its arrival
-        time, where this group stands), a report at `report_at`, then every event before
-        `until`. Returns offer()'s outcome, the reports, and (finished, ended, rejected)."""
-        outcome = None
+        time, where this group stands; its outcome kept if asked; whether no replica could
+        ever run it), a report at `report_at`, then every event before `until` and the pass
+        ends before `ahead(until)`. Returns `progress`."""
         if handed is not None:
-            index, spec = handed
-            outcome = offer(self.replicas[index], spec, spec.request_id, self.wake, self.cut)
-        loads = None
+            index, spec, tell, doomed = handed
+            r = self.replicas[index]
+            outcome, why = offer(r, spec, spec.request_id, self.wake, self.cut)
+            if tell:
+                self.outcomes.append((spec.request_id, outcome, why))
+            if doomed and outcome == TAKEN:  # queued while busy: refused as it joins
+                self.doomed.add(index)
         if report_at is not None:
-            self.advance(report_at)
-            loads = self.loads(report_at, report_seq)
-        self.advance(until)
-        news = (self.finished, self.ended, self.rejected)
-        self.finished, self.ended, self.rejected = [], [], {}
-        return outcome, loads, news
+            self.advance(report_at, report_at)
+            self.reports.append((report_seq, self.loads(report_at, report_seq)))
+        ahead = self.ahead(until)
+        self.advance(until, ahead)
+        return self.progress(ahead)
+
+    def collect(self, progress: float) -> tuple:
+        """What the parent is told, and forgotten here."""
+        news = (self.outcomes, self.reports, self.finished, self.ended, self.rejected,
+                progress)
+        self.outcomes, self.reports, self.finished, self.ended, self.rejected = [], [], [], [], {}
+        return news
 
     def result(self) -> dict[str, Any]:
         rs = self.replicas.values()
@@ -145,17 +229,27 @@ class _Group:
 
 
 def _serve(conn: Connection, indices: list[int], setup: SimSetup,
-           latency_fn: Callable[[IterationShape], float], decode_stretches: bool) -> None:
-    """A worker process: build its replicas, then answer the parent's messages until closed."""
+           latency_fn: Callable[[IterationShape], float], decode_stretches: bool,
+           ahead_s: float, stats_interval_s: float) -> None:
+    """A worker process: build its replicas, then answer the parent's messages until closed.
+    Steps that are waiting already are taken together, with one answer for all of them."""
     gc.disable()  # as fleet._gc_frozen, for the worker's whole life (see there)
     try:
-        group = _Group(indices, setup, latency_fn, decode_stretches)
+        group = _Group(indices, setup, latency_fn, decode_stretches, ahead_s, stats_interval_s)
         conn.send(("ready", None))
         while True:
             msg = conn.recv()
             if msg[0] == "step":
-                conn.send(("ok", group.step(*msg[1:])))
-            elif msg[0] == "result":
+                progress = group.step(*msg[1:])
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] != "step":
+                        break
+                    progress = group.step(*msg[1:])
+                conn.send(("ok", group.collect(progress)))
+                if msg[0] == "step":
+                    continue
+            if msg[0] == "result":
                 conn.send(("ok", group.result()))
             else:
                 return
@@ -171,42 +265,34 @@ def _serve(conn: Connection, indices: list[int], setup: SimSetup,
 
 class _Workers:
     """The groups: group 0 in this process (the parent's cores would idle while it waits),
-    groups 1.. in forked worker processes. `send` then `recv` per group; the local group runs
-    at its `send`, so send to it last (after the others have their work)."""
+    groups 1.. in forked worker processes. A step sent to a worker is answered later (`recv`,
+    in order; one answer may cover several steps); the local group's at once."""
 
     def __init__(self, num_groups: int, num_replicas: int, setup: SimSetup,
-                 latency_fn: Callable[[IterationShape], float], decode_stretches: bool) -> None:
+                 latency_fn: Callable[[IterationShape], float], decode_stretches: bool,
+                 ahead_s: float, stats_interval_s: float) -> None:
         # fork: the workers inherit the setup and the latency function (often a closure)
         # instead of pickling them.
         ctx = multiprocessing.get_context("fork")
         self.num_groups = num_groups
+        self.group_of = deal(num_replicas, num_groups)
+        members = [[i for i, g in enumerate(self.group_of) if g == w] for w in range(num_groups)]
         self.conns: dict[int, Connection] = {}
         self.procs = {}
         for w in range(1, num_groups):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, daemon=True,
-                            args=(child, list(range(w, num_replicas, num_groups)), setup,
-                                  latency_fn, decode_stretches))
+                            args=(child, members[w], setup,
+                                  latency_fn, decode_stretches, ahead_s, stats_interval_s))
             p.start()
             child.close()
             self.conns[w], self.procs[w] = parent, p
-        self.local = _Group(list(range(0, num_replicas, num_groups)), setup, latency_fn,
-                            decode_stretches)
-        self.local_reply: Any = None
+        self.local = _Group(members[0], setup, latency_fn,
+                            decode_stretches, ahead_s, stats_interval_s)
         for w in range(1, num_groups):
             self.recv(w)
 
-    def send(self, w: int, msg: tuple) -> None:
-        if w:
-            self.conns[w].send(msg)
-        elif msg[0] == "step":
-            self.local_reply = self.local.step(*msg[1:])
-        else:
-            self.local_reply = self.local.result()
-
     def recv(self, w: int) -> Any:
-        if not w:
-            return self.local_reply
         try:
             kind, payload = self.conns[w].recv()
         except EOFError:
@@ -227,6 +313,27 @@ class _Workers:
                 p.join()
 
 
+# The parent's share of the replicas against a worker's: it also ranks every arrival and
+# carries the messages (measured at 64 replicas: its CPU ~1.35x a worker's at equal shares).
+LOCAL_SHARE = 0.85
+
+
+def deal(num_replicas: int, num_groups: int) -> list[int]:
+    """Each replica's group: spread evenly through the indices (the router breaks ties by
+    index), group 0 (the parent's) with LOCAL_SHARE of a worker's share, the workers in turn."""
+    local = LOCAL_SHARE / (LOCAL_SHARE + num_groups - 1)
+    groups, worker = [], 0
+    for i in range(num_replicas):
+        if math.floor((i + 1) * local) > math.floor(i * local):
+            groups.append(0)
+        else:
+            groups.append(1 + worker % (num_groups - 1))
+            worker += 1
+    if len(set(groups)) < num_groups:  # too few replicas to skew: one each first
+        return [i % num_groups for i in range(num_replicas)]
+    return groups
+
+
 def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
                             latency_fn: Callable[[IterationShape], float], num_replicas: int,
                             router: Router, *, stats_interval_s: float = 1.0,
@@ -236,123 +343,204 @@ def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
     if workers < 2:
         raise ValueError(f"workers must be >= 2 for a parallel run, not {workers}")
     cfg = setup.scheduler
-    # With queue caps, an offer may be refused and the next replica tried at the same time.
+    # With queue caps, an offer may be refused and the next replica tried at the same time,
+    # and a queued request refused as it joins: every step is awaited (no looking ahead).
     may_refuse = bool(cfg.max_queued_per_tenant or any(cfg.max_queued_per_tier))
+    ahead_s = 0.0 if may_refuse else min_pass_latency(latency_fn)
     with _gc_frozen():  # as the one-process run (its group 0 runs here)
         pool = _Workers(min(workers, num_replicas), num_replicas, setup, latency_fn,
-                        decode_stretches)
+                        decode_stretches, ahead_s, stats_interval_s)
         try:
-            return _drive(pool, requests, router, num_replicas, stats_interval_s,
-                          setup.block_size, may_refuse)
+            return _Driver(pool, router, setup, may_refuse).run(requests, num_replicas,
+                                                                stats_interval_s)
         finally:
             pool.close()
 
 
-def _drive(pool: _Workers, requests: Iterable[FleetRequest], router: Router,
-           num_replicas: int, stats_interval_s: float, block_size: int,
-           may_refuse: bool) -> FleetResult:
-    num_workers = pool.num_groups
-    want_hashes = isinstance(router, PrefixAffinityRouter)
-    routes: dict[str, tuple[str, RouteRequest]] = {}  # request id -> (replica id, route)
-    finished: list[tuple[float, int, Finished]] = []
-    rejected: dict[str, str] = {}
-    loads: list[ReplicaLoad] = [None] * num_replicas  # type: ignore[list-item]
-    # The previous arrival, handed over with the next message: (worker, replica, spec, route).
-    handed: tuple[int, int, FleetRequest, RouteRequest] | None = None
-    report_seq, report_k = 0, 0
-    last_arrival = -math.inf
-
-    def exchange(report_at: float | None, until: float) -> None:
-        nonlocal handed
-        for w in reversed(range(num_workers)):  # the local group (0) last
-            give = (handed[1], handed[2]) if handed is not None and handed[0] == w else None
-            pool.send(w, ("step", give, report_at, report_seq, until))
-        replies = [pool.recv(w) for w in range(num_workers)]
-        # The hand-over happened at the previous arrival, before anything in these replies.
-        for given, _, _ in replies:
-            if given is not None:
-                assert handed is not None
-                _, index, spec, route = handed
-                outcome, why = given
-                if outcome == TAKEN:
-                    routes[spec.request_id] = (f"r{index}", route)
-                    router.on_sent(f"r{index}", route)
-                else:  # REJECTED (without queue caps no FULL: see may_refuse)
-                    assert outcome == REJECTED, outcome
-                    rejected[spec.request_id] = why
-        for _, worker_loads, (done, ended, refused) in replies:
-            if worker_loads is not None:
-                for load in worker_loads:
-                    loads[int(load.replica_id.removeprefix("r"))] = load
-            finished.extend(done)
-            rejected.update(refused)
-            for rid in ended:
-                router.on_finished(*routes.pop(rid))
-        handed = None
-
-    exchange(0.0, 0.0)  # the first report, at time 0
-    for spec in requests:
-        now = spec.arrival_s
-        if now < last_arrival:
-            raise ValueError("fleet requests must come in arrival order")
-        last_arrival = now
-        report_at = None
-        if not stats_interval_s:
-            report_at = now
-        elif now >= (report_k + 1) * stats_interval_s:
-            report_k = _last_grid_point(now, stats_interval_s)
-            report_at = report_k * stats_interval_s
-        if report_at is not None:
-            report_seq += 1
-        exchange(report_at, now)
-        route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
-        ranked = router.rank(route, loads)
-        if not may_refuse:
-            index = int(ranked[0].removeprefix("r"))
-            handed = (index % num_workers, index, spec, route)
-            continue
-        _offer_in_turn(pool, spec, route, ranked, router, routes, rejected)
-    exchange(None, math.inf)
-
-    for w in reversed(range(num_workers)):
-        pool.send(w, ("result",))
-    results = [pool.recv(w) for w in range(num_workers)]
-    stuck = sorted(i for res in results for i in res["stuck"])
-    if stuck:
-        raise RuntimeError(f"replicas {[f'r{i}' for i in stuck]} cannot run anything and no "
-                           "event is pending (a request larger than the KV pool?)")
-    stats = {i: s for res in results for i, s in res["stats"].items()}
-    finished.sort(key=lambda e: (e[0], e[1]))  # stable: a replica's own order is kept
-    return FleetResult(
-        finished=[f for _, _, f in finished], rejected=rejected,
-        num_passes=[stats[i][0] for i in range(num_replicas)],
-        busy_s=[stats[i][1] for i in range(num_replicas)],
-        num_preemptions=sum(res["preemptions"] for res in results),
-        end_time_s=max([last_arrival, 0.0] + [res["last_event_s"] for res in results]
-                       + [res["clock_s"] for res in results]),
-        num_routed=[stats[i][2] for i in range(num_replicas)])
+def min_pass_latency(latency_fn: Callable[[IterationShape], float]) -> float:
+    """No pass is priced below this by `latency_fn` (the cost model's floor), or 0.0 where it
+    is not the cost model's own `latency` (nothing is known of it)."""
+    owner = getattr(latency_fn, "__self__", None)
+    if isinstance(owner, CostModel) and getattr(latency_fn, "__func__", None) is CostModel.latency:
+        return owner.min_latency_s()
+    return 0.0
 
 
-def _offer_in_turn(pool: _Workers, spec: FleetRequest, route: RouteRequest, ranked: list[str],
-                   router: Router, routes: dict[str, tuple[str, RouteRequest]],
-                   rejected: dict[str, str]) -> None:
-    """The router's choices in turn, each answered before the next (QueueFull: the next)."""
-    num_workers = pool.num_groups
-    reason = "no replica"
-    for replica_id in ranked:
-        index = int(replica_id.removeprefix("r"))
-        w = index % num_workers
-        # A step to the arrival's own time: hand it over, run nothing further.
-        pool.send(w, ("step", (index, spec), None, 0, spec.arrival_s))
-        (outcome, why), _, (done, ended, refused) = pool.recv(w)
-        assert not done and not ended and not refused
-        if outcome == TAKEN:
-            routes[spec.request_id] = (replica_id, route)
-            router.on_sent(replica_id, route)
-            return
-        if outcome == REJECTED:
-            rejected[spec.request_id] = why
-            return
-        reason = why
-    rejected[spec.request_id] = reason
+class _Driver:
+    """The parent's side: the workload, the router, the report grid, and what each group has
+    told it so far. An arrival is ranked once every group has told every end before it."""
 
+    def __init__(self, pool: _Workers, router: Router, setup: SimSetup,
+                 may_refuse: bool) -> None:
+        self.pool, self.router, self.may_refuse = pool, router, may_refuse
+        self.setup = setup
+        num_groups = pool.num_groups
+        self.progress = [-math.inf] * num_groups  # each group's `progress`, as last told
+        self.report_seq_got = [0] * num_groups
+        self.waiting_outcome: list[str | None] = [None] * num_groups
+        self.routes: dict[str, tuple[str, RouteRequest]] = {}  # request id -> replica, route
+        self.sent: dict[str, tuple[str, RouteRequest]] = {}  # awaiting their outcome
+        self.ends: list[tuple[float, int, str]] = []  # heap: (time, order told, request id)
+        self.num_told = 0
+        self.finished: list[tuple[float, int, Finished]] = []
+        self.rejected: dict[str, str] = {}
+        self.loads: list[ReplicaLoad] = []
+        self.doomed: dict[tuple[int, int, int], bool] = {}  # (prompt, max_tokens, tier) -> ?
+        self.last_outcome: tuple[str, str] = ("", "")
+
+    def step(self, w: int, handed: tuple[int, FleetRequest, bool, bool] | None,
+             report_at: float | None, report_seq: int, until: float) -> None:
+        msg = ("step", handed, report_at, report_seq, until)
+        if w:
+            self.pool.conns[w].send(msg)
+        else:
+            local = self.pool.local
+            self.take(0, local.collect(local.step(*msg[1:])))
+
+    def take(self, w: int, news: tuple) -> None:
+        """A group's answer: outcomes asked for, load reports, finishes, ends, refusals."""
+        outcomes, reports, finished, ended, rejected, progress = news
+        for rid, outcome, why in outcomes:
+            if rid == self.waiting_outcome[w]:
+                self.waiting_outcome[w] = None
+            replica_id, route = self.sent.pop(rid)
+            self.last_outcome = (outcome, why)
+            if outcome == TAKEN:
+                self.routes[rid] = (replica_id, route)
+                self.router.on_sent(replica_id, route)
+            elif outcome == REJECTED:  # no replica could ever run it (an idle one said so)
+                self.rejected[rid] = why
+            # FULL: _offer_in_turn tries the router's next choice
+        for seq, loads in reports:
+            for load in loads:
+                self.loads[int(load.replica_id.removeprefix("r"))] = load
+            self.report_seq_got[w] = seq
+        self.finished.extend(finished)
+        self.rejected.update(rejected)
+        for t, rid in ended:
+            self.num_told += 1
+            heapq.heappush(self.ends, (t, self.num_told, rid))
+        self.progress[w] = progress
+
+    def wait(self, until: float, report_seq: int) -> None:
+        """Until every group has told every end before `until` (and its report, its outcome),
+        then the router hears of those ends."""
+        for w in range(1, self.pool.num_groups):
+            while (self.progress[w] < until or self.report_seq_got[w] < report_seq
+                   or self.waiting_outcome[w] is not None):
+                self.take(w, self.pool.recv(w))
+        ends, routes, router = self.ends, self.routes, self.router
+        while ends and ends[0][0] < until:
+            router.on_finished(*routes.pop(heapq.heappop(ends)[2]))
+
+    def is_doomed(self, spec: FleetRequest) -> bool:
+        """Whether no replica could ever run it (RequestRejected: the same on every replica,
+        whatever its state), asked of one replica's own check, once per kind of request."""
+        key = (len(spec.prompt_token_ids), spec.max_tokens, spec.priority)
+        doomed = self.doomed.get(key)
+        if doomed is None:
+            r = next(iter(self.pool.local.replicas.values()))
+            req = Request(spec.request_id, spec.prompt_token_ids,
+                          SamplingParams(max_tokens=spec.max_tokens), priority=spec.priority)
+            try:
+                check_admissible(req, self.setup.scheduler, r.kv, QueuedCounts())
+                doomed = False
+            except RequestRejected:
+                doomed = True
+            self.doomed[key] = doomed
+        return doomed
+
+    def run(self, requests: Iterable[FleetRequest], num_replicas: int,
+            stats_interval_s: float) -> FleetResult:
+        pool, router, num_groups = self.pool, self.router, self.pool.num_groups
+        want_hashes = isinstance(router, PrefixAffinityRouter)
+        block_size = self.setup.block_size
+        self.loads = [None] * num_replicas  # type: ignore[list-item]
+        # The previous arrival, handed over with the next message: (group, message part).
+        handed: tuple[int, tuple[int, FleetRequest, bool, bool]] | None = None
+        report_seq, report_k = 1, 0
+        last_arrival = -math.inf
+        for w in reversed(range(num_groups)):  # the first report, at time 0
+            self.step(w, None, 0.0, report_seq, 0.0)
+        self.wait(0.0, report_seq)
+        for spec in requests:
+            now = spec.arrival_s
+            if now < last_arrival:
+                raise ValueError("fleet requests must come in arrival order")
+            last_arrival = now
+            report_at = None
+            if not stats_interval_s:
+                report_at = now
+            elif now >= (report_k + 1) * stats_interval_s:
+                report_k = _last_grid_point(now, stats_interval_s)
+                report_at = report_k * stats_interval_s
+            if report_at is not None:
+                report_seq += 1
+            for w in reversed(range(num_groups)):  # the local group (0) last
+                give = handed[1] if handed is not None and handed[0] == w else None
+                self.step(w, give, report_at, report_seq, now)
+            handed = None
+            self.wait(now, report_seq if report_at is not None else 0)
+            route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
+            ranked = router.rank(route, self.loads)
+            if self.may_refuse:
+                self._offer_in_turn(spec, route, ranked)
+                continue
+            replica_id = ranked[0]
+            index = int(replica_id.removeprefix("r"))
+            w = self.pool.group_of[index]
+            if self.is_doomed(spec):  # taken only if that replica is busy: ask
+                self.sent[spec.request_id] = (replica_id, route)
+                self.waiting_outcome[w] = spec.request_id
+                handed = (w, (index, spec, True, True))
+            else:
+                self.routes[spec.request_id] = (replica_id, route)
+                router.on_sent(replica_id, route)
+                handed = (w, (index, spec, False, False))
+        for w in reversed(range(num_groups)):
+            give = handed[1] if handed is not None and handed[0] == w else None
+            self.step(w, give, None, 0, math.inf)
+        self.wait(math.inf, 0)
+        assert not self.ends and not self.sent
+
+        for w in range(1, num_groups):
+            pool.conns[w].send(("result",))
+        results = [pool.local.result()] + [pool.recv(w) for w in range(1, num_groups)]
+        stuck = sorted(i for res in results for i in res["stuck"])
+        if stuck:
+            raise RuntimeError(f"replicas {[f'r{i}' for i in stuck]} cannot run anything and "
+                               "no event is pending (a request larger than the KV pool?)")
+        stats = {i: s for res in results for i, s in res["stats"].items()}
+        finished = self.finished
+        finished.sort(key=lambda e: (e[0], e[1]))  # stable: a replica's own order is kept
+        return FleetResult(
+            finished=[f for _, _, f in finished], rejected=self.rejected,
+            num_passes=[stats[i][0] for i in range(num_replicas)],
+            busy_s=[stats[i][1] for i in range(num_replicas)],
+            num_preemptions=sum(res["preemptions"] for res in results),
+            end_time_s=max([last_arrival, 0.0] + [res["last_event_s"] for res in results]
+                           + [res["clock_s"] for res in results]),
+            num_routed=[stats[i][2] for i in range(num_replicas)])
+
+    def _offer_in_turn(self, spec: FleetRequest, route: RouteRequest,
+                       ranked: list[str]) -> None:
+        """The router's choices in turn, each answered before the next (QueueFull: the next).
+        Nothing is looked ahead here (may_refuse), so every group has answered every step."""
+        reason = "no replica"
+        for replica_id in ranked:
+            index = int(replica_id.removeprefix("r"))
+            w = self.pool.group_of[index]
+            self.sent[spec.request_id] = (replica_id, route)
+            self.waiting_outcome[w] = spec.request_id
+            # A step to the arrival's own time: hand it over, run nothing further.
+            self.step(w, (index, spec, True, False), None, 0, spec.arrival_s)
+            while self.waiting_outcome[w] is not None:
+                news = self.pool.recv(w)
+                assert len(news[0]) == 1 and not any(news[1:5])
+                self.take(w, news)
+            outcome, why = self.last_outcome
+            if outcome == FULL:
+                reason = why
+                continue
+            return  # taken, or rejected (take() said so)
+        self.rejected[spec.request_id] = reason
