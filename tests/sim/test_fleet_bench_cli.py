@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 import everystop
 from everystop.cli import main
 
@@ -52,3 +54,21 @@ def test_a_run_of_the_target_size_is_measured_not_extrapolated(tmp_path):
     r = json.loads(out.read_text())
     assert r["measured_cpu_s_for_target"] == round(r["cpu_ms_per_request"] / 1e3 * 30, 1)
     assert r["meets_target_measured"] is (r["measured_cpu_s_for_target"] < 600)
+
+
+def test_the_target_run_on_workers_alone_is_checked_against_a_one_process_run(tmp_path, capsys):
+    one, par = tmp_path / "one.json", tmp_path / "par.json"
+    assert main(["bench", "fleet-speed", "--requests", "30", "--replicas", "3",
+                 "--target-requests", "30", "--profile-requests", "10", "--out", str(one)]) == 0
+    assert main(["bench", "fleet-speed", "--requests", "30", "--replicas", "3",
+                 "--target-requests", "30", "--workers", "2", "--parallel-only", str(one),
+                 "--out", str(par)]) == 0
+    r = json.loads(par.read_text())
+    assert r["workers"] == 2 and r["same_simulated_as_one_process"] is True
+    assert r["simulated"] == json.loads(one.read_text())["simulated"]
+    assert r["measured_wall_s_for_target"] == r["wall_s"] > 0
+    assert r["meets_target_measured"] is (r["wall_s"] < 600)
+    # another size than the one-process run's is refused, not compared
+    with pytest.raises(SystemExit, match="not a one-process run of this size"):
+        main(["bench", "fleet-speed", "--requests", "20", "--replicas", "3", "--workers", "2",
+              "--parallel-only", str(one), "--out", str(par)])

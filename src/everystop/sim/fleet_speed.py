@@ -241,10 +241,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=1,
                     help="also time the run on this many processes (sim/fleet_parallel.py) and "
                          "check it simulates the same; its wall time is the figure then")
+    ap.add_argument("--parallel-only", default=None, metavar="ONE_PROCESS_JSON",
+                    help="time only the run on --workers processes (a run of the target's "
+                         "size takes half an hour in one process), and check what it "
+                         "simulated against this earlier one-process result of the same run")
     ap.add_argument("--out", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.parallel_only:
+        return run_parallel_only(args)
     load_before = os.getloadavg()
     baseline = None
     if args.baseline_src:
@@ -324,5 +330,45 @@ def run(args: argparse.Namespace) -> int:
         "parallel": parallel,
         "profile_time_share": profile_split(args.profile_requests, args.replicas, args.load,
                                             args.router),
+    }, args.out)
+    return 0
+
+
+def run_parallel_only(args: argparse.Namespace) -> int:
+    """The run on --workers processes alone, its wall time the measurement; what it simulated
+    is checked against a one-process result of the same command (its `simulated`)."""
+    if args.workers < 2:
+        raise SystemExit("--parallel-only needs --workers 2 or more")
+    one = json.loads(Path(args.parallel_only).read_text())
+    if (one["requests"], one["replicas"], one["router"], one["offered_load_fraction"]) != (
+            args.requests, args.replicas, args.router, args.load):
+        raise SystemExit(f"{args.parallel_only} is not a one-process run of this size")
+    load_before = os.getloadavg()
+    parallel = parallel_run(args.requests, args.replicas, args.load, args.router, args.workers)
+    summary = parallel.pop("summary")
+    simulated = {k: summary[k] for k in one["simulated"]}
+    wall = parallel["wall_s"]
+    target = args.requests >= args.target_requests
+    write_result({
+        "benchmark": "fleet_sim_speed_parallel",
+        "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
+                    f"{args.replicas} --load {args.load} --router {args.router} "
+                    f"--workers {args.workers} --parallel-only {args.parallel_only}"),
+        "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
+        "replicas": args.replicas, "router": args.router, "traffic": DESIGN_TRAFFIC,
+        "offered_load_fraction": args.load, "requests": args.requests,
+        **parallel,
+        "wall_ms_per_request": round(wall / args.requests * 1e3, 3),
+        "target_requests": args.target_requests, "target_s": 600,
+        "measured_wall_s_for_target": wall if target else None,
+        "meets_target_measured": wall < 600 if target else None,
+        "one_process": {"result": args.parallel_only, "cpu_s": one["cpu_s"],
+                        "wall_s": one["wall_s"],
+                        "speedup_wall": round(one["wall_s"] / wall, 3)},
+        "same_simulated_as_one_process": json.loads(json.dumps(simulated)) == one["simulated"],
+        "simulated": simulated,
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
     }, args.out)
     return 0
