@@ -99,6 +99,8 @@ class _Group:
         self.seq = 0
         self.now = self.last_event_s = 0.0
         self.parked: dict[int, float] = {}  # replica -> its parked continuation's time
+        # The parked continuations, in the serial order (their events' places in it).
+        self.continuations: list[tuple[float, int, int, int, int]] = []
         # Replicas whose inbox holds a request that will be refused as it joins (an end the
         # router must hear of at that continuation's time, so nothing past it is complete).
         self.doomed: set[int] = set()
@@ -134,36 +136,43 @@ class _Group:
     def advance(self, until: float, ahead: float) -> None:
         """Every event strictly before `until` (an arrival at `until` goes first), and the end
         parts of those before `ahead` (their continuations parked)."""
-        events, replicas, finished, rejected = self.events, self.replicas, [], self.rejected
-        decode_stretches, push, wake = self.decode_stretches, self.push, self.wake
+        events, waiting, replicas, rejected = (self.events, self.continuations, self.replicas,
+                                               self.rejected)
+        decode_stretches, push, wake, finished = self.decode_stretches, self.push, self.wake, []
         deferred = []
-        while events and events[0][0] < ahead:
-            event = heapq.heappop(events)
-            now, _, index, seq, token = event
-            self.now = now
-            r = replicas[index]
-            if now < until:
-                if token == CONTINUE:
-                    token, r.parked = r.parked, None  # type: ignore[assignment]
-                    del self.parked[index]
-                    continuation(r, token, now, self, rejected, decode_stretches, push, wake)
-                else:
+        while True:
+            # The next event in the serial order: a parked continuation now due, or an event.
+            if waiting and waiting[0][0] < until and (not events or waiting[0] < events[0]):
+                now, _, index, _, _ = heapq.heappop(waiting)
+                r = replicas[index]
+                self.now = now
+                token, r.parked = r.parked, None
+                del self.parked[index]
+                continuation(r, token, now, self, rejected, decode_stretches, push, wake)  # type: ignore[arg-type]
+            elif events and events[0][0] < ahead:
+                event = heapq.heappop(events)
+                now, _, index, seq, token = event
+                r = replicas[index]
+                self.now = now
+                if now < until:
                     _replica_event(r, token, now, self, finished, rejected, decode_stretches,
                                    push, wake)
-                if self.doomed and not r.inbox:
-                    self.doomed.discard(index)
-            elif token == CONTINUE or token > PASS_END:  # a wake-up is all continuation
-                deferred.append(event)
-                continue
-            elif end_part(r, token, self, finished):
-                r.parked = token
-                self.parked[index] = now
-                deferred.append((now, PASS, index, seq, CONTINUE))  # its place in the order
+                elif token > PASS_END:  # a wake-up is all continuation
+                    deferred.append(event)
+                    continue
+                elif end_part(r, token, self, finished):
+                    r.parked = token
+                    self.parked[index] = now
+                    heapq.heappush(waiting, (now, PASS, index, seq, CONTINUE))
+                if finished:
+                    self.finished.extend((now, index, f) for f in finished)
+                    finished.clear()
+            else:
+                break
             if now > self.last_event_s:
                 self.last_event_s = now
-            if finished:
-                self.finished.extend((now, index, f) for f in finished)
-                finished.clear()
+            if self.doomed and not r.inbox:
+                self.doomed.discard(index)
         for event in deferred:
             heapq.heappush(events, event)
 
