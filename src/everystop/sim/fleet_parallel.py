@@ -19,7 +19,8 @@ until its arrivals are known. The parent ranks an arrival as soon as every group
 every finish before it, so it does not wait for the worker at each arrival (the lockstep this
 module used to run, which left two processes no faster than one), only when the worker falls
 more than a floor behind; the pipes carry the steps in order meanwhile. A report's grid point
-bounds the look-ahead (it holds what every event before it left, nothing after).
+bounds the look-ahead (it holds what every event before it left, nothing after; with a
+report at every arrival, `stats_interval_s=0`, nothing is looked ahead).
 
 Why it gives the one-process results exactly: a group processes its replicas' events in the
 serial loop's order (time, then replica index, then push order); events of replicas in
@@ -81,7 +82,7 @@ CONTINUE = 0  # the token of a parked event's continuation (wake-ups count from 
 
 
 class _Group:
-    """One worker's replicas (every W-th) and their events, driven by the parent's messages.
+    """One group's replicas (`deal`) and their events, driven by the parent's messages.
 
     `ahead_s`: no pass is shorter (the cost model's floor; 0 turns looking ahead off). Told
     every arrival before `until`, the group runs every event before it, and applies the ends of

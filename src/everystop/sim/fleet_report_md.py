@@ -254,6 +254,15 @@ def _extrapolation(s: dict) -> str:
             "request over tenths 6-9 of the arrivals)")
 
 
+def _verdict(met: bool) -> str:
+    return "met." if met else "**not met**."
+
+
+def _tenths(values: list[float]) -> str:
+    """A run's figures by tenth of its arrivals, as the page lists them."""
+    return ", ".join(f"{t:g}" for t in values)
+
+
 def _speed_million() -> list[str]:
     """The target run itself, where one was made."""
     if not MILLION_SPEED_JSON.exists():
@@ -266,9 +275,9 @@ def _speed_million() -> list[str]:
         f"**The target run itself**, `{s['command']}`: {s['requests']:,} requests over "
         f"{s['replicas']} replicas, **{s['cpu_s']:,.0f} CPU-s** ({s['wall_s']:,.0f} s wall, one "
         f"process, peak resident memory {s['max_rss_mib']:,.0f} MiB) against 600 s: "
-        + ("met." if s["meets_target_measured"] else "**not met**.")
+        + _verdict(s["meets_target_measured"])
         + f" {s['cpu_ms_per_request']} CPU-ms per request, by tenth of the arrivals: "
-        + ", ".join(f"{t:g}" for t in s["cpu_ms_per_request_by_tenth"])
+        + _tenths(s["cpu_ms_per_request_by_tenth"])
         + " (no trend after the third tenth; the 60,000-request runs' steady state, above, "
         "came out 24-37% lower: the machine's speed moves by that much between hours, and "
         "a run of 60,000 may not reach the whole fleet's long-run state). The scheduler's own "
@@ -291,9 +300,9 @@ def _speed_million_parallel(s: dict) -> list[str]:
         f"**{p['wall_s']:,.0f} s wall** ({p['parent_cpu_s']:,.0f} CPU-s in the parent, "
         f"{p['workers_cpu_s']:,.0f} in the worker, peak resident memory of the parent "
         f"{p['max_rss_mib']:,.0f} MiB) against 600 s: "
-        + ("met." if p["meets_target_measured"] else "**not met**.")
+        + _verdict(p["meets_target_measured"])
         + f" {p['wall_ms_per_request']} ms wall per request, by tenth of the arrivals: "
-        + ", ".join(f"{t:g}" for t in p["wall_ms_per_request_by_tenth"])
+        + _tenths(p["wall_ms_per_request_by_tenth"])
         + f". {one['speedup_wall']:.2f}x the one-process run above ({one['wall_s']:,.0f} s "
         "wall, session 16: the ratio within one command is the 60,000-request one below), "
         + ("and the same simulated figures (finished, makespan, output tokens, passes, TTFT "
@@ -301,7 +310,7 @@ def _speed_million_parallel(s: dict) -> list[str]:
            if p["same_simulated_as_one_process"] else "**and different simulated figures**.")
         + (f" The 60,000-request command below extrapolated "
            f"{short['extrapolated_wall_s_for_target']:,.0f} s for it from tenths of "
-           + ", ".join(f"{t:g}" for t in short["wall_ms_per_request_by_tenth"])
+           + _tenths(short["wall_ms_per_request_by_tenth"])
            + " ms: the long run is slower from its first tenth on, as the one-process long "
            "run was against its own extrapolation; the measured figure is the one that counts."
            if short.get("extrapolated_wall_s_for_target") else ""),
