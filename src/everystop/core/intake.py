@@ -42,26 +42,34 @@ class QueuedCounts:
 def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
                      queued: QueuedCounts) -> None:
     """Raise RequestRejected (never runnable) or QueueFull (not now); return if it may queue."""
-    if req.num_prompt_tokens == 0:
-        raise RequestRejected("the prompt is empty")
-    max_model_len = model_len_limit(cfg, kv)
-    if req.max_total_tokens > max_model_len:
-        raise RequestRejected(
-            f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-            f"({req.sampling_params.max_tokens}) exceeds max_model_len ({max_model_len})")
-    usable = kv.num_gpu_blocks - kv.watermark_blocks
-    if kv.blocks_needed(req.max_total_tokens) > usable:
-        raise RequestRejected(
-            f"the request needs up to {kv.blocks_needed(req.max_total_tokens)} KV blocks "
-            f"but the pool has {usable}")
-    if not cfg.enable_chunked_prefill and req.num_prompt_tokens > cfg.max_num_batched_tokens:
-        raise RequestRejected(
-            f"prompt ({req.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
-            f"({cfg.max_num_batched_tokens}) and chunked prefill is off")
-    if not 0 <= req.priority <= 2:
-        raise RequestRejected(f"priority must be 0, 1 or 2, not {req.priority}")
+    check_runnable(req.num_prompt_tokens, req.sampling_params.max_tokens, req.priority, cfg, kv)
     tenant_cap, tier_cap = cfg.max_queued_per_tenant, cfg.max_queued_per_tier[req.priority]
     if tenant_cap and queued.by_tenant.get(req.tenant, 0) >= tenant_cap:
         raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued")
     if tier_cap and queued.by_tier.get(req.priority, 0) >= tier_cap:
         raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued")
+
+
+def check_runnable(num_prompt_tokens: int, max_tokens: int, priority: int,
+                   cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Raise RequestRejected if a request of this shape could never run here, whatever the
+    engine's state (the fleet simulator asks it before choosing whether to wait for an offer)."""
+    if num_prompt_tokens == 0:
+        raise RequestRejected("the prompt is empty")
+    max_model_len = model_len_limit(cfg, kv)
+    max_total_tokens = num_prompt_tokens + max_tokens
+    if max_total_tokens > max_model_len:
+        raise RequestRejected(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+            f"({max_tokens}) exceeds max_model_len ({max_model_len})")
+    usable = kv.num_gpu_blocks - kv.watermark_blocks
+    if kv.blocks_needed(max_total_tokens) > usable:
+        raise RequestRejected(
+            f"the request needs up to {kv.blocks_needed(max_total_tokens)} KV blocks "
+            f"but the pool has {usable}")
+    if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
+        raise RequestRejected(
+            f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+            f"({cfg.max_num_batched_tokens}) and chunked prefill is off")
+    if not 0 <= priority <= 2:
+        raise RequestRejected(f"priority must be 0, 1 or 2, not {priority}")

@@ -52,11 +52,9 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from everystop.core.intake import QueuedCounts, RequestRejected, check_admissible
-from everystop.core.request import Request
+from everystop.core.intake import RequestRejected, check_runnable
 from everystop.routing import ReplicaLoad, Router, RouteRequest, route_request
 from everystop.routing.policies import PrefixAffinityRouter
-from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import CostModel, IterationShape
 from everystop.sim.fleet import (
     FULL,
@@ -395,7 +393,7 @@ class _Driver:
         self.finished: list[tuple[float, int, Finished]] = []
         self.rejected: dict[str, str] = {}
         self.loads: list[ReplicaLoad] = []
-        self.doomed: dict[tuple[int, int, int], bool] = {}  # (prompt, max_tokens, tier) -> ?
+        self.kv = next(iter(pool.local.replicas.values())).kv  # every replica's pool is alike
         self.last_outcome: tuple[str, str] = ("", "")
 
     def step(self, w: int, handed: tuple[int, FleetRequest, bool, bool] | None,
@@ -445,20 +443,13 @@ class _Driver:
 
     def is_doomed(self, spec: FleetRequest) -> bool:
         """Whether no replica could ever run it (RequestRejected: the same on every replica,
-        whatever its state), asked of one replica's own check, once per kind of request."""
-        key = (len(spec.prompt_token_ids), spec.max_tokens, spec.priority)
-        doomed = self.doomed.get(key)
-        if doomed is None:
-            r = next(iter(self.pool.local.replicas.values()))
-            req = Request(spec.request_id, spec.prompt_token_ids,
-                          SamplingParams(max_tokens=spec.max_tokens), priority=spec.priority)
-            try:
-                check_admissible(req, self.setup.scheduler, r.kv, QueuedCounts())
-                doomed = False
-            except RequestRejected:
-                doomed = True
-            self.doomed[key] = doomed
-        return doomed
+        whatever its state), by the replicas' own check."""
+        try:
+            check_runnable(len(spec.prompt_token_ids), spec.max_tokens, spec.priority,
+                           self.setup.scheduler, self.kv)
+        except RequestRejected:
+            return True
+        return False
 
     def run(self, requests: Iterable[FleetRequest], num_replicas: int,
             stats_interval_s: float) -> FleetResult:
