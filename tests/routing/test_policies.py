@@ -291,3 +291,31 @@ def test_rank_scores_every_replica_exactly_as_tier_and_score(replicas, need, pro
     assert router._keys == expected
     assert router.last_scores == {rid: key[1] for rid, key in expected.items()}
     assert ranked == sorted(expected, key=lambda rid: (*expected[rid], rid))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(POLICIES),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(50, 60),
+                          st.floats(0.0, 1.0)), min_size=1, max_size=12),
+       st.integers(0, 40), st.integers(0, 600), st.integers(0, 3))
+def test_best_is_rank_first_with_the_same_side_effects(policy, replicas, need, prompt,
+                                                       sends) -> None:
+    # Narrow ranges, so ties in (tier, score) are common, and the reports in reverse id order:
+    # the id must break ties as the sort does, not the reports' order.
+    loads = [load(f"r{i}", waiting=w, running=r, total=t, free=int(t * f))
+             for i, (w, r, t, f) in reversed(list(enumerate(replicas)))]
+    tokens = list(range(prompt))
+    routers = [make_router(policy, seed=7) for _ in range(2)]
+    for router in routers:
+        for k in range(sends):
+            router.on_sent(f"r{k % len(loads)}", route_request(tokens, 16, with_hashes=True))
+    by_rank, by_best = routers
+    request = route_request(tokens, 16, with_hashes=True)
+    first = by_best.best(request, loads)
+    assert first == by_rank.rank(request, loads)[0]
+    assert by_best.last_scores == by_rank.last_scores
+    assert by_best.last_reason == by_rank.last_reason
+    by_best.on_sent(first, request)
+    by_rank.on_sent(first, request)
+    assert by_best.reasons == by_rank.reasons
+    assert make_router(policy).best(request, []) is None

@@ -69,14 +69,18 @@ def test_least_loaded_beats_round_robin_on_a_skewed_workload(tmp_path):
 
 
 def test_router_sees_reports_of_its_age_corrected_by_what_it_sent():
-    """The simulator drives the production Router: every rank() gets one report per replica,
-    no newer than the refresh interval, and on_sent/on_finished balance out."""
+    """The simulator drives the production Router: every choice (best(): no queue caps here)
+    gets one report per replica, no newer than the refresh interval, and on_sent/on_finished
+    balance out."""
     calls = []
 
     class Spy(Router):
         def rank(self, request, loads):
+            raise AssertionError("without queue caps only the first choice is asked for")
+
+        def best(self, request, loads):
             calls.append([(ld.replica_id, ld.seq) for ld in loads])
-            return super().rank(request, loads)
+            return super().best(request, loads)
 
     node = build_node("llama-3-8b", "a100-80gb", 1, num_gpu_blocks=2000)
     router = Spy()

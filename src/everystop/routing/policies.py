@@ -86,6 +86,31 @@ class Router:
 
     def rank(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[str]:
         """Replica ids, best first. Every replica in `loads` appears exactly once."""
+        corrected = self._score(request, loads)
+        self.last_reason = self.REASONS[0]
+        ranked = self._order(request, corrected)
+        self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
+        return ranked
+
+    def best(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> str | None:
+        """rank(request, loads)[0] (None for no replicas), with rank's side effects, for a
+        caller that takes the first choice whenever it can: a fleet without queue caps, where
+        no replica refuses what another would take. Least-loaded finds it without sorting."""
+        if type(self)._order is not Router._order:
+            ranked = self.rank(request, loads)
+            return ranked[0] if ranked else None
+        self._score(request, loads)
+        keys = self._keys
+        self.last_reason = self.REASONS[0]
+        if not keys:
+            self._last_pick = None
+            return None
+        _, first = min(zip(keys.values(), keys))  # _order's first: least (tier, score, id)
+        self._last_pick = (id(request), first, self.last_reason)
+        return first
+
+    def _score(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> list[Corrected]:
+        """Each replica's (tier, score) for this request into `_keys`; their corrected loads."""
         # NOTE: once per request over every replica (the fleet simulator's hot path at 64
         # replicas): a replica's correction, and the parts of its score that do not depend on
         # the request (score_parts), are redone only when its report or books changed; here
@@ -112,10 +137,7 @@ class Router:
                    + kv_pressure * min(total, used) / total)
             keys[rid] = key
             corrected.append(cached[2])
-        self.last_reason = self.REASONS[0]
-        ranked = self._order(request, corrected)
-        self._last_pick = (id(request), ranked[0], self.last_reason) if ranked else None
-        return ranked
+        return corrected
 
     @property
     def last_scores(self) -> dict[str, float]:

@@ -9,7 +9,8 @@ own count of requests sent and finished since: the router's information delay.
 Events, in time order (ties: reports, then arrivals, then pass starts/ends, then by sequence)::
 
     report      every replica's ReplicaLoad is taken (the router's next refresh)
-    arrival     router.rank -> the first replica that takes it (QueueFull: the next)
+    arrival     router.rank -> the first replica that takes it (QueueFull: the next;
+                without queue caps only the first is asked: router.best)
     pass start  an idle replica with work schedules a pass; it ends `latency` later
     pass end    update_from_output, finished requests leave (router.on_finished), queued
                 arrivals join, the next pass starts at once
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from everystop.config import SchedulerConfig
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.request import Request
@@ -259,6 +261,7 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
     with _gc_frozen():
         replicas = [Replica(i, setup, latency_fn) for i in range(num_replicas)]
         want_hashes = isinstance(router, PrefixAffinityRouter)
+        refusing = may_refuse(setup.scheduler)
         # (time, kind, replica, seq, token): at equal times and kinds, replica order
         events: list[tuple[float, int, int, int, int]] = []
         seq = 0
@@ -318,11 +321,17 @@ def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
                 if not stats_interval_s:
                     take_reports(now)
                 _route(spec, replicas, router, loads, rejected, want_hashes, setup.block_size,
-                       wake, cut)
+                       wake, cut, refusing)
                 continue
             _replica_event(replicas[index], token, now, router, finished, rejected,
                            decode_stretches, push, wake)
         return _fleet_result(replicas, finished, rejected, now)
+
+
+def may_refuse(cfg: SchedulerConfig) -> bool:
+    """Whether a replica may refuse an arrival another would take (QueueFull: queue caps are
+    configured); without them every replica takes it, or none can ever run it."""
+    return bool(cfg.max_queued_per_tenant or any(cfg.max_queued_per_tier))
 
 
 def _check_fleet_args(num_replicas: int, stats_interval_s: float) -> None:
@@ -444,10 +453,15 @@ def _gc_frozen() -> Iterator[None]:
 def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
            loads: list[ReplicaLoad], rejected: dict[str, str], want_hashes: bool,
            block_size: int, wake: Callable[[Replica, float], None],
-           cut: Callable[[Replica, float], None]) -> None:
+           cut: Callable[[Replica, float], None], may_refuse: bool) -> None:
     route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
     reason = "no replica"
-    for replica_id in router.rank(route, loads):
+    if may_refuse:
+        choices: Iterable[str] = router.rank(route, loads)
+    else:  # only the first choice is ever offered (see may_refuse)
+        first = router.best(route, loads)
+        choices = () if first is None else (first,)
+    for replica_id in choices:
         r = replicas[int(replica_id.removeprefix("r"))]
         outcome, why = offer(r, spec, route, wake, cut)
         if outcome == TAKEN:

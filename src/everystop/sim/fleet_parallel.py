@@ -71,6 +71,7 @@ from everystop.sim.fleet import (
     _replica_event,
     continuation,
     end_part,
+    may_refuse,
     offer,
 )
 from everystop.sim.fleet_workload import FleetRequest
@@ -353,13 +354,13 @@ def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
     cfg = setup.scheduler
     # With queue caps, an offer may be refused and the next replica tried at the same time,
     # and a queued request refused as it joins: every step is awaited (no looking ahead).
-    may_refuse = bool(cfg.max_queued_per_tenant or any(cfg.max_queued_per_tier))
-    ahead_s = 0.0 if may_refuse else min_pass_latency(latency_fn)
+    refusing = may_refuse(cfg)
+    ahead_s = 0.0 if refusing else min_pass_latency(latency_fn)
     with _gc_frozen():  # as the one-process run (its group 0 runs here)
         pool = _Workers(min(workers, num_replicas), num_replicas, setup, latency_fn,
                         decode_stretches, ahead_s, stats_interval_s)
         try:
-            return _Driver(pool, router, setup, may_refuse).run(requests, num_replicas,
+            return _Driver(pool, router, setup, refusing).run(requests, num_replicas,
                                                                 stats_interval_s)
         finally:
             pool.close()
@@ -483,11 +484,11 @@ class _Driver:
             handed = None
             self.wait(now, report_seq if report_at is not None else 0)
             route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
-            ranked = router.rank(route, self.loads)
             if self.may_refuse:
-                self._offer_in_turn(spec, route, ranked)
+                self._offer_in_turn(spec, route, router.rank(route, self.loads))
                 continue
-            replica_id = ranked[0]
+            replica_id = router.best(route, self.loads)
+            assert replica_id is not None
             index = int(replica_id.removeprefix("r"))
             w = self.pool.group_of[index]
             if self.is_doomed(spec):  # taken only if that replica is busy: ask
