@@ -445,6 +445,9 @@ def test_bulk_decode_rows_are_the_rows_added_one_by_one(rows, targets, timed) ->
     for pos, tier in rows:
         one.add_decode_row(pos, tier)
     bulk.add_decode_rows([pos for pos, _ in rows], {tier for _, tier in rows})
+    shifted = StepBudget(4096, coeffs, targets, floor_tokens=4)
+    shifted.add_decode_rows([pos - 3 for pos, _ in rows], {tier for _, tier in rows}, offset=3)
+    assert (shifted._decode_s, shifted.target_s) == (one._decode_s, one.target_s)
     assert (bulk.tokens_left, bulk._decode_tokens, bulk._decode_s, bulk.target_s,
             bulk.predicted_s) == (one.tokens_left, one._decode_tokens, one._decode_s,
                                   one.target_s, one.predicted_s)

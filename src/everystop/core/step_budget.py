@@ -184,17 +184,20 @@ class StepBudget:
         if target is not None and (self.target_s is None or target < self.target_s):
             self.target_s = target
 
-    def add_decode_rows(self, start_positions: list[int], tiers: Iterable[int]) -> None:
-        """add_decode_row for each start position in turn (the same float sums, in the same
-        order), the rows' tiers given once each: a decode stretch's rows riding along a pass."""
+    def add_decode_rows(self, start_positions: list[int], tiers: Iterable[int],
+                        offset: int = 0) -> None:
+        """add_decode_row for each start position (plus `offset`) in turn (the same float sums,
+        in the same order), the rows' tiers given once each: a decode stretch's rows riding
+        along a pass (their positions at its start, and the passes since)."""
         n = len(start_positions)
         self.tokens_left -= n
         self._decode_tokens += n
         c = self.coeffs
         if c is not None:
             decode_s, per_row, per_token = self._decode_s, c.decode_row, c.context_token
+            after = offset + 1
             for pos in start_positions:
-                decode_s += per_row + per_token * (pos + 1)
+                decode_s += per_row + per_token * (pos + after)
             self._decode_s = decode_s  # (without coeffs add_decode_row adds 0.0: no change)
         for tier in tiers:
             target = self.targets_s[tier]

@@ -168,6 +168,12 @@ class DecodeStretch:
         heapq.heapify(self.finishes)
         self.context = sum(bases)  # summed computed tokens of the live rows at `planned`
         self.order = list(range(n))  # the live rows, in running order
+        # In step with `order`: each live row's base, and how many live rows each tier has
+        # (what a mixed pass's budget takes from them, without a walk over the rows' requests).
+        self.order_base = list(bases)
+        self.tiers: dict[int, int] = {}
+        for req in self.rows:
+            self.tiers[req.priority] = self.tiers.get(req.priority, 0) + 1
         # Mixed passes (the scheduler's, with these rows lazy in them: Scheduler.lazy): on
         # between an arrival and the moment every row decodes again (absorb); `begun`: this
         # pass's rows are budgeted; `dead`: given back to the scheduler, the stretch is over.
@@ -355,11 +361,11 @@ class DecodeStretch:
             self.unapplied_grows += g  # counted, and applied at once by _start
         self.grow_frontier = b + 1
         self._start(b, mixed=True)
-        base, rows, budget = self.base, self.rows, step.budget
+        budget = step.budget
         # Their tiers matter only where a tier has a target (the tightest one present is kept).
-        tiers = ({rows[i].priority for i in self.order}
+        tiers = ([t for t, k in self.tiers.items() if k]
                  if any(t is not None for t in budget.targets_s) else ())
-        budget.add_decode_rows([base[i] + b for i in self.order], tiers)
+        budget.add_decode_rows(self.order_base, tiers, offset=b)
         step.num_lazy = self.alive
         step.lazy_context = self.context + self.alive
         self.begun = True
@@ -433,6 +439,8 @@ class DecodeStretch:
             self.context += base + b
             self.alive += 1
             self.order.append(i)
+            self.order_base.append(base)
+            self.tiers[req.priority] = self.tiers.get(req.priority, 0) + 1
         self.mixed = False
         sched.lazy = None
         self.look_ahead = FIRST_PLAN_PASSES
@@ -477,8 +485,10 @@ class DecodeStretch:
         assert (f, k) == (j, i) and j == self.planned
         self.alive -= 1
         self.context -= self.base[i] + j
+        self.tiers[self.rows[i].priority] -= 1
         self.rows[i] = None  # type: ignore[call-overload]  # a finished request is not kept
-        self.order.remove(i)
+        k = self.order.index(i)
+        del self.order[k], self.order_base[k]
         g0 = self.first_grow[i]
         if g0 < j:  # its one pending planned growth, at or past the frontier, is void
             g = g0 + max(0, -(-(self.grow_frontier - g0) // self.bs)) * self.bs
