@@ -128,6 +128,10 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
     system = [list(range(2_000_000 + k * 100_000, 2_000_000 + k * 100_000 + int(prefix_len)))
               for k in range(num_tenants)]
     pending: list[tuple[float, int, _Session]] = []  # next turns of open chats
+    # A new message's tokens after its first, as one set of int objects every prompt slices:
+    # at fleet scale the prefix cache keeps millions of blocks' token tuples alive, and their
+    # own copies of these ints made a run's memory larger and colder as it went.
+    filler = list(range(10, 10 + max_model_len))  # (a longer message is cut to fit below)
     next_new = arrivals.next()
     for i in range(n):
         if pending and pending[0][0] < next_new:
@@ -140,7 +144,7 @@ def fleet_traffic(spec: str, max_model_len: int = 8192) -> Iterator[FleetRequest
                                int(max_turns) if rng.random() < session_frac else 1)
         # A new user message: its first token is unique, so no two requests share it by chance.
         new = prompt_dist.sample(rng)
-        prompt = session.history + [3_000_000 + i] + list(range(10, 10 + new - 1))
+        prompt = session.history + [3_000_000 + i] + filler[:new - 1]
         out = output_dist.sample(rng)
         if len(prompt) + out > max_model_len:  # the chat has outgrown the context: start over
             prompt = prompt[len(session.history):][:max_model_len - out]
