@@ -129,11 +129,20 @@ class StepCostModel:
         """argmin over theta >= 0 of the damped least-squares objective (active set: a
         coefficient that comes out negative is pinned at 0 and the rest re-solved)."""
         d = self.damping
-        free = list(range(4))
-        while True:
-            a = [[self._a[i][j] + (d if i == j else 0.0) for j in free] for i in free]
-            b = [self._b[i] + d * self._theta[i] for i in free]
-            sol = _gauss_solve(a, b)
+        a, b, prev = self._a, self._b, self._theta
+        # The first round, with all four free (the usual answer), straight-line: once per pass.
+        theta = _gauss_solve4([
+            [a[0][0] + d, a[0][1] + 0.0, a[0][2] + 0.0, a[0][3] + 0.0, b[0] + d * prev[0]],
+            [a[1][0] + 0.0, a[1][1] + d, a[1][2] + 0.0, a[1][3] + 0.0, b[1] + d * prev[1]],
+            [a[2][0] + 0.0, a[2][1] + 0.0, a[2][2] + d, a[2][3] + 0.0, b[2] + d * prev[2]],
+            [a[3][0] + 0.0, a[3][1] + 0.0, a[3][2] + 0.0, a[3][3] + d, b[3] + d * prev[3]]])
+        free = [i for i in range(4) if not theta[i] < 0]
+        while len(free) < 4:
+            if not free:
+                return theta
+            sub_a = [[a[i][j] + (d if i == j else 0.0) for j in free] for i in free]
+            sub_b = [b[i] + d * prev[i] for i in free]
+            sol = _gauss_solve(sub_a, sub_b)
             theta = [0.0] * 4
             for k, i in enumerate(free):
                 theta[i] = sol[k]
@@ -141,8 +150,7 @@ class StepCostModel:
             if not negative:
                 return theta
             free = [i for i in free if i not in negative]
-            if not free:
-                return theta
+        return theta
 
 
 def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -166,5 +174,49 @@ def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
         row = m[r]
-        x[r] = (row[n] - sum([row[c] * x[c] for c in range(r + 1, n)])) / row[r]
+        done = 0.0  # summed left to right, as sum() of floats did before Python 3.12
+        for c in range(r + 1, n):
+            done += row[c] * x[c]
+        x[r] = (row[n] - done) / row[r]
     return x
+
+
+def _gauss_solve4(m: list[list[float]]) -> list[float]:
+    """_gauss_solve of a 4x4 system given as its augmented rows (changed in place), written
+    out: the same operations in the same order, so the same floats (a column's own entries
+    below the pivot are left uncomputed: nothing reads them again)."""
+    for col in range(3):
+        pivot, largest = col, abs(m[col][col])
+        for r in range(col + 1, 4):
+            v = abs(m[r][col])
+            if v > largest:
+                pivot, largest = r, v
+        m[col], m[pivot] = m[pivot], m[col]
+        top = m[col]
+        t = top[col]
+        if col == 0:
+            _, t1, t2, t3, t4 = top
+            for row in (m[1], m[2], m[3]):
+                f = row[0] / t
+                row[1] -= f * t1
+                row[2] -= f * t2
+                row[3] -= f * t3
+                row[4] -= f * t4
+        elif col == 1:
+            t2, t3, t4 = top[2], top[3], top[4]
+            for row in (m[2], m[3]):
+                f = row[1] / t
+                row[2] -= f * t2
+                row[3] -= f * t3
+                row[4] -= f * t4
+        else:
+            row = m[3]
+            f = row[2] / t
+            row[3] -= f * top[3]
+            row[4] -= f * top[4]
+    m0, m1, m2, m3 = m
+    x3 = (m3[4] - 0.0) / m3[3]
+    x2 = (m2[4] - (0.0 + m2[3] * x3)) / m2[2]
+    x1 = (m1[4] - (0.0 + m1[2] * x2 + m1[3] * x3)) / m1[1]
+    x0 = (m0[4] - (0.0 + m0[1] * x1 + m0[2] * x2 + m0[3] * x3)) / m0[0]
+    return [x0, x1, x2, x3]
