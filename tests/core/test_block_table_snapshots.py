@@ -59,3 +59,27 @@ def test_freeing_and_swapping_leave_a_held_table_alone() -> None:
     kv.free(req)
     assert row_table == before and len(swapped_in) == 2
     assert kv.block_ids("a") == []
+
+
+def test_growth_in_bulk_leaves_the_held_table_and_the_next_one_is_made_when_asked() -> None:
+    # grow_by_one_block (a decode stretch's rows) drops the id list; block_ids() makes the new
+    # one, and allocate() after such growth extends the whole table, not the dropped list.
+    kv = KVCacheManager(32, BS)
+    req = Request("a", list(range(8)), SamplingParams(max_tokens=20))
+    _computed(kv, req, 8)
+    row_table = kv.block_ids("a")
+    before = list(row_table)
+    kv.grow_by_one_block([req])
+    assert row_table == before
+    grown = kv.block_ids("a")
+    assert grown == [b.block_id for b in kv.req_blocks["a"]] and len(grown) == 3
+    assert kv.block_ids("a") is grown
+    kv.check_integrity({"a"})
+    req.output_token_ids.extend([50] * 4)
+    req.num_computed_tokens = 12
+    kv.grow_by_one_block([req])  # four blocks, the list dropped again
+    req.output_token_ids.extend([51] * 6)
+    assert kv.allocate(req, 6)  # 18 tokens: a fifth block, through the general path
+    assert kv.block_ids("a") == [b.block_id for b in kv.req_blocks["a"]]
+    assert len(kv.block_ids("a")) == 5 and row_table == before
+    kv.check_integrity({"a"})

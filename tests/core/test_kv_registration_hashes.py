@@ -70,8 +70,10 @@ def test_registration_after_a_recompute_preemption_rehashes_nothing_wrong() -> N
 
 def _pool_state(kv: KVCacheManager) -> tuple:
     pool = kv.pool
-    return (dict(kv._req_block_ids), {r: list(h) for r, h in kv._req_hashes.items()},
-            dict(kv.registered_blocks), list(pool._free),
+    # (block_ids as asked for: growth leaves the id list to be made when it is)
+    return ({r: kv.block_ids(r) for r in kv.req_blocks},
+            {r: list(h) for r, h in kv._req_hashes.items()}, dict(kv.registered_blocks),
+            list(pool._free),
             {h: b.block_id for h, b in pool._cached.items()}, pool.num_evictions,
             [(b.ref_cnt, b.block_hash, b.parent_hash, b.token_ids) for b in pool.blocks])
 

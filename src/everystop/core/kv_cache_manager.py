@@ -18,9 +18,11 @@ class KVCacheManager:
         self.watermark_blocks = 0
         self.set_watermark(watermark)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as plain block ids, kept in step. NOTE: a list here is never changed
-        # once made (growth replaces it), so block_ids() hands it out as the snapshot a pass's
-        # row keeps, without copying it for every row of every pass.
+        # The same tables as plain block ids, kept in step, or absent until block_ids() asks
+        # after grow_by_one_block (a decode stretch grows tables nobody reads in the meantime).
+        # NOTE: a list here is never changed once made (growth replaces or drops it), so
+        # block_ids() hands it out as the snapshot a pass's row keeps, without copying it for
+        # every row of every pass.
         self._req_block_ids: dict[str, list[int]] = {}
         # Hashes of the request's full blocks (prompt and output), computed once each.
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -56,7 +58,12 @@ class KVCacheManager:
         """The request's block table as it is now: a list the manager never changes later
         (callers must not change it either)."""
         ids = self._req_block_ids.get(request_id)
-        return ids if ids is not None else []
+        if ids is None:
+            blocks = self.req_blocks.get(request_id)
+            if blocks is None:
+                return []
+            ids = self._req_block_ids[request_id] = [b.block_id for b in blocks]
+        return ids
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
@@ -179,7 +186,7 @@ class KVCacheManager:
         for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs))):
             rid = req.request_id
             held[rid].append(block)
-            held_ids[rid] = held_ids[rid] + [block.block_id]  # a new list (see block_ids)
+            held_ids.pop(rid, None)  # made again when asked for (see block_ids)
 
     def num_new_blocks_needed(self, req: Request, num_new_tokens: int,
                               computed: list[KVBlock] = ()) -> int:  # type: ignore[assignment]
@@ -226,11 +233,11 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(need)
             added.extend(new)
             blocks.extend(new)
-        if added:  # a new id list: the old one may be a row of a pass (see block_ids)
-            ids = self._req_block_ids.get(req.request_id)
-            self._req_block_ids[req.request_id] = (ids or []) + [b.block_id for b in added]
-        elif req.request_id not in self._req_block_ids:
-            self._req_block_ids[req.request_id] = []
+        ids = self._req_block_ids.get(req.request_id)
+        if ids is None:  # new, or dropped by growth: made from the table
+            self._req_block_ids[req.request_id] = [b.block_id for b in blocks]
+        elif added:  # a new id list: the old one may be a row of a pass (see block_ids)
+            self._req_block_ids[req.request_id] = ids + [b.block_id for b in added]
         return True
 
     def free(self, req: Request) -> None:
@@ -299,7 +306,8 @@ class KVCacheManager:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
-            if self._req_block_ids.get(rid) != [b.block_id for b in blocks]:
+            ids = self._req_block_ids.get(rid)
+            if ids is not None and ids != [b.block_id for b in blocks]:
                 raise AssertionError(f"{rid}: block id list out of step with its table")
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
