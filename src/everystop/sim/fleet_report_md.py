@@ -192,24 +192,46 @@ def _speed() -> list[str]:
         "earlier, before the parked continuations got a heap of their own) gave two "
         + _first_s17() + ".",
         "",
+        "Session 18: five changes, the same simulated results (the exactness tests, the "
+        "pinned digests, the same summary above). Without queue caps no replica refuses what "
+        "another would take, so the fleet asks the router only for its first choice "
+        "(`Router.best`: `rank()`'s scores, reason and pick, the least (tier, score, id) found "
+        "without sorting 64 replicas; a hypothesis test holds it to `rank()[0]` for every "
+        "policy, ties included). The fleet workload's prompts slice one shared list of token "
+        "ids instead of making new int objects for every prompt (the same ids): the prefix "
+        "caches keep millions of blocks' token tuples alive, and with them their own copies "
+        "of those ints, so memory grew larger and colder as a run went on (60,000 requests, "
+        "one run each: 94.9 to 86.0 CPU-s). The step-cost fit's first active-set round, "
+        "all four coefficients free, is a written-out 4x4 elimination, the same operations "
+        "in the same order (hypothesis tests against the general loop, bit for bit, nan and "
+        "inf included). Growth in bulk drops a block table's id list instead of copying it "
+        "with one more id at every block (`KVCacheManager.block_ids` makes it again when the "
+        "scheduler asks, which it does only for rows it runs itself). A stretch's rows join "
+        "a mixed pass's budget from positions and tier counts it keeps up to date, not from "
+        "a list and a set rebuilt over every row. Instructions per request under cachegrind "
+        "(3,000 requests less 500, deterministic where this machine's timings are not): "
+        "3.01M to 2.77M, the memory change not counted. Tried and dropped: Cython 3.3 on the "
+        "eleven hot modules as they are (no type declarations): within the noise of the "
+        "interpreted run at 10,000 requests.",
+        "",
         "Why 600 s is still out of reach: what is left is spread thin, and most of it is work "
-        "every request owes whatever the walk. py-spy at 60 Hz over 30,000 requests (session "
-        "16), inclusive shares: its KV blocks ~29% (growth and "
-        "registration at block boundaries ~16%, the prompt's lookup hashes, allocation and "
-        "registration ~9%, freeing ~3%), the router's ranking of 64 replicas per arrival ~9% "
-        "(~95 us), the step-cost fit's re-solve after every scheduler pass ~6% (each solve "
-        "is damped toward the previous one, so it cannot be put off without changing the "
-        "fit), the stretches' planning ~5%, and the event loop, the requests' creation and "
-        "the workload generator around them. Two processes now take the target run from "
-        "1,750 to 1,273 s wall (both measured above); the rest of the gap, ~2.1x, is the "
-        "imbalance between the groups over seconds (the look-ahead covers ~8 arrivals, the "
-        "groups' share of heavy events drifts over hundreds; the parent waited ~10% of a "
-        "20,000-request run's wall time for the worker) and the single-process work itself. "
-        "Reaching 600 s on this machine needs that work out of Python (a compiled block pool "
-        "and router, or the whole simulator under a compiler such as mypyc: three core "
-        "modules compiled gave ~8% in a trial, session 16, not adopted); on a machine with "
-        "more cores the parallel path takes any number of groups (not measured: no such "
-        "machine here).",
+        "every request owes whatever the walk. py-spy at 250 Hz over 20,000 requests "
+        "(session 18), inclusive shares: a stretch's rows growing and registering their "
+        "blocks and finishing ~33%, the passes the scheduler runs itself (admitting and "
+        "prefilling a newcomer, 1.6 per request, with ~88 rows riding along) ~38%, the "
+        "router's scoring of 64 replicas per arrival ~8%, the step-cost fit within those "
+        "~5%, and building and tearing down the 64 block pools ~10% of so short a run. "
+        "Compiling that code as it is does not pay (mypyc on three core modules ~8%, session "
+        "16; Cython on eleven, nothing measurable, session 18): its cost is in the dicts, "
+        "lists and objects it touches, not in the interpreter's dispatch. And two processes "
+        "cannot give 2x here: two independent one-process runs of 10,000 requests at once "
+        "took 15.2 CPU-s each against 12.2 alone (session 18), so this VM's two vCPUs give at "
+        "most ~1.6x one process's throughput whatever the simulator does, before the groups' "
+        "waits for each other (the look-ahead covers ~8 arrivals, the groups' shares of heavy "
+        "events drift over hundreds). 600 s would need one process at ~1 CPU-ms per request "
+        "in a long run (measured: 1.27-1.42 at the 60,000-request steady state this session, "
+        "1.75 over session 16's 1M run). On a machine with more cores the parallel path takes "
+        "any number of groups (not measured: no such machine here).",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
@@ -264,12 +286,15 @@ def _tenths(values: list[float]) -> str:
 
 
 def _speed_million() -> list[str]:
-    """The target run itself, where one was made."""
+    """The target run itself on one process, where one was made."""
     if not MILLION_SPEED_JSON.exists():
         return []
     s = json.loads(MILLION_SPEED_JSON.read_text())
     if s.get("measured_cpu_s_for_target") is None:
         return []
+    short = json.loads(SPEED_JSON.read_text()) if SPEED_JSON.exists() else {}
+    ratio = (s["steady_cpu_ms_per_request"] / short["steady_cpu_ms_per_request"]
+             if short.get("steady_cpu_ms_per_request") else None)
     return [
         "",
         f"**The target run itself**, `{s['command']}`: {s['requests']:,} requests over "
@@ -278,9 +303,11 @@ def _speed_million() -> list[str]:
         + _verdict(s["meets_target_measured"])
         + f" {s['cpu_ms_per_request']} CPU-ms per request, by tenth of the arrivals: "
         + _tenths(s["cpu_ms_per_request_by_tenth"])
-        + " (no trend after the third tenth; the 60,000-request runs' steady state, above, "
-        "came out 24-37% lower: the machine's speed moves by that much between hours, and "
-        "a run of 60,000 may not reach the whole fleet's long-run state). The scheduler's own "
+        + (f"; its steady state ({s['steady_cpu_ms_per_request']}) is {ratio:.2f}x the "
+           "60,000-request command's above (a run of 60,000 does not reach the long run's "
+           "state, below, and this machine's speed moves by 20-35% between hours)"
+           if ratio else "")
+        + ". The scheduler's own "
         f"passes took {s['scheduler_pass_cpu_ms_per_request']} CPU-ms per request of it."
         + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
@@ -288,12 +315,14 @@ def _speed_million() -> list[str]:
 
 def _speed_million_parallel(s: dict) -> list[str]:
     """The target run on worker processes alone, where one was made (`s`: the 60,000-request
-    command's result, whose extrapolation it is set against)."""
+    command's result, whose extrapolation it is set against), beside the one-process run."""
     if not MILLION_PARALLEL_JSON.exists():
         return []
     short = s.get("parallel") or {}
     p = json.loads(MILLION_PARALLEL_JSON.read_text())
-    one = p["one_process"]
+    one = (json.loads(MILLION_SPEED_JSON.read_text()) if MILLION_SPEED_JSON.exists()
+           else None)
+    same = one is not None and one.get("simulated") == p["simulated"]
     return [
         "",
         f"**The target run on {p['workers']} processes**, `{p['command']}`: "
@@ -303,17 +332,18 @@ def _speed_million_parallel(s: dict) -> list[str]:
         + _verdict(p["meets_target_measured"])
         + f" {p['wall_ms_per_request']} ms wall per request, by tenth of the arrivals: "
         + _tenths(p["wall_ms_per_request_by_tenth"])
-        + f". {one['speedup_wall']:.2f}x the one-process run above ({one['wall_s']:,.0f} s "
-        "wall, session 16: the ratio within one command is the 60,000-request one below), "
-        + ("and the same simulated figures (finished, makespan, output tokens, passes, TTFT "
-           "p99, TPOT p50, busy fractions)."
-           if p["same_simulated_as_one_process"] else "**and different simulated figures**.")
-        + (f" The 60,000-request command below extrapolated "
+        + (f". {one['wall_s'] / p['wall_s']:.2f}x the one-process run above "
+           f"({one['wall_s']:,.0f} s wall), "
+           + ("the same simulated figures (finished, makespan, output tokens, passes, TTFT "
+              "p99, TPOT p50, busy fractions)" if same
+              else "**different simulated figures**")
+           if one is not None else "")
+        + (f". The 60,000-request command below extrapolated "
            f"{short['extrapolated_wall_s_for_target']:,.0f} s for it from tenths of "
            + _tenths(short["wall_ms_per_request_by_tenth"])
-           + " ms: the long run is slower from its first tenth on, as the one-process long "
-           "run was against its own extrapolation; the measured figure is the one that counts."
-           if short.get("extrapolated_wall_s_for_target") else ""),
+           + " ms; the measured figure is the one that counts"
+           if short.get("extrapolated_wall_s_for_target") else "")
+        + "." + (f" ({p['source_note']}.)" if p.get("source_note") else ""),
     ]
 
 
