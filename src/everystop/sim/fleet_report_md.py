@@ -190,7 +190,9 @@ def _speed() -> list[str]:
         "that this machine's noise does not let me pin down, left as it is. The same "
         "command's first run this session (`fleet_speed_s17_first.json`, one commit "
         "earlier, before the parked continuations got a heap of their own) gave two "
-        + _first_s17() + ".",
+        + _first_s17() + ". Session 17's target run on two processes took 1,273 s wall "
+        "(`fleet_speed_1m_parallel_s17.json`), 1.37x session 16's one-process run of 1,750 s "
+        "(`fleet_speed_1m_s16.json`), with the same simulated figures.",
         "",
         "Session 18: five changes, the same simulated results (the exactness tests, the "
         "pinned digests, the same summary above). Without queue caps no replica refuses what "
@@ -212,7 +214,14 @@ def _speed() -> list[str]:
         "(3,000 requests less 500, deterministic where this machine's timings are not): "
         "3.01M to 2.77M, the memory change not counted. Tried and dropped: Cython 3.3 on the "
         "eleven hot modules as they are (no type declarations): within the noise of the "
-        "interpreted run at 10,000 requests.",
+        "interpreted run at 10,000 requests. The target run, measured on this session's code "
+        "on one process and on two (above, minutes apart): 1,553 CPU-s on one, against "
+        "session 16's 1,750; 1,350 s wall on two, against session 17's 1,273, so two "
+        "processes gained only 1.15x over one this session (1.37x over another session's one "
+        "process in session 17). The 60,000-request command shows the same swing between "
+        "its runs: two processes 0.94x one process in an earlier run this session (two "
+        "commits earlier; not kept, the tree changed while it ran), the figure above in the "
+        "final one.",
         "",
         "Why 600 s is still out of reach: what is left is spread thin, and most of it is work "
         "every request owes whatever the walk. py-spy at 250 Hz over 20,000 requests "
@@ -220,7 +229,8 @@ def _speed() -> list[str]:
         "blocks and finishing ~33%, the passes the scheduler runs itself (admitting and "
         "prefilling a newcomer, 1.6 per request, with ~88 rows riding along) ~38%, the "
         "router's scoring of 64 replicas per arrival ~8%, the step-cost fit within those "
-        "~5%, and building and tearing down the 64 block pools ~10% of so short a run. "
+        "~5%, and building the 64 block pools and the collector's pass at the end ~10% of so "
+        "short a run. "
         "Compiling that code as it is does not pay (mypyc on three core modules ~8%, session "
         "16; Cython on eleven, nothing measurable, session 18): its cost is in the dicts, "
         "lists and objects it touches, not in the interpreter's dispatch. And two processes "
@@ -228,10 +238,11 @@ def _speed() -> list[str]:
         "took 15.2 CPU-s each against 12.2 alone (session 18), so this VM's two vCPUs give at "
         "most ~1.6x one process's throughput whatever the simulator does, before the groups' "
         "waits for each other (the look-ahead covers ~8 arrivals, the groups' shares of heavy "
-        "events drift over hundreds). 600 s would need one process at ~1 CPU-ms per request "
-        "in a long run (measured: 1.27-1.42 at the 60,000-request steady state this session, "
-        "1.75 over session 16's 1M run). On a machine with more cores the parallel path takes "
-        "any number of groups (not measured: no such machine here).",
+        "events drift over hundreds). So 600 s would need one process at under ~1 CPU-ms per "
+        "request over a long run and two processes that never wait for each other; this "
+        "session's target run took 1.55 CPU-ms per request (1.49 at its steady state), and "
+        "two processes gave 1.15x. On a machine with more cores the parallel path takes any "
+        "number of groups (not measured: no such machine here).",
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
@@ -304,8 +315,8 @@ def _speed_million() -> list[str]:
         + f" {s['cpu_ms_per_request']} CPU-ms per request, by tenth of the arrivals: "
         + _tenths(s["cpu_ms_per_request_by_tenth"])
         + (f"; its steady state ({s['steady_cpu_ms_per_request']}) is {ratio:.2f}x the "
-           "60,000-request command's above (a run of 60,000 does not reach the long run's "
-           "state, below, and this machine's speed moves by 20-35% between hours)"
+           "60,000-request command's above (this machine's speed moves by 20-35% between "
+           "hours, and a run of 60,000 may not reach the long run's state, below)"
            if ratio else "")
         + ". The scheduler's own "
         f"passes took {s['scheduler_pass_cpu_ms_per_request']} CPU-ms per request of it."
@@ -609,7 +620,8 @@ def _running_it() -> list[str]:
         "everystop simulate --replicas 16 --workload my_trace.json",
         "# router information delay: fresh stats every 5 s (0 = every request)",
         "everystop simulate --replicas 16 --stats-interval-s 5 --traffic 'n=20000,rate=150'",
-        "# the replicas on two processes (the same results; ~1.5x one process on these 2 cores)",
+        "# the replicas on two processes (the same results; 0.9-1.8x one process on these",
+        "# 2 vCPUs, depending on the hour)",
         "everystop simulate --replicas 64 --workers 2 --traffic 'n=20000,rate=500'",
         "# capacity plan",
         "everystop simulate plan --model llama-3-70b --hardware h100-sxm --tp 4 --rate 200 \\",
