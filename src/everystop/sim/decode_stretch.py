@@ -487,8 +487,8 @@ class DecodeStretch:
         self.context -= self.base[i] + j
         self.tiers[self.rows[i].priority] -= 1
         self.rows[i] = None  # type: ignore[call-overload]  # a finished request is not kept
-        k = self.order.index(i)
-        del self.order[k], self.order_base[k]
+        at = self.order.index(i)
+        del self.order[at], self.order_base[at]
         g0 = self.first_grow[i]
         if g0 < j:  # its one pending planned growth, at or past the frontier, is void
             g = g0 + max(0, -(-(self.grow_frontier - g0) // self.bs)) * self.bs

@@ -453,10 +453,10 @@ def _gc_frozen() -> Iterator[None]:
 def _route(spec: FleetRequest, replicas: list[Replica], router: Router,
            loads: list[ReplicaLoad], rejected: dict[str, str], want_hashes: bool,
            block_size: int, wake: Callable[[Replica, float], None],
-           cut: Callable[[Replica, float], None], may_refuse: bool) -> None:
+           cut: Callable[[Replica, float], None], refusing: bool) -> None:
     route = route_request(spec.prompt_token_ids, block_size, with_hashes=want_hashes)
     reason = "no replica"
-    if may_refuse:
+    if refusing:
         choices: Iterable[str] = router.rank(route, loads)
     else:  # only the first choice is ever offered (see may_refuse)
         first = router.best(route, loads)

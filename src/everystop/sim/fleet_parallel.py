@@ -361,7 +361,7 @@ def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
                         decode_stretches, ahead_s, stats_interval_s)
         try:
             return _Driver(pool, router, setup, refusing).run(requests, num_replicas,
-                                                                stats_interval_s)
+                                                              stats_interval_s)
         finally:
             pool.close()
 
