@@ -25,6 +25,7 @@ def test_write_result_wraps_the_result_in_the_envelope(tmp_path: Path, capsys) -
     machine = written["machine"]
     assert machine["torch_threads"] == 2 and len(machine["load_avg"]) == 3
     assert isinstance(machine["isa_flags"], list) and machine["cpus"] >= 1
+    assert machine["python"].startswith(("cpython 3.", "pypy 3."))
     assert written["roofline"] == {"bound": "compute"}
     assert written["git_commit"] is None or len(written["git_commit"].split("+")[0]) == 40
 

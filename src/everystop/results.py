@@ -29,7 +29,7 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_b
 
 def cpu_info() -> dict[str, Any]:
     """CPU model name, cores, and which of ISA_FLAGS it has (from /proc/cpuinfo), the ISA
-    environment and the load averages."""
+    environment, the load averages and the Python interpreter."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -43,7 +43,18 @@ def cpu_info() -> dict[str, Any]:
     return {"model": model, "arch": platform.machine(), "cpus": os.cpu_count(),
             "isa_flags": [f for f in ISA_FLAGS if f in flags],
             "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
-            "load_avg": list(os.getloadavg())}
+            "load_avg": list(os.getloadavg()), "python": python_info()}
+
+
+def python_info() -> str:
+    """The interpreter that ran it, e.g. "cpython 3.11.2" or "pypy 3.11.11 (7.3.19)": pure
+    Python code's speed depends on it as much as on the CPU."""
+    impl = sys.implementation
+    text = f"{impl.name} {platform.python_version()}"
+    if impl.name != "cpython":
+        v = impl.version
+        text += f" ({v.major}.{v.minor}.{v.micro})"
+    return text
 
 
 def git_commit() -> str | None:

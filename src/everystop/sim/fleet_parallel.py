@@ -242,7 +242,8 @@ def _serve(conn: Connection, indices: list[int], setup: SimSetup,
            ahead_s: float, stats_interval_s: float) -> None:
     """A worker process: build its replicas, then answer the parent's messages until closed.
     Steps that are waiting already are taken together, with one answer for all of them."""
-    gc.disable()  # as fleet._gc_frozen, for the worker's whole life (see there)
+    if hasattr(gc, "freeze"):  # as fleet._gc_frozen, for the worker's whole life (see there)
+        gc.disable()
     try:
         group = _Group(indices, setup, latency_fn, decode_stretches, ahead_s, stats_interval_s)
         conn.send(("ready", None))

@@ -3,6 +3,7 @@ the time goes (the real scheduler vs the simulator around it), and the 1M-reques
 
     everystop bench fleet-speed [--requests 20000] [--replicas 64] \
         [--out benchmarks/results/sim/fleet_speed.json]
+    pypy3 -m everystop.sim.fleet_speed [the same options]   # under PyPy (see main)
 
 The traffic is the design's shape (prompts 128-1,024, replies 20-800 tokens) at `--load` times
 what one 4xH100/70B replica serves within a 1 s p99 TTFT (~9.25 req/s, `everystop simulate
@@ -289,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
                     "same_summary": json.loads(json.dumps(summary)) == baseline["summary"]}
     write_result({
         "benchmark": "fleet_sim_speed",
-        "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
+        "command": (f"{invocation(args)} --requests {args.requests} --replicas "
                     f"{args.replicas} --load {args.load} --router {args.router} "
                     f"--profile-requests {args.profile_requests}"
                     + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")
@@ -351,7 +352,7 @@ def run_parallel_only(args: argparse.Namespace) -> int:
     target = args.requests >= args.target_requests
     write_result({
         "benchmark": "fleet_sim_speed_parallel",
-        "command": (f"everystop bench fleet-speed --requests {args.requests} --replicas "
+        "command": (f"{invocation(args)} --requests {args.requests} --replicas "
                     f"{args.replicas} --load {args.load} --router {args.router} "
                     f"--workers {args.workers} --parallel-only {args.parallel_only}"),
         "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
@@ -372,3 +373,25 @@ def run_parallel_only(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
     }, args.out)
     return 0
+
+
+def invocation(args: argparse.Namespace) -> str:
+    """How the benchmark was started, for the result's `command`."""
+    return getattr(args, "invocation", "everystop bench fleet-speed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m everystop.sim.fleet_speed [options]`: the benchmark on its own, for an
+    interpreter the `everystop` command does not run on (PyPy: its other subcommands import
+    torch and the server's packages; this needs only the simulator's and numpy)."""
+    ap = argparse.ArgumentParser(prog="python -m everystop.sim.fleet_speed",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.invocation = f"{Path(sys.executable).name} -m everystop.sim.fleet_speed"
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
