@@ -47,14 +47,16 @@ def cpu_info() -> dict[str, Any]:
 
 
 def python_info() -> str:
-    """The interpreter that ran it, e.g. "cpython 3.11.2" or "pypy 3.11.11 (7.3.19)": pure
-    Python code's speed depends on it as much as on the CPU."""
+    """The interpreter that ran it, e.g. "cpython 3.11.2" or "pypy 3.11.11 (7.3.19)
+    PYPY_GC_NURSERY=256MB": pure Python code's speed depends on it, and on the settings of
+    PyPy's collector, as much as on the CPU."""
     impl = sys.implementation
     text = f"{impl.name} {platform.python_version()}"
     if impl.name != "cpython":
         v = impl.version
         text += f" ({v.major}.{v.minor}.{v.micro})"
-    return text
+    gc_env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("PYPY_GC_")]
+    return " ".join([text, *gc_env])
 
 
 def git_commit() -> str | None:
