@@ -72,3 +72,25 @@ def test_the_target_run_on_workers_alone_is_checked_against_a_one_process_run(tm
     with pytest.raises(SystemExit, match="not a one-process run of this size"):
         main(["bench", "fleet-speed", "--requests", "20", "--replicas", "3", "--workers", "2",
               "--parallel-only", str(one), "--out", str(par)])
+
+
+def test_fleet_speed_runs_as_a_module_with_a_baseline_on_another_interpreter(tmp_path):
+    """`python -m everystop.sim.fleet_speed` (how PyPy runs it) names itself in the result, and
+    --baseline-python runs the baseline on the interpreter given (here this one again)."""
+    import platform
+    import sys
+
+    from everystop.sim.fleet_speed import main as speed_main
+
+    out = tmp_path / "speed.json"
+    src = str(Path(everystop.__file__).parents[1])
+    assert speed_main(["--requests", "20", "--replicas", "2", "--profile-requests", "10",
+                       "--out", str(out), "--baseline-src", src,
+                       "--baseline-python", sys.executable]) == 0
+    r = json.loads(out.read_text())
+    assert r["command"].startswith(
+        f"{Path(sys.executable).name} -m everystop.sim.fleet_speed --requests 20 ")
+    assert r["command"].endswith(f"--baseline-python {sys.executable}")
+    here = f"{sys.implementation.name} {platform.python_version()}"
+    assert r["baseline"]["python"] == here and r["machine"]["python"].startswith(here)
+    assert r["baseline"]["same_summary"] is True

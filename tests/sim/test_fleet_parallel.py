@@ -123,3 +123,19 @@ def test_simulate_takes_workers_on_the_command_line(tmp_path, capsys):
     assert summaries[0]["num_finished"] == 60 and summaries[0] == summaries[1]
     assert main(["simulate", "--traffic", spec, "--replicas", "3", "--workers", "0"]) != 0
     assert "--workers must be >= 1, not 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids", [[], [0, 1, 2**31 - 1, -5] + list(range(600)), [2**40, 3]])
+def test_a_fleet_request_crosses_a_process_boundary_unchanged(ids):
+    """Pickled for a worker with its prompt packed (ids beyond 32 bits as a plain list): the
+    same request comes out, its prompt a list of ints again."""
+    import pickle
+
+    from everystop.sim.fleet_workload import FleetRequest
+
+    req = FleetRequest("r1", 0.25, ids, 17, priority=2, tenant="t")
+    back = pickle.loads(pickle.dumps(req))
+    assert back == req and type(back.prompt_token_ids) is list
+    assert all(type(i) is int for i in back.prompt_token_ids)
+    packed = b"_array_reconstructor" in pickle.dumps(req)  # one bytes object, not id by id
+    assert packed == (max(ids, default=0) < 2**31)

@@ -17,6 +17,12 @@ MILLION_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m.json"
 # The target run on worker processes alone (`--parallel-only`), checked against the one above.
 MILLION_PARALLEL_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_parallel.json"
 PARALLEL_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_parallel.json"
+# The same sources under PyPy: the target run on two processes (with the collector's settings
+# the command names, and with its defaults), and PyPy against CPython in one command.
+MILLION_PYPY_PARALLEL_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy_parallel.json"
+MILLION_PYPY_DEFAULT_GC_JSON = (ROOT / "benchmarks/results/sim/"
+                                "fleet_speed_1m_pypy_parallel_default_gc.json")
+PYPY_VS_CPYTHON_JSON = ROOT / "benchmarks/results/sim/fleet_speed_pypy_vs_cpython.json"
 # Session 16's first run of the speed command (the same machine, an earlier commit).
 FIRST_S16_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s16_first.json"
 FIRST_S17_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s17_first.json"
@@ -119,6 +125,7 @@ def _speed() -> list[str]:
         *_speed_baseline(s),
         *_speed_million(),
         *_speed_million_parallel(s),
+        *_speed_pypy(),
         *_speed_long(),
         *_speed_growth(),
         *_speed_parallel(s),
@@ -322,6 +329,57 @@ def _speed_million() -> list[str]:
         f"passes took {s['scheduler_pass_cpu_ms_per_request']} CPU-ms per request of it."
         + (f" ({s['source_note']}.)" if s.get("source_note") else ""),
     ]
+
+
+def _speed_pypy() -> list[str]:
+    """The same sources under PyPy: PyPy against CPython in one command, and the target run on
+    two processes, where those were made."""
+    out: list[str] = []
+    if PYPY_VS_CPYTHON_JSON.exists():
+        c = json.loads(PYPY_VS_CPYTHON_JSON.read_text())
+        b = c["baseline"]
+        out += [
+            "",
+            f"**Under PyPy** (session 19). `{c['command']}`, on {_cpu(c)}: the same sources "
+            f"and {c['requests']:,} requests on {c['machine']['python']} and then, in the same "
+            f"command, on {b['python']} (its baseline, run first): **{c['cpu_s']:,.1f} CPU-s "
+            f"against {b['cpu_s']:,.1f}, {b['speedup_cpu']:.2f}x less CPU** (steady state "
+            f"{c['steady_cpu_ms_per_request']} against {b['steady_cpu_ms_per_request']} CPU-ms "
+            f"per request, {b['speedup_steady']:.2f}x), "
+            + ("the same simulated summary" if b["same_summary"]
+               else "**a different simulated summary**")
+            + f"; peak resident memory {c['max_rss_mib']:,.0f} MiB (both runs' peak: the "
+            "baseline is a child process). By tenth under PyPy: "
+            + _tenths(c["cpu_ms_per_request_by_tenth"]) + "; under CPython: "
+            + _tenths(b["cpu_ms_per_request_by_tenth"]) + ".",
+        ]
+    if MILLION_PYPY_PARALLEL_JSON.exists():
+        p = json.loads(MILLION_PYPY_PARALLEL_JSON.read_text())
+        cp = (json.loads(MILLION_PARALLEL_JSON.read_text()) if MILLION_PARALLEL_JSON.exists()
+              else None)
+        d = (json.loads(MILLION_PYPY_DEFAULT_GC_JSON.read_text())
+             if MILLION_PYPY_DEFAULT_GC_JSON.exists() else None)
+        out += [
+            "",
+            f"**The target run under PyPy on {p['workers']} processes**, `{p['command']}` "
+            f"({p['machine']['python']}): **{p['wall_s']:,.0f} s wall** ({p['parent_cpu_s']:,.0f}"
+            f" CPU-s in the parent, {p['workers_cpu_s']:,.0f} in the worker) against 600 s: "
+            + _verdict(p["meets_target_measured"])
+            + f" By tenth, ms wall per request: {_tenths(p['wall_ms_per_request_by_tenth'])}. "
+            f"{p['one_process']['speedup_wall']:.2f}x CPython's one-process run above"
+            + (f", {cp['wall_s'] / p['wall_s']:.2f}x CPython's two-process run"
+               if cp is not None else "")
+            + (", the same simulated figures" if p["same_simulated_as_one_process"]
+               else ", **different simulated figures**")
+            + "."
+            + (f" With PyPy's default collector settings ({d['machine']['python']}, its 4 MB "
+               f"nursery) the same run took {d['wall_s']:,.0f} s "
+               "(`fleet_speed_1m_pypy_parallel_default_gc.json`)"
+               + (", the same simulated figures" if d["same_simulated_as_one_process"]
+                  else ", **different simulated figures**") + "."
+               if d is not None else ""),
+        ]
+    return out
 
 
 def _speed_million_parallel(s: dict) -> list[str]:
@@ -636,6 +694,19 @@ def _running_it() -> list[str]:
         "everystop bench fleet-speed --requests 1000000 --workers 2 \\",
         "    --parallel-only benchmarks/results/sim/fleet_speed_1m.json \\",
         "    --out benchmarks/results/sim/fleet_speed_1m_parallel.json",
+        "# the same under PyPy (Debian 13's, unpacked by the script: signature and checksums",
+        "# checked, no root), its collector given a 256 MB nursery; and PyPy beside CPython",
+        "PYPY=$(scripts/ensure_pypy.sh)",
+        "PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4 PYTHONPATH=src \\",
+        "    $PYPY -m everystop.sim.fleet_speed --requests 1000000 --workers 2 \\",
+        "    --parallel-only benchmarks/results/sim/fleet_speed_1m.json \\",
+        "    --out benchmarks/results/sim/fleet_speed_1m_pypy_parallel.json",
+        "PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4 PYTHONPATH=src \\",
+        "    $PYPY -m everystop.sim.fleet_speed --requests 100000 --profile-requests 1000 \\",
+        "    --baseline-src src --baseline-python .venv/bin/python \\",
+        "    --out benchmarks/results/sim/fleet_speed_pypy_vs_cpython.json",
+        "# any simulation under PyPy: the simulate subcommand needs only numpy",
+        "PYTHONPATH=src $PYPY -m everystop simulate --replicas 16 --traffic 'n=20000,rate=150'",
         "```",
         "",
         "`--replicas 1` gives exactly the single-node simulator's results for the same workload. "

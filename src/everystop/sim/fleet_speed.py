@@ -70,8 +70,10 @@ result = simulate_fleet(timed(fleet_traffic(spec)), node.setup, node.cost.latenc
                         make_router(router), stats_interval_s=1.0)
 cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
 marks.append(time.process_time())
+import platform
 print(json.dumps({"summary": summarize_fleet(result, 12.0), "cpu_s": cpu, "wall_s": wall,
-                  "marks": marks}))
+                  "marks": marks,
+                  "python": sys.implementation.name + " " + platform.python_version()}))
 """
 
 
@@ -80,12 +82,14 @@ def traffic_spec(requests: int, replicas: int, load: float) -> str:
     return f"{DESIGN_TRAFFIC},n={requests},rate={rate},seed=0"
 
 
-def baseline_run(src: str, requests: int, replicas: int, load: float, router: str) -> dict:
-    """timed_run on the sources under `src` (e.g. an export of the commit before a speed-up)."""
+def baseline_run(src: str, requests: int, replicas: int, load: float, router: str,
+                 python: str | None = None) -> dict:
+    """timed_run on the sources under `src` (e.g. an export of the commit before a speed-up),
+    on the interpreter `python` (default: this one)."""
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
     arg = json.dumps([replicas, router, traffic_spec(requests, replicas, load), requests])
-    out = subprocess.run([sys.executable, "-c", _BASELINE_DRIVER, arg], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run([python or sys.executable, "-c", _BASELINE_DRIVER, arg], env=env,
+                         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -239,6 +243,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--baseline-src", default=None,
                     help="also time the same run on the sources in this directory (an export "
                          "of another commit's src/), first, and check it simulates the same")
+    ap.add_argument("--baseline-python", default=None, metavar="INTERPRETER",
+                    help="run the --baseline-src run on this interpreter (e.g. CPython beside "
+                         "a PyPy run of the same sources)")
     ap.add_argument("--workers", type=int, default=1,
                     help="also time the run on this many processes (sim/fleet_parallel.py) and "
                          "check it simulates the same; its wall time is the figure then")
@@ -256,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = None
     if args.baseline_src:
         baseline = baseline_run(args.baseline_src, args.requests, args.replicas, args.load,
-                                args.router)
+                                args.router, args.baseline_python)
     summary, cpu, wall, sched_cpu, tenths = timed_split_run(args.requests, args.replicas,
                                                             args.load, args.router)
     parallel = None
@@ -280,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if baseline is not None:
         base_tenths = by_tenth(baseline.get("marks", []), args.requests)
         base_steady = base_tenths["steady_cpu_ms_per_request"]
-        baseline = {"src": args.baseline_src, "cpu_s": round(baseline["cpu_s"], 2),
+        baseline = {"src": args.baseline_src, "python": baseline.get("python"),
+                    "cpu_s": round(baseline["cpu_s"], 2),
                     "wall_s": round(baseline["wall_s"], 2),
                     "cpu_ms_per_request": round(baseline["cpu_s"] / args.requests * 1e3, 3),
                     "speedup_cpu": round(baseline["cpu_s"] / cpu, 3),
@@ -294,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
                     f"{args.replicas} --load {args.load} --router {args.router} "
                     f"--profile-requests {args.profile_requests}"
                     + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "")
+                    + (f" --baseline-python {args.baseline_python}"
+                       if args.baseline_python else "")
                     + (f" --workers {args.workers}" if args.workers > 1 else "")),
         "model": "llama-3-70b", "hardware": "h100-sxm", "tp": 4,
         "replicas": args.replicas, "router": args.router, "traffic": DESIGN_TRAFFIC,
