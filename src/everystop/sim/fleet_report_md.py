@@ -22,6 +22,9 @@ PARALLEL_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_parallel.json"
 MILLION_PYPY_PARALLEL_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy_parallel.json"
 MILLION_PYPY_DEFAULT_GC_JSON = (ROOT / "benchmarks/results/sim/"
                                 "fleet_speed_1m_pypy_parallel_default_gc.json")
+# The same, one commit before prompts crossed to the worker packed.
+MILLION_PYPY_UNPACKED_JSON = (ROOT / "benchmarks/results/sim/"
+                              "fleet_speed_1m_pypy_parallel_before_packing.json")
 PYPY_VS_CPYTHON_JSON = ROOT / "benchmarks/results/sim/fleet_speed_pypy_vs_cpython.json"
 # Session 16's first run of the speed command (the same machine, an earlier commit).
 FIRST_S16_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s16_first.json"
@@ -230,26 +233,9 @@ def _speed() -> list[str]:
         "commits earlier; not kept, the tree changed while it ran), the figure above in the "
         "final one.",
         "",
-        "Why 600 s is still out of reach: what is left is spread thin, and most of it is work "
-        "every request owes whatever the walk. py-spy at 250 Hz over 20,000 requests "
-        "(session 18), inclusive shares: a stretch's rows growing and registering their "
-        "blocks and finishing ~33%, the passes the scheduler runs itself (admitting and "
-        "prefilling a newcomer, 1.6 per request, with ~88 rows riding along) ~38%, the "
-        "router's scoring of 64 replicas per arrival ~8%, the step-cost fit within those "
-        "~5%, and building the 64 block pools and the collector's pass at the end ~10% of so "
-        "short a run. "
-        "Compiling that code as it is does not pay (mypyc on three core modules ~8%, session "
-        "16; Cython on eleven, nothing measurable, session 18): its cost is in the dicts, "
-        "lists and objects it touches, not in the interpreter's dispatch. And two processes "
-        "cannot give 2x here: two independent one-process runs of 10,000 requests at once "
-        "took 15.2 CPU-s each against 12.2 alone (session 18), so this VM's two vCPUs give at "
-        "most ~1.6x one process's throughput whatever the simulator does, before the groups' "
-        "waits for each other (the look-ahead covers ~8 arrivals, the groups' shares of heavy "
-        "events drift over hundreds). So 600 s would need one process at under ~1 CPU-ms per "
-        "request over a long run and two processes that never wait for each other; this "
-        "session's target run took 1.55 CPU-ms per request (1.49 at its steady state), and "
-        "two processes gave 1.15x. On a machine with more cores the parallel path takes any "
-        "number of groups (not measured: no such machine here).",
+        *_session_19(),
+        "",
+        _why_600(),
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
         "time; building the 64 replicas' KV block pools is in it, which weighs heavily in a "
@@ -257,6 +243,66 @@ def _speed() -> list[str]:
         + ", ".join(f"{k} {v:.0%}" for k, v in s["profile_time_share"].items() if v >= 0.01)
         + ".",
     ]
+
+
+def _session_19() -> list[str]:
+    """What session 19 changed: the interpreter."""
+    return [
+        "Session 19: the same code under PyPy. The simulator needs nothing beyond the "
+        "standard library but numpy (its percentiles), so it runs on PyPy 7.3.19 (Python "
+        "3.11): Debian 13's package, which `scripts/ensure_pypy.sh` unpacks into a cache "
+        "folder with the glibc it was built against (Debian 12's is older), checking the "
+        "release signature and every checksum, and numpy from PyPy's own wheel on PyPI. The "
+        "`everystop` command itself does not run there (its other subcommands import torch), "
+        "so the benchmark also runs as `python -m everystop.sim.fleet_speed`, and every "
+        "result now names its interpreter (`machine.python`, with PyPy's collector settings). "
+        "Two things were needed for speed there. PyPy's collector: with its default 4 MB "
+        "nursery a 50,000-request run took 75 CPU-s, 19.5 s of it collecting; with a 256 MB "
+        "nursery and a major collection only when the heap has grown 4x "
+        "(`PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4`) 46-57 CPU-s, 9-12 s collecting "
+        "(the same target run on two processes: 1,047 s with the defaults, 728 s with "
+        "these). And the messages to the worker: pickle writes a list an item at a time, in "
+        "PyPy in Python, and every arrival's prompt (up to 1,024 ids) went that way; a "
+        "`FleetRequest` now crosses packed as 32-bit ints (`FleetRequest.__reduce__`): the "
+        "parent's sending fell from 16.5% to 7% of its time (vmprof), 100,000 requests on two "
+        "processes 96.6 -> 92.8 s wall (one pair of runs of `fleet_speed.parallel_run`, not "
+        "kept as JSON). Left as they are: the collector off (PyPy keeps every "
+        "dead object then: 2.2 GiB at 20,000 requests), larger nurseries (1 GB) or rarer "
+        "major collections (10x), and the JIT's trace limits: none better within this "
+        "machine's noise. The cyclic collector stays off under CPython only "
+        "(`fleet._gc_frozen`). The pinned digests and the stretch exactness tests run under "
+        "PyPy too (`tests/sim/test_fleet_pypy.py`), and every PyPy run here checked its "
+        "simulated figures against CPython's.",
+    ]
+
+
+def _why_600() -> str:
+    """Where the target stands, from the best measured run of it."""
+    if not MILLION_PYPY_PARALLEL_JSON.exists():
+        return "(no PyPy run of the target yet)"
+    p = json.loads(MILLION_PYPY_PARALLEL_JSON.read_text())
+    if p["meets_target_measured"]:
+        return (f"The 600 s target is met under PyPy on two processes ({p['wall_s']:,.0f} s "
+                "wall, above), not under CPython (above). ")
+    return (
+        f"Why 600 s is still not met: PyPy on two processes (above) took {p['wall_s']:,.0f} s "
+        f"wall, {p['wall_s'] / 600:.2f}x the target. Each process was "
+        "busy about three quarters of the time: a group may run ahead of the arrivals only by "
+        "the cost model's shortest pass (~16 ms simulated, ~8 arrivals at 64 replicas), and "
+        "the work of a few arrivals is uneven between the groups, so each waits for the "
+        "other about a quarter of the time (idle, not stolen: /proc/stat over a 100,000-"
+        "request run, 25% idle, 0.5% steal; three processes on these two vCPUs were slower, "
+        "128.6 s against 102.5). Two independent one-process runs at once are each ~25% "
+        "slower than one alone (session 18), so this VM's two vCPUs give at most ~1.6x one "
+        "process whatever the simulator does. Under CPython the work is spread thin: py-spy "
+        "at 250 Hz over 20,000 requests (session 18), inclusive: a stretch's rows growing and "
+        "registering their blocks and finishing ~33%, the passes the scheduler runs itself "
+        "~38%, the router's scoring of 64 replicas per arrival ~8%; compiling it as it is did "
+        "not pay (mypyc ~8% on three modules, Cython nothing measurable on eleven). What is "
+        "left to try: moving the router's scoring and the block pool's books out of Python "
+        "objects (a native block pool behind `KVCacheManager`), and a machine with more cores "
+        "(the parallel path takes any number of groups)."
+    )
 
 
 def _cpu(s: dict) -> str:
@@ -348,8 +394,8 @@ def _speed_pypy() -> list[str]:
             f"per request, {b['speedup_steady']:.2f}x), "
             + ("the same simulated summary" if b["same_summary"]
                else "**a different simulated summary**")
-            + f"; peak resident memory {c['max_rss_mib']:,.0f} MiB (both runs' peak: the "
-            "baseline is a child process). By tenth under PyPy: "
+            + f"; peak resident memory of the PyPy process {c['max_rss_mib']:,.0f} MiB. By "
+            "tenth under PyPy: "
             + _tenths(c["cpu_ms_per_request_by_tenth"]) + "; under CPython: "
             + _tenths(b["cpu_ms_per_request_by_tenth"]) + ".",
         ]
@@ -359,6 +405,8 @@ def _speed_pypy() -> list[str]:
               else None)
         d = (json.loads(MILLION_PYPY_DEFAULT_GC_JSON.read_text())
              if MILLION_PYPY_DEFAULT_GC_JSON.exists() else None)
+        u = (json.loads(MILLION_PYPY_UNPACKED_JSON.read_text())
+             if MILLION_PYPY_UNPACKED_JSON.exists() else None)
         out += [
             "",
             f"**The target run under PyPy on {p['workers']} processes**, `{p['command']}` "
@@ -377,7 +425,13 @@ def _speed_pypy() -> list[str]:
                "(`fleet_speed_1m_pypy_parallel_default_gc.json`)"
                + (", the same simulated figures" if d["same_simulated_as_one_process"]
                   else ", **different simulated figures**") + "."
-               if d is not None else ""),
+               if d is not None else "")
+            + (f" One commit earlier, before prompts crossed to the worker packed, the run "
+               f"above took {u['wall_s']:,.0f} s ({u['parent_cpu_s']:,.0f} and "
+               f"{u['workers_cpu_s']:,.0f} CPU-s; `fleet_speed_1m_pypy_parallel_before_"
+               "packing.json`): the packing's gain at this size is within the machine's "
+               "drift between the two runs."
+               if u is not None else ""),
         ]
     return out
 
