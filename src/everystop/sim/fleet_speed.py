@@ -392,8 +392,8 @@ def invocation(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m everystop.sim.fleet_speed [options]`: the benchmark on its own, for an
-    interpreter the `everystop` command does not run on (PyPy: its other subcommands import
-    torch and the server's packages; this needs only the simulator's and numpy)."""
+    interpreter `everystop bench` does not run on (PyPy: the bench module imports the HTTP
+    client's packages, its other subcommands torch; this needs only the simulator and numpy)."""
     ap = argparse.ArgumentParser(prog="python -m everystop.sim.fleet_speed",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
