@@ -66,3 +66,31 @@ def test_every_committed_result_carries_the_envelope() -> None:
         if not (isinstance(data, dict) and set(data) >= ENVELOPE):
             without.append(path.relative_to(RESULTS).as_posix())
     assert not without, f"written without write_result's envelope (rerun them): {without}"
+
+
+def test_cpu_id_names_the_family_and_model_the_model_name_may_hide(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two machines both called "AMD EPYC" by a VM differ ~2x in pure Python speed: the result
+    names the CPU's family, model and stepping as /proc/cpuinfo gives them (the first CPU's)."""
+    import builtins
+
+    from everystop import results
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+                    "model\t\t: 17\nmodel name\t: AMD EPYC\nstepping\t: 1\n"
+                    "flags\t\t: fpu avx2 fma\n\nprocessor\t: 1\ncpu family\t: 23\n"
+                    "model\t\t: 49\nstepping\t: 0\n")
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real_open(fake if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(results.platform, "processor", lambda: "")
+    info = results.cpu_info()
+    assert info["model"] == "AMD EPYC"
+    assert info["cpu_id"] == "family 25 model 17 stepping 1"
+    assert info["isa_flags"] == ["avx2", "fma"]
+    fake.write_text("processor\t: 0\nflags\t\t: fpu\n")  # no ids (e.g. an ARM machine)
+    assert "cpu_id" not in results.cpu_info()

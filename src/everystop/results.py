@@ -29,18 +29,29 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_b
 
 def cpu_info() -> dict[str, Any]:
     """CPU model name, cores, and which of ISA_FLAGS it has (from /proc/cpuinfo), the ISA
-    environment, the load averages and the Python interpreter."""
+    environment, the load averages and the Python interpreter.
+
+    `cpu_id` ("family 25 model 17 stepping 1", where /proc/cpuinfo says): a VM may show every
+    CPU it runs on under one model name ("AMD EPYC"), while two such machines differ ~2x in
+    pure Python speed here; the family and model tell them apart."""
     model, flags = platform.processor() or platform.machine(), set()
+    ids: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                key = line.split(":", 1)[0].strip()
                 if line.startswith("model name") and model in ("", platform.machine()):
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
                     flags = set(line.split(":", 1)[1].split())
+                elif key in ("cpu family", "model", "stepping") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
     except OSError:
         pass
+    cpu_id = " ".join(f"{k.removeprefix('cpu ')} {ids[k]}"
+                      for k in ("cpu family", "model", "stepping") if k in ids)
     return {"model": model, "arch": platform.machine(), "cpus": os.cpu_count(),
+            **({"cpu_id": cpu_id} if cpu_id else {}),
             "isa_flags": [f for f in ISA_FLAGS if f in flags],
             "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
             "load_avg": list(os.getloadavg()), "python": python_info()}

@@ -26,6 +26,15 @@ MILLION_PYPY_DEFAULT_GC_JSON = (ROOT / "benchmarks/results/sim/"
 MILLION_PYPY_UNPACKED_JSON = (ROOT / "benchmarks/results/sim/"
                               "fleet_speed_1m_pypy_parallel_before_packing.json")
 PYPY_VS_CPYTHON_JSON = ROOT / "benchmarks/results/sim/fleet_speed_pypy_vs_cpython.json"
+# Session 20: 100,000 requests under PyPy, one process and two, on session 20's machine.
+PYPY_100K_S20_JSON = ROOT / "benchmarks/results/sim/fleet_speed_pypy_100k_s20.json"
+# Session 20, on another machine kind (its cpu_id): the target run under PyPy on one process,
+# and on two.
+MILLION_PYPY_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy.json"
+MILLION_PYPY_PARALLEL_S20_JSON = (ROOT / "benchmarks/results/sim/"
+                                  "fleet_speed_1m_pypy_parallel_s20.json")
+# The same one-process run, its first time (before results named the CPU's family and model).
+MILLION_PYPY_FIRST_S20_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy_first_s20.json"
 # Session 16's first run of the speed command (the same machine, an earlier commit).
 FIRST_S16_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s16_first.json"
 FIRST_S17_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s17_first.json"
@@ -121,6 +130,7 @@ def _speed() -> list[str]:
         return ["(run `everystop bench fleet-speed` for the simulator's own speed)"]
     s = json.loads(SPEED_JSON.read_text())
     return [
+        *_target_headline(),
         f"`{s['command']}` ({s['replicas']} replicas, {s['requests']:,} requests of the "
         f"design's shape at {s['offered_load_fraction']:.0%} of capacity): "
         f"{s['cpu_s']:,} CPU-s ({s['wall_s']:,} s wall, load average "
@@ -240,6 +250,8 @@ def _speed() -> list[str]:
         "",
         *_session_19(),
         "",
+        *_session_20(),
+        "",
         _why_600(),
         "",
         "Where the time goes (cProfile of the command's --profile-requests run, share of self "
@@ -282,9 +294,108 @@ def _session_19() -> list[str]:
     ]
 
 
+def _machine(s: dict) -> str:
+    """The machine a result was timed on: its model name, the family and model where recorded
+    (`results.cpu_info`), its vector ISA flags and its interpreter."""
+    m = s.get("machine", {})
+    cpu = m.get("model", "?") + (f" ({m['cpu_id']})" if m.get("cpu_id") else "")
+    return (f"{cpu}, {s['cpu_count']} vCPUs, flags {' '.join(m.get('isa_flags', []))}, "
+            f"{m.get('python', 'python')}")
+
+
+def _target_headline() -> list[str]:
+    """Where the 1M x 64 target stands, first: the run that decides it, and the machine."""
+    one = _saved(MILLION_PYPY_JSON)
+    if one is None:
+        return []
+    old = _saved(MILLION_PYPY_PARALLEL_JSON)
+    cmp, here = _saved(PYPY_VS_CPYTHON_JSON), _saved(PYPY_100K_S20_JSON)
+    par = _saved(MILLION_PYPY_PARALLEL_S20_JSON)
+    return [
+        f"**Where the target stands** ({one['target_requests']:,} requests over "
+        f"{one['replicas']} replicas in under {one['target_s']} s): "
+        + ("**met**" if one["meets_target_measured"] else "**not met**")
+        + f" by a measured run under PyPy on one process, **{one['wall_s']:,.0f} s wall** "
+        f"({one['cpu_s']:,.0f} CPU-s; `{one['command']}`), on {_machine(one)} (session 20, "
+        "below)"
+        + (f"; on two processes of the same machine, {par['wall_s']:,.0f} s wall"
+           + ("" if par["same_simulated_as_one_process"] else
+              " (**different simulated figures**)")
+           if par is not None else "") + "."
+        + (f" The machine matters as much as the code here: session 19's machine, which this "
+           "VM also names an AMD EPYC with 2 vCPUs, had no AVX-512 "
+           f"({' '.join(old['machine']['isa_flags'])}), and the same interpreter took "
+           f"{old['wall_s']:,.0f} s on two processes there"
+           + (f" and {cmp['steady_cpu_ms_per_request']} CPU-ms per request on one over "
+              f"the steady state of {cmp['requests']:,} requests (this machine: "
+              f"{here['steady_cpu_ms_per_request']}, `fleet_speed_pypy_100k_s20.json`)"
+              if cmp is not None and here is not None else "")
+           + "; so this target is met on this session's machine kind, not on that one. "
+             "The CPython figures below are from the earlier machines."
+           if old is not None else ""),
+        "",
+    ]
+
+
+def _session_20() -> list[str]:
+    """Session 20: the same code on another machine kind."""
+    one = _saved(MILLION_PYPY_JSON)
+    if one is None:
+        return []
+    first = _saved(MILLION_PYPY_FIRST_S20_JSON)
+    par = _saved(MILLION_PYPY_PARALLEL_S20_JSON)
+    out = [
+        f"Session 20 ran on another machine kind: {_machine(one)}. Results now name the "
+        "CPU's family, model and stepping (`machine.cpu_id`), since the VM gives both kinds "
+        f"one model name. **The target run under PyPy on one process**, `{one['command']}` "
+        f"(at {one['git_commit'][:7]}): **{one['cpu_s']:,.1f} CPU-s, {one['wall_s']:,.1f} s "
+        f"wall**, against 600 s: " + _verdict(one["meets_target_measured"])
+        + f" {one['cpu_ms_per_request']} CPU-ms per request, by tenth of the arrivals: "
+        + _tenths(one["cpu_ms_per_request_by_tenth"])
+        + f"; peak resident memory {one['max_rss_mib']:,.0f} MiB; "
+        + _same_as_cpython(one) + "."
+        + (f" Its first run, at {first['git_commit'][:7]} (the same simulator code; "
+           f"`fleet_speed_1m_pypy_first_s20.json`): {first['cpu_s']:,.1f} CPU-s, "
+           f"{first['wall_s']:,.1f} s wall, " + _same_as_cpython(first) + "."
+           if first is not None else ""),
+    ]
+    small = _saved(PYPY_100K_S20_JSON)
+    if small is not None and small.get("parallel"):
+        sp = small["parallel"]
+        out[0] += (
+            f" At {small['requests']:,} requests, one command (`{small['command']}`, "
+            "`fleet_speed_pypy_100k_s20.json`): one process "
+            f"{small['cpu_s']:,.1f} CPU-s (steady state {small['steady_cpu_ms_per_request']} "
+            f"CPU-ms per request), two processes {sp['wall_s']:,.1f} s wall "
+            f"({sp['steady_wall_ms_per_request']} ms per request at the steady state, "
+            f"{sp['speedup_steady_vs_one_process']:.2f}x one process)"
+            + (", the same summary." if sp["same_summary"] else ", **a different summary**."))
+    if par is not None:
+        ratio = one["wall_s"] / par["wall_s"]
+        out[0] += (
+            f" On two processes, `{par['command']}`: {par['wall_s']:,.0f} s wall "
+            f"({par['parent_cpu_s']:,.0f} CPU-s in the parent, {par['workers_cpu_s']:,.0f} "
+            f"in the worker), {ratio:.2f}x the one-process run"
+            + (", the same simulated figures" if par["same_simulated_as_one_process"]
+               else ", **different simulated figures**")
+            + (": on this machine the groups' waiting for each other and the messages cost "
+               "more than the second vCPU gives, so one process is the way to run it here."
+               if ratio < 1 else "."))
+    return out
+
+
+def _same_as_cpython(s: dict) -> str:
+    """Whether a run's simulated figures are CPython's one-process run's."""
+    cp = _saved(MILLION_SPEED_JSON)
+    if cp is None:
+        return "no CPython run to compare with"
+    return ("the same simulated figures as CPython's one-process run" if cp["simulated"]
+            == s["simulated"] else "**simulated figures different from CPython's run**")
+
+
 def _why_600() -> str:
-    """Where the target stands, from the PyPy run of it on two processes (the page's
-    latest)."""
+    """Where the target stands on session 19's machine (AVX2), from its PyPy run on two
+    processes, and why two processes gave no more there."""
     if not MILLION_PYPY_PARALLEL_JSON.exists():
         return "(no PyPy run of the target yet)"
     p = json.loads(MILLION_PYPY_PARALLEL_JSON.read_text())
@@ -292,7 +403,8 @@ def _why_600() -> str:
         return (f"The 600 s target is met under PyPy on two processes ({p['wall_s']:,.0f} s "
                 "wall, above).")
     return (
-        f"Why 600 s is still not met: PyPy on two processes (above) took {p['wall_s']:,.0f} s "
+        f"Why 600 s was not met on session 19's machine ({_machine(p)}): PyPy on two "
+        f"processes (above) took {p['wall_s']:,.0f} s "
         f"wall, {p['wall_s'] / 600:.2f}x the target. Each process was "
         "busy about three quarters of the time: a group may run ahead of the arrivals only by "
         "the cost model's shortest pass (~16 ms simulated, ~8 arrivals at 64 replicas), and "
@@ -306,16 +418,22 @@ def _why_600() -> str:
         "registering their blocks and finishing ~33%, the passes the scheduler runs itself "
         "~38%, the router's scoring of 64 replicas per arrival ~8%; compiling it as it is did "
         "not pay (mypyc ~8% on three modules, Cython nothing measurable on eleven). What is "
-        "left to try: moving the router's scoring and the block pool's books out of Python "
-        "objects (a native block pool behind `KVCacheManager`), and a machine with more cores "
-        "(the parallel path takes any number of groups)."
+        "left to try there: moving the router's scoring and the block pool's books out of "
+        "Python objects (a native block pool behind `KVCacheManager`)."
     )
 
 
 def _cpu(s: dict) -> str:
-    """The machine the run was timed on, as the result records it."""
-    model = s.get("machine", {}).get("model")
-    return f"{model}, {s['cpu_count']} cores" if model else f"{s['cpu_count']} cores"
+    """The machine the run was timed on, as the result records it: the VM names different
+    CPUs alike ("AMD EPYC"), so the family and model, where recorded, and the vector flags
+    say which."""
+    m = s.get("machine", {})
+    model = m.get("model")
+    if not model:
+        return f"{s['cpu_count']} cores"
+    cpu_id = f" ({m['cpu_id']})" if m.get("cpu_id") else ""
+    flags = f" ({' '.join(m['isa_flags'])})" if m.get("isa_flags") else ""
+    return f"{model}{cpu_id}, {s['cpu_count']} cores{flags}"
 
 
 def _speed_split(s: dict) -> list[str]:
@@ -754,6 +872,11 @@ def _running_it() -> list[str]:
         "# the same under PyPy (Debian 13's, unpacked by the script: signature and checksums",
         "# checked, no root), its collector given a 256 MB nursery; and PyPy beside CPython",
         "PYPY=$(scripts/ensure_pypy.sh)",
+        "# the target run on one process (under 600 s on session 20's machine, above)",
+        "PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4 PYTHONPATH=src \\",
+        "    $PYPY -m everystop.sim.fleet_speed --requests 1000000 --profile-requests 1000 \\",
+        "    --out benchmarks/results/sim/fleet_speed_1m_pypy.json",
+        "# on two processes",
         "PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4 PYTHONPATH=src \\",
         "    $PYPY -m everystop.sim.fleet_speed --requests 1000000 --workers 2 \\",
         "    --parallel-only benchmarks/results/sim/fleet_speed_1m.json \\",
