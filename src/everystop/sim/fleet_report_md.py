@@ -33,8 +33,10 @@ PYPY_100K_S20_JSON = ROOT / "benchmarks/results/sim/fleet_speed_pypy_100k_s20.js
 MILLION_PYPY_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy.json"
 MILLION_PYPY_PARALLEL_S20_JSON = (ROOT / "benchmarks/results/sim/"
                                   "fleet_speed_1m_pypy_parallel_s20.json")
-# The same one-process run, its first time (before results named the CPU's family and model).
+# Their first runs, one commit earlier (before results named the CPU's family and model).
 MILLION_PYPY_FIRST_S20_JSON = ROOT / "benchmarks/results/sim/fleet_speed_1m_pypy_first_s20.json"
+MILLION_PYPY_PARALLEL_FIRST_S20_JSON = (ROOT / "benchmarks/results/sim/"
+                                        "fleet_speed_1m_pypy_parallel_first_s20.json")
 # Session 16's first run of the speed command (the same machine, an earlier commit).
 FIRST_S16_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s16_first.json"
 FIRST_S17_SPEED_JSON = ROOT / "benchmarks/results/sim/fleet_speed_s17_first.json"
@@ -381,6 +383,15 @@ def _session_20() -> list[str]:
             + (": on this machine the groups' waiting for each other and the messages cost "
                "more than the second vCPU gives, so one process is the way to run it here."
                if ratio < 1 else "."))
+        pf = _saved(MILLION_PYPY_PARALLEL_FIRST_S20_JSON)
+        if pf is not None:
+            out[0] += (
+                f" Its first run, at {pf['git_commit'][:7]} "
+                "(`fleet_speed_1m_pypy_parallel_first_s20.json`, checked against the first "
+                f"one-process run): {pf['wall_s']:,.0f} s wall ({pf['parent_cpu_s']:,.0f} and "
+                f"{pf['workers_cpu_s']:,.0f} CPU-s)"
+                + (", the same simulated figures." if pf["same_simulated_as_one_process"]
+                   else ", **different simulated figures**."))
     return out
 
 
