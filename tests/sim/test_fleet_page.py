@@ -34,4 +34,8 @@ def test_the_target_headline_follows_the_measured_run(tmp_path: Path,
     monkeypatch.setattr(fleet_report_md, "MILLION_PYPY_JSON", path)
     headline = fleet_report_md._target_headline()[0]
     assert "**not met**" in headline and "**700 s wall**" in headline
-    assert "avx2" in headline  # the machine is named with its flags
+    # the machine named as the run records it: family and model, flags, interpreter
+    assert f"on {fleet_report_md._machine(slow)} " in headline
+    assert "family 25 model 17" in fleet_report_md._machine(
+        {"cpu_count": 2, "machine": {"model": "AMD EPYC", "cpu_id": "family 25 model 17",
+                                     "isa_flags": ["avx2"], "python": "pypy 3.11.11"}})

@@ -297,12 +297,8 @@ def _session_19() -> list[str]:
 
 
 def _machine(s: dict) -> str:
-    """The machine a result was timed on: its model name, the family and model where recorded
-    (`results.cpu_info`), its vector ISA flags and its interpreter."""
-    m = s.get("machine", {})
-    cpu = m.get("model", "?") + (f" ({m['cpu_id']})" if m.get("cpu_id") else "")
-    return (f"{cpu}, {s['cpu_count']} vCPUs, flags {' '.join(m.get('isa_flags', []))}, "
-            f"{m.get('python', 'python')}")
+    """`_cpu`, and the interpreter that ran the result."""
+    return f"{_cpu(s)}, {s.get('machine', {}).get('python', 'python')}"
 
 
 def _target_headline() -> list[str]:
