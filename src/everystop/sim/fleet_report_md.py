@@ -403,9 +403,9 @@ def _same_as_cpython(s: dict) -> str:
 def _why_600() -> str:
     """Where the target stands on session 19's machine (AVX2), from its PyPy run on two
     processes, and why two processes gave no more there."""
-    if not MILLION_PYPY_PARALLEL_JSON.exists():
+    p = _saved(MILLION_PYPY_PARALLEL_JSON)
+    if p is None:
         return "(no PyPy run of the target yet)"
-    p = json.loads(MILLION_PYPY_PARALLEL_JSON.read_text())
     if p["meets_target_measured"]:
         return (f"The 600 s target is met under PyPy on two processes ({p['wall_s']:,.0f} s "
                 "wall, above).")
