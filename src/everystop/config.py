@@ -188,7 +188,10 @@ class ModelConfig:
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     tokenizer: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Activation dtype; "auto" is chosen by the executor from the device, the CPU's flags and
+    # the weight file (executor/dtype_choice.py): bf16 on CPUs with native bf16 dot products
+    # for float weights, else fp32; bf16 (or fp16) on a GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     seed: int = 0
     # CPU compute threads (torch intra-op); None = the cores this process may run on.
@@ -237,8 +240,9 @@ class ModelConfig:
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
             raise ConfigError("onednn_cache_capacity must be >= 1 (0 would compile every GEMM "
                               f"at every call), got {self.onednn_cache_capacity}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("dtype must be auto, float32, bfloat16 or float16, not "
+                              f"{self.dtype!r}")
 
 
 @dataclass(frozen=True)

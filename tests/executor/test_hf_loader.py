@@ -43,9 +43,9 @@ def tiny_dir(tmp_path_factory):
 def test_tiny_llama_logits_and_greedy_match(tiny_dir):
     path, hf = tiny_dir
     # fp32 KV: an exact-reference test (16-bit caches: tests/executor/test_kv_cache_dtype.py).
-    runner = ModelRunner(ModelConfig(model=path), CacheConfig(num_gpu_blocks_override=64,
-                                                              swap_space_gib=0.0,
-                                                              kv_cache_dtype="float32"), 512)
+    runner = ModelRunner(ModelConfig(model=path, dtype="float32"),
+                         CacheConfig(num_gpu_blocks_override=64, swap_space_gib=0.0,
+                                     kv_cache_dtype="float32"), 512)
     assert runner.model.args.rope_scaling["rope_type"] == "llama3"
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 90, 200)]

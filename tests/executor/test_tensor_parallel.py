@@ -27,10 +27,12 @@ NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 WORDS = ("every station the train stops and a few careful passengers step onto the platform "
          "while the small model writes notes about the weather").split()
-# fp32 KV: sharded and unsharded logits are compared to 2e-4, tighter than a 16-bit cache's
-# rounding of K/V that differ in their last fp32 bits (16-bit caches: test_kv_cache_dtype.py).
+# fp32 activations and KV: sharded and unsharded logits are compared to 2e-4, tighter than
+# 16-bit rounding of values that differ in their last fp32 bits (16-bit caches:
+# test_kv_cache_dtype.py; `--dtype auto` would pick bf16 for the tiny float models here).
 SMALL = dict(kv_cache_memory=48 << 20, swap_space_gib=0.01, max_model_len=512,
-             max_num_batched_tokens=256, chunk_size=64, max_num_seqs=8, kv_cache_dtype="float32")
+             max_num_batched_tokens=256, chunk_size=64, max_num_seqs=8, kv_cache_dtype="float32",
+             dtype="float32")
 
 
 # --- the head split (no processes) --------------------------------------------------------

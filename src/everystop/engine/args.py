@@ -86,7 +86,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", default=None,
                    help="GGUF file, or a directory of safetensors (default: SmolLM2-135M GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path if not next to the model")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="activations (default auto: bf16 where the CPU multiplies bf16 natively "
+                   "and the weights are not quantized blocks, else float32; bf16 on a GPU; "
+                   "the choice and its reason are logged at start-up)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--threads", dest="num_threads", type=int, default=None,

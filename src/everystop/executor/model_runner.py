@@ -8,6 +8,7 @@ and samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,9 +18,10 @@ import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
+from everystop.executor.dtype_choice import choose_dtype
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.kv_pool import KVPool
-from everystop.executor.layers.cpu_kernels import cpu_flags, load_cpu_kernels
+from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
@@ -116,6 +118,10 @@ class ModelRunner:
                  max_model_len: int | None, max_num_batched_tokens: int = 2048,
                  parallel: ParallelContext = SINGLE) -> None:
         """max_model_len None: the model's context length, capped by the pool's tokens."""
+        dtype, why = choose_dtype(model_config)
+        if model_config.dtype == "auto" and parallel.rank == 0:
+            logger.info("dtype auto: %s (%s)", dtype, why)
+        model_config = dataclasses.replace(model_config, dtype=dtype)
         self.model_config, self.cache_config = model_config, cache_config
         self.parallel = parallel
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -138,11 +144,6 @@ class ModelRunner:
             logger.info("CPU kernels: %s; attention: %s%s",
                         kernels.isa if kernels else "off (plain torch)", self.backends.attention,
                         gemm)
-            if (kernels is not None and self.dtype == torch.float32
-                    and "amx_bf16" in cpu_flags()):
-                # The fp32 default leaves this CPU's tile units idle (session 12: ~6.7x).
-                logger.info("this CPU has AMX-BF16: --dtype bfloat16 runs the GEMMs on it, "
-                            "several times the fp32 rate (`everystop bench roofline`)")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
