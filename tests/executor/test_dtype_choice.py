@@ -10,6 +10,7 @@ import torch
 from everystop.config import CacheConfig, ModelConfig
 from everystop.engine.args import add_engine_args, engine_config_from_args
 from everystop.executor.dtype_choice import choose_dtype, weights_are_blocks
+from everystop.executor.layers.cpu_kernels import cpu_flags
 from everystop.executor.model_runner import ModelRunner
 from everystop.executor.models.loader import default_model_path
 
@@ -80,7 +81,7 @@ def test_outputs_under_auto_equal_the_dtype_it_chose(tiny_dir):  # noqa: F811
     assert torch.equal(auto_logits, named_logits)
 
 
-@pytest.mark.skipif(not ({"avx512_bf16", "amx_bf16"} & set(open("/proc/cpuinfo").read().split())),
+@pytest.mark.skipif(not ({"avx512_bf16", "amx_bf16"} & cpu_flags()),
                     reason="this CPU has no native bf16: auto is fp32 here (covered above)")
 def test_auto_runs_bf16_on_this_native_bf16_cpu(tiny_dir):  # noqa: F811
     dtype, why = choose_dtype(ModelConfig(model=tiny_dir[0]))
