@@ -167,8 +167,11 @@ class Tokenizer:
         return list(self._tok.convert_ids_to_tokens(list(ids)))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template applied to `messages` (and `tools`, OpenAI-shaped), as text."""
+                    tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The chat template applied to `messages` (and `tools`, OpenAI-shaped), as text.
+        `continue_final_message`: the last (assistant) turn is left open for the model to go
+        on with; `template_kwargs` reach the template as variables (e.g. enable_thinking)."""
         template = getattr(self._tok, "chat_template", None)
         if tools and not (isinstance(template, str) and "tools" in template):
             # The template has no place for tools: they go into the system turn, and earlier
@@ -178,16 +181,22 @@ class Tokenizer:
         if not template:
             # No template shipped: a plain transcript the model can at least continue.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            if continue_final_message:
+                return text.removesuffix("\n")
             return text + ("assistant:" if add_generation_prompt else "")
-        return str(self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt))
+        return str(self._tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **template_kwargs))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False,
+                            **template_kwargs: Any) -> list[int]:
         """Token ids of the rendered chat. NOTE: templates write their own BOS, so no special
         tokens are added on top."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools,
+                                            continue_final_message, **template_kwargs))
 
 
 # Longer texts are encoded in pieces of about PIECE_CHARS (Tokenizer._encode_long).

@@ -13,9 +13,13 @@ from tests.engine.toy_engine import CharTokenizer
 class ChatCharTokenizer(CharTokenizer):
     def apply_chat_template(self, conversation: list[dict[str, str]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            continue_final_message: bool = False, **kwargs: object) -> str:
         text = "".join(f"<tool>{t.get('function', {}).get('name', '')}\n" for t in tools or [])
+        text += "".join(f"<{k}={v}>\n" for k, v in sorted(kwargs.items()))
         text += "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in conversation)
+        if continue_final_message:
+            return text.removesuffix("\n")
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -25,6 +25,7 @@ PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
             "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "structured_outputs",
             "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -256,7 +257,50 @@ def _prompt_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
     assert "prompt_logprobs" not in plain and "prompt_logprobs" not in plain["choices"][0]
 
 
+def _full_prompt(ep: str, content: str = "fields") -> str:
+    return content if ep == "C" else f"<user>{content}\n<assistant>"
+
+
+def _toy_from(prompt: str, n: int = 6) -> str:
+    return "".join(chr(t) for t in reference_output([ord(c) for c in prompt], n))
+
+
+def _truncate(s: ServerProcess, ep: str, v: Any) -> None:
+    out = ok(s, ep, {**base(ep, "toy"), "truncate_prompt_tokens": v})
+    assert out["usage"]["prompt_tokens"] == v
+    assert text_of(out, ep) == _toy_from(_full_prompt(ep)[-v:]) != toy_text(ep, "fields", 6)
+
+
+def _template_kwargs(s: ServerProcess, ep: str, v: Any) -> None:
+    # The toy template writes each variable as a line "<name=value>" before the turns.
+    rendered = "".join(f"<{k}={x}>\n" for k, x in sorted(v.items())) + _full_prompt(ep)
+    out = ok(s, ep, {**base(ep, "toy"), "chat_template_kwargs": v})
+    assert text_of(out, ep) == _toy_from(rendered) != toy_text(ep, "fields", 6)
+    bad = post(s, ep, {**base(ep, "toy"), "chat_template_kwargs": {"tools": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def _add_generation_prompt(s: ServerProcess, ep: str, v: Any) -> None:
+    out = ok(s, ep, {**base(ep, "toy"), "add_generation_prompt": v})
+    assert text_of(out, ep) == _toy_from("<user>fields\n") != toy_text(ep, "fields", 6)
+
+
+def _continue_final_message(s: ServerProcess, ep: str, v: Any) -> None:
+    messages = [{"role": "user", "content": "fields"},
+                {"role": "assistant", "content": "part"}]
+    body = {**base(ep, "toy"), "messages": messages, "continue_final_message": v,
+            "add_generation_prompt": False}
+    assert text_of(ok(s, ep, body), ep) == _toy_from("<user>fields\n<assistant>part")
+    for wrong in ({**body, "add_generation_prompt": True},
+                  {**body, "messages": messages[:1]}):
+        r = post(s, ep, wrong)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 TOY_EFFECTS: dict[str, Effect] = {
+    "truncate_prompt_tokens": _truncate, "chat_template_kwargs": _template_kwargs,
+    "add_generation_prompt": _add_generation_prompt,
+    "continue_final_message": _continue_final_message,
     "prompt_logprobs": _prompt_logprobs,
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
@@ -418,6 +462,7 @@ SAMPLING_EFFECTS: dict[str, Effect] = {
     "guided_regex": _constrained("guided_regex",
                                  lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{2}", t) is not None),
     "guided_choice": _constrained("guided_choice", lambda t: t in ("yes", "no")),
+    "structured_outputs": _constrained("structured_outputs", lambda t: t in ("yes", "no")),
     "guided_grammar": _constrained("guided_grammar",
                                    lambda t: re.fullmatch(r"A[0-9][0-9]", t) is not None),
     "temperature": _temperature, "seed": _seed, "top_p": _greedy_equivalent("top_p"),

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.admission import AdmissionConfig, AdmissionController
@@ -134,8 +135,15 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         check_text_fits(async_engine, size)
         tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} \
             if body.tools else {}  # the model's template renders them
-        prompt = await off_loop(template, conversation, add_generation_prompt=True, size=size,
-                                **tools)
+        ctx.metrics.count_ignored_fields(body.ignored_fields)
+        try:
+            prompt = await off_loop(template, conversation, size=size,
+                                    add_generation_prompt=body.add_generation_prompt,
+                                    continue_final_message=body.continue_final_message,
+                                    **tools, **body.template_kwargs())
+        except (TypeError, ValueError, TemplateError) as exc:  # it refused its inputs
+            raise APIError(400, f"the chat template could not render this request: {exc}",
+                           param="messages") from None
         fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
@@ -206,6 +214,25 @@ def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
         if state.status == "draining":
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """vLLM's: the server's version (no key, as /health)."""
+        from everystop import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: Request) -> Response:
+        guards.check_auth(http)
+        raise APIError(404, "embeddings are not served: this server runs a generative model "
+                            "(use /v1/completions or /v1/chat/completions)",
+                       code="embeddings_not_served")
 
     @app.get("/metrics")
     async def prometheus(http: Request) -> Response:

@@ -40,6 +40,40 @@ REASONS = {
 }
 
 
+# Keys inside `messages` that describe an earlier response or are a client's own bookkeeping:
+# accepted and dropped (counted in everystop:ignored_request_fields_total), as OpenAI and vLLM
+# accept them back from the replies they sent. Any other unknown key is still a 400.
+MESSAGE_BOOKKEEPING = frozenset({
+    "refusal", "annotations", "audio", "provider_specific_fields", "reasoning",
+    "thinking_blocks", "id", "index"})
+# Keys of a content part that only hint at a provider's caching: accepted and dropped.
+CONTENT_PART_BOOKKEEPING = frozenset({"cache_control"})
+
+
+def strip_message_bookkeeping(data: dict[str, Any]) -> list[str]:
+    """Drop, in place, the bookkeeping keys (and null values: "not set") of every message and
+    content part of `data`; returns the names of the non-null keys dropped, for the metric."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return []
+    dropped: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        for key in [k for k, v in message.items() if v is None or k in MESSAGE_BOOKKEEPING]:
+            value = message.pop(key)
+            if value is not None:
+                dropped.append(key)
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    for key in [k for k in part if k in CONTENT_PART_BOOKKEEPING]:
+                        del part[key]
+                        dropped.append(key)
+    return dropped
+
+
 def strip_accepted(data: dict[str, Any]) -> dict[str, Any]:
     """The body without the fields that are ignored or at their default value (null always is:
     clients send `"suffix": null` for "not set"); whatever is left that the model does not

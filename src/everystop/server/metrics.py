@@ -17,6 +17,7 @@ label set would grow the registry without limit).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _REQUEST = ["tier", "tenant"]
+
+logger = logging.getLogger(__name__)
 
 
 class TenantLabels:
@@ -118,6 +121,9 @@ class ServerMetrics:
                                          _REQUEST, registry=r)
         self.rejected = Counter("everystop:requests_rejected", "429 answers by reason",
                                 ["reason", "tier"], registry=r)
+        self.ignored_fields = Counter(
+            "everystop:ignored_request_fields", "Bookkeeping keys in messages accepted and "
+            "ignored (server/fields.py MESSAGE_BOOKKEEPING), by key", ["field"], registry=r)
 
     def attach(self, async_engine: AsyncEngine, model_name: str | None = None) -> None:
         """Hook the engine's listeners and the scrape-time collector."""
@@ -175,6 +181,13 @@ class ServerMetrics:
     def count_rejected(self, reason: str, priority: int) -> None:
         self.rejected.labels(reason, str(priority)).inc()
         self.window.on_rejected(reason, priority)
+
+    def count_ignored_fields(self, names: list[str]) -> None:
+        """The label set is bounded: only names from fields.py's fixed lists reach here."""
+        for name in names:
+            self.ignored_fields.labels(name).inc()
+        if names:
+            logger.debug("ignored request fields: %s", ", ".join(sorted(set(names))))
 
     def render(self) -> bytes:
         return generate_latest(self._exposed)

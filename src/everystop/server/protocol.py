@@ -12,11 +12,19 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
-from everystop.server.fields import reason, strip_accepted
+from everystop.server.fields import reason, strip_accepted, strip_message_bookkeeping
 from everystop.server.limits import loads
 from everystop.server.tools import tool_constraint
 
@@ -32,6 +40,35 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's: the usage so far in every chunk (guidellm reads it), not only in a final one.
+    continuous_usage_stats: bool = False
+
+
+class StructuredOutputsParams(StrictModel):
+    """vLLM's `structured_outputs`: one of these constraints (its names for guided_*)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)  # merged with StrictModel's
+
+    def constraints(self) -> list[StructuredOutput]:
+        found = []
+        if self.json_ is not None:
+            found.append(StructuredOutput("json_schema", self.json_ if isinstance(
+                self.json_, str) else json.dumps(self.json_)))
+        if self.regex is not None:
+            found.append(StructuredOutput("regex", self.regex))
+        if self.choice is not None:
+            found.append(StructuredOutput("choice", json.dumps(self.choice)))
+        if self.grammar is not None:
+            found.append(StructuredOutput("grammar", self.grammar))
+        if self.json_object:
+            found.append(StructuredOutput("json_object"))
+        return found
 
 
 class _GenerationRequest(StrictModel):
@@ -66,10 +103,30 @@ class _GenerationRequest(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: keep only the prompt's last N tokens.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # Bookkeeping keys inside `messages` accepted and ignored (fields.MESSAGE_BOOKKEEPING).
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return self._ignored
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """(the field that asked, the constraint), or None; two constraints are a 400."""
@@ -92,6 +149,9 @@ class _GenerationRequest(StrictModel):
                           StructuredOutput("choice", json.dumps(self.guided_choice))))
         if self.guided_grammar is not None:
             found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        if self.structured_outputs is not None:
+            found.extend(("structured_outputs", c)
+                         for c in self.structured_outputs.constraints())
         return found
 
 
@@ -155,6 +215,8 @@ class ChatMessage(StrictModel):
     name: str | None = None  # accepted; the chat template has no place for it
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call this is the result of
+    # Not sent to the template (it has no place for them): the thinking of an earlier reply.
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -198,6 +260,34 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # OpenAI's default (null) is true: a reply may hold several calls.
     parallel_tool_calls: bool | None = None
+    # vLLM's chat-template controls.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: cannot be combined with "
+                                 "add_generation_prompt (set it to false)")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message: the last message must be the "
+                                 "assistant's")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` for the template, refused where they would replace the
+        request's own arguments."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & {"messages", "conversation", "tools", "tokenize",
+                                      "add_generation_prompt", "continue_final_message"})
+        if taken:
+            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} cannot be set here",
+                              "chat_template_kwargs")
+        return kwargs
 
     @property
     def parallel(self) -> bool:
@@ -258,6 +348,8 @@ class ChatCompletionRequest(_GenerationRequest):
                     for c in m.tool_calls]
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:  # the template decides whether it is shown
+                msg["reasoning_content"] = m.reasoning_content
             out.append(msg)
         return out
 
@@ -285,6 +377,7 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> 
     data = loads(raw, max_json_depth)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    ignored = strip_message_bookkeeping(data)
     try:
         req = model.model_validate(strip_accepted(data))
     except ValidationError as exc:
@@ -299,8 +392,14 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> 
         code = ("missing_required_parameter" if kind == "missing" else
                 "invalid_type" if kind.endswith(("_type", "_parsing")) or "union" in kind
                 else "invalid_value")
+        if not loc:  # a whole-body check: its message starts with the field it is about
+            named = detail.split(":", 1)[0]
+            if named in model.model_fields:
+                raise APIError(400, detail, param=named, code=code) from None
         raise APIError(400, f"{'.'.join(loc) or 'body'}: {detail}", param=param,
                        code=code) from None
+    if isinstance(req, _GenerationRequest):
+        req._ignored = ignored
     return req
 
 

@@ -33,7 +33,7 @@ from everystop.server.admission import AdmissionController, AdmissionRefused
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
-from everystop.server.offload import make_request
+from everystop.server.offload import make_request, off_loop
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
 from everystop.server.tenants import clean_tenant
@@ -123,6 +123,8 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
             params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
             # Tokenized once per prompt (off the event loop when large); the n copies reuse it.
             source = prompt if j == 0 else choices[-1].req.prompt_token_ids
+            if j == 0 and body.truncate_prompt_tokens is not None:
+                source = await _truncated(ctx, prompt, body.truncate_prompt_tokens)
             try:
                 req = await make_request(ctx.engine, source, params, priority=body.priority,
                                          tenant=tenant, max_tokens_to_context=to_context)
@@ -142,6 +144,13 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
     if body.stream:
         return SSEResponse(_stream_events(ctx, body, fmt, choices))
     return await _respond_when_done(ctx, http, fmt, choices)
+
+
+async def _truncated(ctx: ServingContext, prompt: str | list[int], keep: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens."""
+    if isinstance(prompt, str):
+        prompt = await off_loop(ctx.engine.tokenizer.encode, prompt, size=len(prompt))
+    return list(prompt[-keep:])
 
 
 def _num_prompt_logprobs(body: _GenerationRequest, num_logprobs: int | None) -> int | None:
@@ -288,7 +297,8 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
             if first:
                 text, lp = _with_echo(fmt, c, text, lp, out)
             choice = fmt.chunk_choice(c.index, text, lp, out.finish_reason, first)
-            chunk = fmt.body([choice], None, chunk=True)
+            chunk = fmt.body([choice], _usage(choices) if body.continuous_usage else None,
+                             chunk=True)
             if first:
                 _add_prompt_logprobs(fmt, c, choice, chunk)
             yield sse(chunk)
