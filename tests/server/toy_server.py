@@ -31,12 +31,12 @@ def main(argv: list[str]) -> int:
                         watchdog_interval_s=0.2,
                         stall_timeout_s=args.engine_stall_timeout or None,
                         slow_reader_timeout_s=args.slow_reader_timeout or None)
-    app = build_app(front, MODEL_NAME, api_key=args.api_key, max_n=args.max_n,
+    app = build_app(front, MODEL_NAME, api_key=args.api_key, admin_key=args.admin_key,
+                    max_n=args.max_n,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s,
                                               min_samples=1),
                     limits=request_limits(args), open_metrics=args.open_metrics,
-                    extensions=[lambda app, engine: install_admin_routes(
-                        app, engine, admin_key=args.admin_key)])
+                    extensions=[install_admin_routes])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level)
 

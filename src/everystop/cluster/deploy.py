@@ -192,10 +192,10 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
         names = ([args.served_model_name] if args.served_model_name
                  else served_model_names(config.model.model))
         def admin(app: Any, front: Any) -> None:
-            install_cluster_admin(app, front, admin_key=args.admin_key)
+            install_cluster_admin(app, front)
 
         app = build_app(cast(Any, front), names[0], aliases=names, api_key=args.api_key,
-                        max_n=args.max_n, metrics=ServerMetrics(),
+                        admin_key=args.admin_key, max_n=args.max_n, metrics=ServerMetrics(),
                         limits=request_limits(args), open_metrics=args.open_metrics,
                         admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                         extensions=[install_cluster_routes, admin])

@@ -53,7 +53,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (and on operator routes "
+                        "when there is no --admin-key); docs/access.md")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem without "
                    "its quantization suffix; the full stem is accepted too)")
@@ -68,7 +70,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--telemetry-db", default=None,
                    help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
     g.add_argument("--admin-key", default=None,
-                   help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
+                   help="key for the operator routes, /admin and /dashboard/data "
+                        "(Authorization: Bearer or X-Admin-Key); with no key at all they "
+                        "answer loopback clients only (docs/access.md)")
     g.add_argument("--engine-stall-timeout", type=float, default=600.0,
                    help="seconds one engine iteration may run before the engine is declared "
                         "dead (/health 503, streams end with an error); 0 = never")
@@ -150,11 +154,11 @@ def serve(args: argparse.Namespace) -> int:
     def observability(app: Any, front: Any) -> None:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
-        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
-                             telemetry=telemetry)
-        install_dashboard(app, front, metrics, admin_key=args.admin_key)
+        install_admin_routes(app, front, store=telemetry.store, telemetry=telemetry)
+        install_dashboard(app, front, metrics)
 
-    app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,
+    app = build_app(front, name, aliases=names, api_key=args.api_key,
+                    admin_key=args.admin_key, max_n=args.max_n,
                     metrics=metrics, limits=request_limits(args),
                     open_metrics=args.open_metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
