@@ -12,7 +12,7 @@ from everystop.engine.llm_engine import LLMEngine
 from everystop.server.admin import install_admin_routes
 from everystop.server.admission import AdmissionConfig
 from everystop.server.app import build_app
-from everystop.server.cli import add_server_args, request_limits, run_server
+from everystop.server.cli import add_server_args, connection_limits, request_limits, run_server
 from tests.server.fakes import ChatCharTokenizer, SlowToyExecutor
 
 MODEL_NAME = "toy"
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
                     limits=request_limits(args), open_metrics=args.open_metrics,
                     extensions=[install_admin_routes])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                      log_level=args.log_level)
+                      log_level=args.log_level, connections=connection_limits(args))
 
 
 if __name__ == "__main__":

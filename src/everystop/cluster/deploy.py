@@ -177,7 +177,12 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
     from everystop.cluster.admin import install_cluster_admin
     from everystop.server.admission import AdmissionConfig
     from everystop.server.app import build_app
-    from everystop.server.cli import request_limits, run_server, served_model_names
+    from everystop.server.cli import (
+        connection_limits,
+        request_limits,
+        run_server,
+        served_model_names,
+    )
     from everystop.server.metrics import ServerMetrics
 
     if unsupported := unsupported_flags(args):
@@ -202,6 +207,6 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
         logger.info("serving %d replicas (policy %s) on http://%s:%d", opts.num_replicas,
                     opts.policy, args.host, args.port)
         return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                          log_level=args.log_level)
+                          log_level=args.log_level, connections=connection_limits(args))
     finally:
         stop_cluster(started)
