@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,9 @@ from everystop.server.admission import (
     AdmissionController,
     retry_after_header,
 )
+from everystop.server.errors import APIError
+from everystop.server.metrics import ServerMetrics
+from everystop.server.serving import _map_submit_error
 from tests.core.helpers import Harness, make_harness
 
 
@@ -99,6 +103,14 @@ def test_the_header_is_whole_seconds_between_one_and_the_cap() -> None:
     assert retry_after_header(59.5) == "60"
     assert retry_after_header(1e6) == retry_after_header(math.inf) == str(int(RETRY_AFTER_MAX_S))
     assert retry_after_header(math.nan) == str(int(RETRY_AFTER_MAX_S))
+
+
+def test_a_full_queue_answers_429_with_the_schedulers_estimate() -> None:
+    ctx = SimpleNamespace(metrics=ServerMetrics())
+    for estimate, header in ((0.3, "1"), (7.2, "8"), (math.inf, "60")):
+        err = _map_submit_error(ctx, QueueFull("tenant 'a' has 4 requests queued", estimate), 1)
+        assert isinstance(err, APIError) and err.status == 429
+        assert err.headers["Retry-After"] == header
 
 
 def test_the_rate_window_stays_bounded_when_nothing_asks_for_the_rate() -> None:
