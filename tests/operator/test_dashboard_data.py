@@ -28,11 +28,12 @@ def _app(tmp: Path) -> tuple[Any, Any, AsyncEngine]:
     def observability(app: Any, front: Any) -> None:
         holder["telemetry"] = install_telemetry(app, front, db=str(tmp / "t.sqlite"),
                                                 registry=metrics.registry, model_version="toy")
-        install_admin_routes(app, front, admin_key="k3y", store=holder["telemetry"].store,
+        install_admin_routes(app, front, store=holder["telemetry"].store,
                              telemetry=holder["telemetry"])
-        install_dashboard(app, front, metrics, admin_key="k3y")
+        install_dashboard(app, front, metrics)
 
-    app = build_app(front, "toy", metrics=metrics, extensions=[observability])
+    app = build_app(front, "toy", admin_key="k3y", metrics=metrics,
+                    extensions=[observability])
     return app, holder["telemetry"], front
 
 

@@ -12,7 +12,7 @@ from everystop.engine.llm_engine import LLMEngine
 from everystop.server.admin import install_admin_routes
 from everystop.server.admission import AdmissionConfig
 from everystop.server.app import build_app
-from everystop.server.cli import add_server_args, request_limits, run_server
+from everystop.server.cli import add_server_args, connection_limits, request_limits, run_server
 from tests.server.fakes import ChatCharTokenizer, SlowToyExecutor
 
 MODEL_NAME = "toy"
@@ -31,14 +31,14 @@ def main(argv: list[str]) -> int:
                         watchdog_interval_s=0.2,
                         stall_timeout_s=args.engine_stall_timeout or None,
                         slow_reader_timeout_s=args.slow_reader_timeout or None)
-    app = build_app(front, MODEL_NAME, api_key=args.api_key, max_n=args.max_n,
+    app = build_app(front, MODEL_NAME, api_key=args.api_key, admin_key=args.admin_key,
+                    max_n=args.max_n,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s,
                                               min_samples=1),
                     limits=request_limits(args), open_metrics=args.open_metrics,
-                    extensions=[lambda app, engine: install_admin_routes(
-                        app, engine, admin_key=args.admin_key)])
+                    extensions=[install_admin_routes])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                      log_level=args.log_level)
+                      log_level=args.log_level, connections=connection_limits(args))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from everystop.engine.async_engine import AsyncEngine
+from everystop.server.access import AccessPolicy, install_access
 from everystop.server.admin import install_admin_routes, install_telemetry
 from everystop.telemetry.rows import ConfigRow, SequenceRow
 from everystop.telemetry.service import Telemetry
@@ -55,7 +56,8 @@ def test_bad_values_get_400_and_change_nothing(store: Store, body: dict, param: 
     eng = make_engine()
     front = AsyncEngine(eng)
     app = FastAPI()
-    install_admin_routes(app, front, admin_key="s3cret", store=store)
+    install_access(app, AccessPolicy(admin_key="s3cret"))
+    install_admin_routes(app, front, store=store)
     before = eng.scheduler.config
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
@@ -79,7 +81,8 @@ def test_admin_key_is_required_when_set() -> None:
     eng = make_engine()
     front = AsyncEngine(eng)
     app = FastAPI()
-    install_admin_routes(app, front, admin_key="s3cret")
+    install_access(app, AccessPolicy(admin_key="s3cret"))
+    install_admin_routes(app, front)
 
     async def main() -> list[int]:
         async with client(app) as c:
@@ -107,7 +110,8 @@ def test_patch_max_num_seqs_down_under_load(store: Store) -> None:
     front = AsyncEngine(eng)
     telemetry = Telemetry(store, front, monitor=True)
     app = FastAPI()
-    install_admin_routes(app, front, admin_key="s3cret", store=store)
+    install_access(app, AccessPolicy(admin_key="s3cret"))
+    install_admin_routes(app, front, store=store)
     prompts = [f"request number {i}" for i in range(24)]
 
     async def main() -> tuple[dict[str, Any], list[list[int]], dict[str, Any]]:
@@ -149,7 +153,7 @@ def test_patch_watermark_and_queue_limits(store: Store) -> None:
     eng = make_engine(executor=SlowExecutor(ToyExecutor(256, 4), 0.005))
     front = AsyncEngine(eng, watchdog_interval_s=60.0)
     app = FastAPI()
-    install_admin_routes(app, front, admin_key=None, store=store)
+    install_admin_routes(app, front, store=store)
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with client(app) as c:

@@ -226,7 +226,7 @@ def test_auto_clamp_is_applied_logged_and_recorded_in_the_config_history(store: 
     tel = Telemetry(None, front,
                     guardrail_config=GuardrailConfig(overrun_steps=3, clamp_after_steps=3,
                                                      check_interval_s=60))
-    admin = install_admin_routes(FastAPI(), front, admin_key=None, store=store, telemetry=tel)
+    admin = install_admin_routes(FastAPI(), front, store=store, telemetry=tel)
     try:
         for i in range(3):
             tel.guardrails.on_iteration(_record(i, 0.3, 0.1, 116), 256)

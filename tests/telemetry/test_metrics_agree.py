@@ -36,9 +36,9 @@ def test_metrics_match_client_view() -> None:
 
     def observability(app, fe) -> None:
         tel = install_telemetry(app, fe, db=None, registry=metrics.registry)
-        install_admin_routes(app, fe, admin_key="k", store=tel.store)
+        install_admin_routes(app, fe, store=tel.store)
 
-    app = build_app(front, "toy", metrics=metrics, extensions=[observability])
+    app = build_app(front, "toy", admin_key="k", metrics=metrics, extensions=[observability])
 
     async def run() -> tuple[list[httpx.Response], str]:
         transport = httpx.ASGITransport(app=app)

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from everystop.cluster.front import ClusterEngine
-from everystop.server.admin import ADJUSTABLE, admin_denied
+from everystop.server.admin import ADJUSTABLE
 from everystop.server.errors import APIError
 from everystop.server.limits import loads
 
@@ -39,13 +39,12 @@ def _merged(snapshots: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "replicas": snapshots}
 
 
-def install_cluster_admin(app: FastAPI, front: ClusterEngine, *, admin_key: str | None) -> None:
+def install_cluster_admin(app: FastAPI, front: ClusterEngine) -> None:
+    """The /admin routes (who may call them: server/access.py)."""
     patching = asyncio.Lock()  # two PATCHes interleaved over replicas would leave them differing
 
     @app.get("/admin/scheduler_config")
-    async def get_scheduler_config(request: Request) -> Any:
-        if (resp := admin_denied(request, admin_key)) is not None:
-            return resp
+    async def get_scheduler_config() -> Any:
         replicas = front.replica_ids()
         if not replicas:
             return _error(503, "no replica is running", "no_replica")
@@ -59,8 +58,6 @@ def install_cluster_admin(app: FastAPI, front: ClusterEngine, *, admin_key: str 
 
     @app.patch("/admin/scheduler_config")
     async def patch_scheduler_config(request: Request) -> Any:
-        if (resp := admin_denied(request, admin_key)) is not None:
-            return resp
         try:
             body = loads(await request.body(), max_depth=4)
         except APIError as exc:
@@ -85,9 +82,7 @@ def install_cluster_admin(app: FastAPI, front: ClusterEngine, *, admin_key: str 
             return _merged(applied)
 
     @app.get("/admin/scheduler_config/history")
-    async def scheduler_config_history(request: Request) -> Any:
-        if (resp := admin_denied(request, admin_key)) is not None:
-            return resp
+    async def scheduler_config_history() -> Any:
         return _error(501, "the config history lives in the telemetry store, which the "
                       "cluster ingress (--replicas) does not run; GET /admin/scheduler_config "
                       "shows each replica's current version", "unsupported_in_cluster_mode",

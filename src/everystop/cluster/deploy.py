@@ -177,7 +177,12 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
     from everystop.cluster.admin import install_cluster_admin
     from everystop.server.admission import AdmissionConfig
     from everystop.server.app import build_app
-    from everystop.server.cli import request_limits, run_server, served_model_names
+    from everystop.server.cli import (
+        connection_limits,
+        request_limits,
+        run_server,
+        served_model_names,
+    )
     from everystop.server.metrics import ServerMetrics
 
     if unsupported := unsupported_flags(args):
@@ -192,16 +197,16 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
         names = ([args.served_model_name] if args.served_model_name
                  else served_model_names(config.model.model))
         def admin(app: Any, front: Any) -> None:
-            install_cluster_admin(app, front, admin_key=args.admin_key)
+            install_cluster_admin(app, front)
 
         app = build_app(cast(Any, front), names[0], aliases=names, api_key=args.api_key,
-                        max_n=args.max_n, metrics=ServerMetrics(),
+                        admin_key=args.admin_key, max_n=args.max_n, metrics=ServerMetrics(),
                         limits=request_limits(args), open_metrics=args.open_metrics,
                         admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                         extensions=[install_cluster_routes, admin])
         logger.info("serving %d replicas (policy %s) on http://%s:%d", opts.num_replicas,
                     opts.policy, args.host, args.port)
         return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                          log_level=args.log_level)
+                          log_level=args.log_level, connections=connection_limits(args))
     finally:
         stop_cluster(started)

@@ -36,6 +36,12 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     for r in sched.swapped:
         if r.request_id not in sched.kv.swapped_blocks:
             raise AssertionError(f"swapped {r.request_id} has no host blocks")
+    waiting_by_tenant: dict[str, int] = {}
+    for r in sched.waiting:
+        waiting_by_tenant[r.tenant] = waiting_by_tenant.get(r.tenant, 0) + 1
+    queued = sched._queued
+    if queued.by_tenant != waiting_by_tenant or set(queued.tenant_drain) != set(waiting_by_tenant):
+        raise AssertionError("the per-tenant queue counts disagree with the waiting queue")
     if sched._padding and not sched.running:
         raise AssertionError("static padding rows outlived their batch")
     sched.kv.check_integrity(set(sched.requests) | {r.request_id for r in sched._padding})

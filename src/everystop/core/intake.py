@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from everystop.config import SchedulerConfig
+from everystop.core.drain_rate import DrainMeter, wait_for
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.request import Request
 
@@ -12,7 +13,8 @@ class RequestRejected(ValueError):
 
 
 class QueueFull(Exception):
-    """Backpressure: the tenant's or tier's queue is at its cap; retry later."""
+    """Backpressure: the tenant's or tier's queue is at its cap; retry in `retry_after_s` (the
+    full queue's depth over its measured drain rate; inf when it was never seen to drain)."""
 
     def __init__(self, reason: str, retry_after_s: float = 1.0) -> None:
         super().__init__(reason)
@@ -27,27 +29,58 @@ def model_len_limit(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
 
 
 class QueuedCounts:
-    """Requests waiting for their first admission, per tenant and per priority tier: what the
-    queue caps are checked against."""
+    """Requests waiting for their first admission, per tenant and per priority tier, and how
+    fast each of those queues drains: what the queue caps are checked against and what a
+    refusal's Retry-After is made of.
+
+    NOTE: a tenant with nothing queued has no entry (nor meter): client-chosen tenant ids come
+    and go, and the maps hold only the ones queued now."""
 
     def __init__(self) -> None:
         self.by_tenant: dict[str, int] = {}
         self.by_tier: dict[int, int] = {}
+        self.tenant_drain: dict[str, DrainMeter] = {}
+        self.tier_drain: dict[int, DrainMeter] = {}
 
-    def add(self, req: Request, delta: int) -> None:
-        self.by_tenant[req.tenant] = self.by_tenant.get(req.tenant, 0) + delta
-        self.by_tier[req.priority] = self.by_tier.get(req.priority, 0) + delta
+    def add(self, req: Request, delta: int, now: float) -> None:
+        """`delta` +1: `req` joined the queue; -1: it left (admitted or aborted)."""
+        tenant, tier = req.tenant, req.priority
+        count = self.by_tenant.get(tenant, 0) + delta
+        if delta > 0 and tenant not in self.tenant_drain:
+            self.tenant_drain[tenant] = DrainMeter(now)
+        if delta > 0 and tier not in self.tier_drain:
+            self.tier_drain[tier] = DrainMeter(now)
+        if delta < 0:
+            self.tenant_drain[tenant].leave(now, -delta)
+            self.tier_drain[tier].leave(now, -delta)
+        if count:
+            self.by_tenant[tenant] = count
+        else:
+            del self.by_tenant[tenant]
+            del self.tenant_drain[tenant]
+        self.by_tier[tier] = self.by_tier.get(tier, 0) + delta
+
+    def retry_after_s(self, req: Request, tenant_queue: bool, now: float) -> float:
+        """When the full queue (the tenant's, or else the tier's) should have room for `req`:
+        all of it drained at its rate, or, for a tenant not yet seen to move, at its tier's."""
+        tier_meter = self.tier_drain.get(req.priority)
+        if tenant_queue:
+            return wait_for(self.by_tenant.get(req.tenant, 0),
+                            [self.tenant_drain.get(req.tenant), tier_meter], now)
+        return wait_for(self.by_tier.get(req.priority, 0), [tier_meter], now)
 
 
 def check_admissible(req: Request, cfg: SchedulerConfig, kv: KVCacheManager,
-                     queued: QueuedCounts) -> None:
+                     queued: QueuedCounts, now: float) -> None:
     """Raise RequestRejected (never runnable) or QueueFull (not now); return if it may queue."""
     check_runnable(req.num_prompt_tokens, req.sampling_params.max_tokens, req.priority, cfg, kv)
     tenant_cap, tier_cap = cfg.max_queued_per_tenant, cfg.max_queued_per_tier[req.priority]
     if tenant_cap and queued.by_tenant.get(req.tenant, 0) >= tenant_cap:
-        raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued")
+        raise QueueFull(f"tenant {req.tenant!r} has {tenant_cap} requests queued",
+                        queued.retry_after_s(req, True, now))
     if tier_cap and queued.by_tier.get(req.priority, 0) >= tier_cap:
-        raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued")
+        raise QueueFull(f"priority tier {req.priority} has {tier_cap} requests queued",
+                        queued.retry_after_s(req, False, now))
 
 
 def check_runnable(num_prompt_tokens: int, max_tokens: int, priority: int,

@@ -118,13 +118,13 @@ class Scheduler:
         """Queue a request, or raise RequestRejected / QueueFull right away."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        check_admissible(req, self.config, self.kv, self._queued)
+        check_admissible(req, self.config, self.kv, self._queued, self.clock())
         if req.arrival_time == 0.0:
             req.arrival_time = self.clock()
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
-        self._queued.add(req, +1)
+        self._queued.add(req, +1, self.clock())
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -268,7 +268,7 @@ class Scheduler:
 
     def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
         if req.status == RequestStatus.WAITING:
-            self._queued.add(req, -1)
+            self._queued.add(req, -1, step.now)
         if req.num_computed_tokens == 0:  # the admissions that looked the prefix up
             self.kv.count_prefix_use(req, len(computed))
         req.num_computed_tokens = len(computed) * self.kv.block_size
@@ -433,7 +433,7 @@ class Scheduler:
                                and bool(self.running) and req.num_computed_tokens > 0)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
-            self._queued.add(req, -1)
+            self._queued.add(req, -1, self.clock())
         elif req.status == RequestStatus.PREEMPTED:
             self.preempted.remove(req)
         elif req.status == RequestStatus.SWAPPED:

@@ -11,9 +11,10 @@ where `ahead` counts queued requests of the same or a better tier (they will be 
 per second over a recent window (in a full engine a request is admitted when another finishes).
 With no recent completions there is no estimate, and nothing is refused on time grounds.
 
-Retry-After on a 429 comes from the same measured rate: the admissions still to happen before
-the first queued request of the full queue (the tenant's, or the tier's) gets its seat, over
-`admission_rate`, clamped to [1 s, RETRY_AFTER_MAX_S]; 1 s while there is no estimate.
+Retry-After on a 429 is a number of seconds clamped to [1, RETRY_AFTER_MAX_S]
+(`retry_after_header`): for a full queue, what the scheduler measured (the queue's depth over
+its smoothed drain rate, core/drain_rate.py); for a refused wait, how far the expected wait is
+over the tier's limit.
 
 Everything here runs on the event loop thread; it only reads engine state (atomic attribute
 reads), never locks it.
@@ -51,7 +52,15 @@ class AdmissionRefused(Exception):
 
     @property
     def retry_after_header(self) -> str:
-        return str(max(1, math.ceil(self.retry_after_s)))
+        return retry_after_header(self.retry_after_s)
+
+
+def retry_after_header(seconds: float) -> str:
+    """A Retry-After value: whole seconds, at least 1, at most RETRY_AFTER_MAX_S (an inf or
+    nan estimate, a queue never seen to move, says the most)."""
+    if not seconds < RETRY_AFTER_MAX_S:  # also inf and nan
+        return str(int(RETRY_AFTER_MAX_S))
+    return str(max(1, math.ceil(seconds)))
 
 
 class AdmissionController:
@@ -104,22 +113,6 @@ class AdmissionController:
             return 0.0
         rate = self.admission_rate()
         return None if rate is None else behind / rate
-
-    def retry_after_s(self, tier: int, tenant: str | None = None) -> float:
-        """Seconds until a full queue (the tenant's when given, else the tier's) should have
-        room again, from the measured admission rate; see the module docstring."""
-        rate = self.admission_rate()
-        if rate is None:
-            return 1.0
-        queued = [r for r in list(self._in_flight.values()) if r.status in _QUEUED]
-        group = [r for r in queued if (r.tenant == tenant if tenant is not None
-                                        else r.priority == tier)]
-        ahead = 0
-        if group:
-            first = min(group, key=lambda r: (r.priority, r.arrival_time))
-            ahead = sum(1 for r in queued if (r.priority, r.arrival_time)
-                        < (first.priority, first.arrival_time))
-        return min(RETRY_AFTER_MAX_S, max(1.0, (ahead + 1) / rate))
 
     def check(self, tier: int) -> None:
         """Raise AdmissionRefused if a new request of this tier would wait too long."""

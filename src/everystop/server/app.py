@@ -8,7 +8,7 @@ Everything a route needs lives on `app.state.ctx` (a ServingContext).
 from __future__ import annotations
 
 import asyncio
-import hmac
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from everystop.engine.async_engine import AsyncEngine
+from everystop.server.access import AccessPolicy, install_access
 from everystop.server.admission import AdmissionConfig, AdmissionController
 from everystop.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
@@ -36,27 +37,19 @@ from everystop.server.protocol import (
 from everystop.server.serving import ServingContext, generate
 
 Extension = Callable[[FastAPI, AsyncEngine], Any]
+logger = logging.getLogger("everystop.server")
 
 
 class RouteGuards:
-    """What every route checks before its own work: the API key, the model's name, the body."""
+    """What every route checks before its own work (its caller's key was checked before it,
+    by server/access.py): the model's name, the body."""
 
-    def __init__(self, served_model_name: str, aliases: Iterable[str], api_key: str | None,
+    def __init__(self, served_model_name: str, aliases: Iterable[str],
                  limits: RequestLimits) -> None:
         self.served_model_name = served_model_name
         # Other names the model answers to (e.g. the file's full stem); responses use the first.
         self.known = {served_model_name, *aliases}
-        self.api_key = api_key
         self.limits = limits
-
-    def check_auth(self, http: Request) -> None:
-        if self.api_key is None:
-            return
-        header = http.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                           code="invalid_api_key")
 
     async def parse(self, http: Request, model: type[Any]) -> Any:
         raw = await http.body()
@@ -71,15 +64,20 @@ class RouteGuards:
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, *,
               aliases: Iterable[str] = (), api_key: str | None = None,
-              admission: AdmissionConfig | None = None, metrics: ServerMetrics | None = None,
+              admin_key: str | None = None, admission: AdmissionConfig | None = None,
+              metrics: ServerMetrics | None = None,
               max_n: int = 8, extensions: Iterable[Extension] = (),
               limits: RequestLimits | None = None, open_metrics: bool = False) -> FastAPI:
-    """`open_metrics`: serve /metrics without the API key (a scraper on a private network)."""
+    """`api_key`, `admin_key`, `open_metrics`: who may call what (server/access.py; /metrics
+    without the API key when `open_metrics`: a scraper on a private network)."""
     app = FastAPI(title="everystop", docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     install_error_handlers(app)
     limits = limits or RequestLimits()
     app.add_middleware(LimitsMiddleware, limits=limits)
+    policy = AccessPolicy(api_key=api_key, admin_key=admin_key, open_metrics=open_metrics)
+    install_access(app, policy)  # before the limits: a caller without a key learns nothing
+    logger.info("%s", policy.describe())
     app.add_middleware(RequestIdMiddleware)  # outermost: limit refusals carry an id too
     metrics = metrics or ServerMetrics()
     metrics.attach(async_engine, model_name=served_model_name)
@@ -90,11 +88,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
     ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n)
     app.state.ctx = ctx
     app.state.engine = async_engine
-    guards = RouteGuards(served_model_name, aliases, api_key, limits)
+    guards = RouteGuards(served_model_name, aliases, limits)
     add_generation_routes(app, ctx, guards)
     add_model_routes(app, async_engine.max_model_len, guards)
     add_tokenizer_routes(app, async_engine, guards)
-    add_health_and_metrics_routes(app, async_engine, metrics, guards, open_metrics)
+    add_health_and_metrics_routes(app, async_engine, metrics)
     for extend in extensions:
         extend(app, async_engine)
     install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
@@ -112,7 +110,6 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
-        guards.check_auth(http)
         body: CompletionRequest = await guards.parse(http, CompletionRequest)
         guards.check_model(body.model)
         prompts = body.prompts()
@@ -122,7 +119,6 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
-        guards.check_auth(http)
         body: ChatCompletionRequest = await guards.parse(http, ChatCompletionRequest)
         guards.check_model(body.model)
         check_fan_out(limits, 1, body.n)
@@ -153,13 +149,11 @@ def add_model_routes(app: FastAPI, max_model_len: int, guards: RouteGuards) -> N
     served_model_name = guards.served_model_name
 
     @app.get("/v1/models")
-    async def models(http: Request) -> JSONResponse:
-        guards.check_auth(http)
+    async def models() -> JSONResponse:
         return JSONResponse(model_list(served_model_name, max_model_len))
 
     @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str, http: Request) -> JSONResponse:
-        guards.check_auth(http)
+    async def model_card(model_id: str) -> JSONResponse:
         guards.check_model(model_id)
         return JSONResponse(model_info(model_id, max_model_len))
 
@@ -172,7 +166,6 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
     @app.post("/tokenize")
     async def tokenize(http: Request) -> Response:
         """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
-        guards.check_auth(http)
         body = await guards.parse(http, TokenizeRequest)
         guards.check_model(body.model)
         ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt),
@@ -184,7 +177,6 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
     @app.post("/detokenize")
     async def detokenize(http: Request) -> JSONResponse:
         """vLLM-style helper: {"tokens": [...]} -> {"prompt": str} (special tokens kept)."""
-        guards.check_auth(http)
         body = parse_body(await http.body(), DetokenizeRequest)
         guards.check_model(body.model)
         if any(t >= tokenizer.vocab_size for t in body.tokens):
@@ -192,9 +184,8 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
         return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(http: Request) -> JSONResponse:
+    async def tokenizer_info() -> JSONResponse:
         """vLLM-style helper: lm-eval's local-completions finds it and tokenizes remotely."""
-        guards.check_auth(http)
         info = getattr(tokenizer, "info", None)
         if info is None:
             raise APIError(404, "this tokenizer does not describe itself", code="not_found")
@@ -202,9 +193,8 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
 
 
 def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
-                                  metrics: ServerMetrics, guards: RouteGuards,
-                                  open_metrics: bool) -> None:
-    """/health (no key: probes carry none) and /metrics (behind the key unless open_metrics)."""
+                                  metrics: ServerMetrics) -> None:
+    """/health and /metrics (who may call them: server/access.py)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -235,8 +225,6 @@ def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
                        code="embeddings_not_served")
 
     @app.get("/metrics")
-    async def prometheus(http: Request) -> Response:
-        if not open_metrics:
-            guards.check_auth(http)
+    async def prometheus() -> Response:
         # Off the loop: with per-tenant histograms the text runs to hundreds of KB.
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)

@@ -21,6 +21,7 @@ import uvicorn
 
 from everystop.engine.args import add_engine_args, config_or_exit, parse_bytes
 from everystop.server.admission import AdmissionConfig
+from everystop.server.connections import ConnectionLimits, guarded_protocol
 from everystop.server.heap_trim import start_heap_trimming
 from everystop.server.limits import RequestLimits
 from everystop.server.runtime_stats import freeze_startup_heap
@@ -35,6 +36,13 @@ def _wait_caps(text: str) -> tuple[float, float, float]:
     if len(parts) != 3 or min(parts) < 0:
         raise argparse.ArgumentTypeError(f"expected S or S0,S1,S2 seconds >= 0, got {text!r}")
     return (parts[0], parts[1], parts[2])
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -53,7 +61,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (and on operator routes "
+                        "when there is no --admin-key); docs/access.md")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem without "
                    "its quantization suffix; the full stem is accepted too)")
@@ -68,13 +78,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--telemetry-db", default=None,
                    help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
     g.add_argument("--admin-key", default=None,
-                   help="key required by /admin routes (Authorization: Bearer or X-Admin-Key)")
+                   help="key for the operator routes, /admin and /dashboard/data "
+                        "(Authorization: Bearer or X-Admin-Key); with no key at all they "
+                        "answer loopback clients only (docs/access.md)")
     g.add_argument("--engine-stall-timeout", type=float, default=600.0,
                    help="seconds one engine iteration may run before the engine is declared "
                         "dead (/health 503, streams end with an error); 0 = never")
     g.add_argument("--slow-reader-timeout", type=float, default=60.0,
                    help="seconds a client may leave its stream unread (tokens waiting) before "
                         "its request is aborted and its blocks freed; 0 = never")
+    g.add_argument("--header-timeout", type=_seconds, default=10.0,
+                   help="seconds a connection gets to send a request's complete headers (after "
+                        "opening, or after its previous response) before it is closed "
+                        "(slowloris); 0 = never")
+    g.add_argument("--send-buffer-bytes", type=parse_bytes,
+                   default=ConnectionLimits.send_buffer_bytes,
+                   help="kernel send buffer of each connection (default 128KiB), so a client "
+                        "that stops reading blocks the stream within KBs and --slow-reader-"
+                        "timeout can see it; 0 = the kernel's own (grows to MBs)")
     g.add_argument("--heap-trim-interval", type=float, default=30.0,
                    help="seconds between returns of the C heap's free pages to the kernel "
                         "(glibc malloc_trim; see server/heap_trim.py); 0 = never")
@@ -150,22 +171,30 @@ def serve(args: argparse.Namespace) -> int:
     def observability(app: Any, front: Any) -> None:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
-        install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
-                             telemetry=telemetry)
-        install_dashboard(app, front, metrics, admin_key=args.admin_key)
+        install_admin_routes(app, front, store=telemetry.store, telemetry=telemetry)
+        install_dashboard(app, front, metrics)
 
-    app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,
+    app = build_app(front, name, aliases=names, api_key=args.api_key,
+                    admin_key=args.admin_key, max_n=args.max_n,
                     metrics=metrics, limits=request_limits(args),
                     open_metrics=args.open_metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                     extensions=[observability])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
-                      log_level=args.log_level, heap_trim_interval_s=args.heap_trim_interval)
+                      log_level=args.log_level, heap_trim_interval_s=args.heap_trim_interval,
+                      connections=connection_limits(args))
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                          max_prompts=args.max_prompts, max_sequences=args.max_request_sequences)
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """A connection that stalls its writes as long as a stream may go unread is closed too."""
+    return ConnectionLimits(header_timeout_s=args.header_timeout or None,
+                            send_buffer_bytes=args.send_buffer_bytes,
+                            write_stall_timeout_s=args.slow_reader_timeout or None)
 
 
 # A GGUF file's quantization suffix: "SmolLM2-135M-Instruct.Q4_1", "Llama-3-8B-Q4_K_M".
@@ -222,11 +251,13 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 30.0,
-               log_level: str = "info", heap_trim_interval_s: float = 0.0) -> int:
+               log_level: str = "info", heap_trim_interval_s: float = 0.0,
+               connections: ConnectionLimits | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a clean drain)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=max(1, int(grace_s) + 5),
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5,
+                            http=guarded_protocol(connections or ConnectionLimits()))
     server = _DrainingServer(config, front, grace_s)
     # Everything alive now lives as long as the server: out of the collector's reach, so that a
     # full collection no longer stops the event loop for ~170 ms (see runtime_stats).

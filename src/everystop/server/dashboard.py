@@ -6,9 +6,9 @@
                                   exact percentiles per tier / tenant / (tenant, tier) with SLA
                                   status, guardrail alerts, the scheduler config and its history
 
-The data needs the admin key when one is set (`Authorization: Bearer` or `X-Admin-Key`, as the
-/admin routes); the page takes it from the URL fragment (`/dashboard#key=...`, never sent to the
-server or its logs) or asks for it.
+The data is an operator route, as /admin (server/access.py: the admin key, else the API key,
+else loopback clients only); the page takes the key from the URL fragment (`/dashboard#key=...`,
+never sent to the server or its logs) or asks for it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from everystop import __version__
 from everystop.engine.async_engine import AsyncEngine
-from everystop.server.admin import _authorized
 from everystop.server.metrics import ServerMetrics, prefix_hit_rate
 
 STATIC = Path(__file__).with_name("static")
@@ -100,18 +99,16 @@ def _judge_rows(window: dict[str, Any], guard: dict[str, Any] | None, judge: Sla
         stats["sla"] = judge.status(stats["queue_p99_s"], slas.get(tier), starving[tier])
 
 
-def dashboard_router(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics, *,
-                     admin_key: str | None) -> APIRouter:
-    """The /dashboard routes for `app` (read at request time: its telemetry and scheduler
-    admin, when installed)."""
-    router = APIRouter()
+def install_dashboard(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics) -> None:
+    """Add the /dashboard routes to `app` (they read, at request time, its telemetry and
+    scheduler admin, when installed)."""
     judge = SlaJudge(metrics.window.window_s)
 
-    @router.get("/dashboard")
+    @app.get("/dashboard")
     async def page() -> Response:
         return FileResponse(STATIC / "dashboard.html", media_type="text/html")
 
-    @router.get("/dashboard/static/{name}")
+    @app.get("/dashboard/static/{name}")
     async def asset(name: str) -> Response:
         if name not in ASSETS:
             return JSONResponse({"error": {"message": f"no asset {name!r}", "type":
@@ -120,12 +117,8 @@ def dashboard_router(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics, *
         path = STATIC / name if name.startswith("dashboard") else STATIC / "vendor/uplot" / name
         return FileResponse(path, media_type=ASSETS[name])
 
-    @router.get("/dashboard/data")
-    async def data(request: Request) -> Response:
-        if not _authorized(request, admin_key):
-            return JSONResponse({"error": {"message": "a valid admin key is required",
-                                           "type": "authentication_error", "param": None,
-                                           "code": "invalid_admin_key"}}, 401)
+    @app.get("/dashboard/data")
+    async def data() -> Response:
         now = time.monotonic()
         window = metrics.window.summary()
         guard = _guardrails(app)
@@ -137,10 +130,3 @@ def dashboard_router(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics, *
             "window": window, "guardrails": guard,
             "scheduler_config": None if admin is None else admin.snapshot(),
             "config_history": [] if admin is None else await admin.history()})
-
-    return router
-
-
-def install_dashboard(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics, *,
-                      admin_key: str | None) -> None:
-    app.include_router(dashboard_router(app, front, metrics, admin_key=admin_key))

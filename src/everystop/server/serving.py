@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,7 +28,11 @@ from everystop.sampling_params import (
     SamplingParamsError,
     StructuredOutputError,
 )
-from everystop.server.admission import AdmissionController, AdmissionRefused
+from everystop.server.admission import (
+    AdmissionController,
+    AdmissionRefused,
+    retry_after_header,
+)
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
@@ -193,18 +196,16 @@ async def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None
         for req in submitted:
             ctx.engine.abort(req.request_id)
             ctx.admission.done(req, completed=False)
-        raise _map_submit_error(ctx, exc, tier, choices[0].req.tenant) from None
+        raise _map_submit_error(ctx, exc, tier) from None
 
 
-def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int,
-                      tenant: str | None = None) -> BaseException:
+def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> BaseException:
     if isinstance(exc, QueueFull):
         reason = "tenant_queue" if "tenant" in exc.reason else "tier_queue"
         ctx.metrics.count_rejected(reason, tier)
-        wait = ctx.admission.retry_after_s(tier, tenant if reason == "tenant_queue" else None)
-        retry = str(math.ceil(wait))
+        # The full queue's depth over its measured drain rate (the scheduler's estimate).
         return APIError(429, f"server busy: {exc.reason}; retry later", code="queue_full",
-                        headers={"Retry-After": retry})
+                        headers={"Retry-After": retry_after_header(exc.retry_after_s)})
     if isinstance(exc, RequestRejected):
         return bad_request(str(exc), "prompt", code="context_length_exceeded")
     if isinstance(exc, EngineDraining):
