@@ -222,6 +222,11 @@ class ModelConfig:
     # transformers' fp32 ones, which tests/executor/test_llama_vs_transformers.py holds within
     # 1e-3.
     int8_decode_dot: bool = False
+    # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
+    # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
+    # count, attention with one query token per work item. Needs the CPU kernels; costs
+    # prefill throughput (see the README's flag table).
+    batch_invariant: bool = False
     # Entries in each of oneDNN's two caches of compiled GEMMs (one per batch shape, ~0.4 MiB
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
     # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
@@ -243,6 +248,22 @@ class ModelConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype must be auto, float32, bfloat16 or float16, not "
                               f"{self.dtype!r}")
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """batch_invariant is refused by name where it could not hold."""
+        if not self.device.startswith("cpu") or self.cpu_kernels == "off":
+            raise ConfigError("batch_invariant needs the CPU kernels (device cpu, cpu_kernels "
+                              f"not 'off'); got device {self.device!r}, cpu_kernels "
+                              f"{self.cpu_kernels!r}")
+        if self.attention_backend in ("torch", "reference"):
+            raise ConfigError("batch_invariant needs the kernel attention backend, not "
+                              f"{self.attention_backend!r}")
+        if self.int8_decode_dot:
+            raise ConfigError("batch_invariant and int8_decode_dot exclude each other: the "
+                              "integer dot products of a single-row decode sum in another order "
+                              "than the rows of a larger pass")
 
 
 @dataclass(frozen=True)

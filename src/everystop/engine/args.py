@@ -113,6 +113,11 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="block weights meet activations rounded to int8 per 32 values (as "
                    "llama.cpp), single-row decodes through integer dot products (faster; logits "
                    "move up to ~0.7 from fp32 activations)")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="a request's tokens do not depend on what else is in the pass (batch "
+                   "size, prompt chunks, preemption): every linear on the GEMV kernels, "
+                   "attention one query token at a time. CPU kernels only; costs prefill "
+                   "throughput (README)")
     g.add_argument("--onednn-cache-capacity", type=int, default=None, metavar="N",
                    help="compiled oneDNN GEMMs kept per cache, one per batch shape, ~0.4 MiB "
                    "each (default 64, or ONEDNN_PRIMITIVE_CACHE_CAPACITY / LRU_CACHE_CAPACITY "
@@ -180,7 +185,8 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
 # Flag destinations that are engine options (EngineConfig.from_options keys).
 ENGINE_OPTIONS = (
     "model", "tokenizer", "dtype", "device", "seed", "num_threads", "cpu_kernels",
-    "attention_backend", "cpu_16bit_gemm", "decoder_stack", "int8_decode_dot", "kv_cache_dtype",
+    "attention_backend", "cpu_16bit_gemm", "decoder_stack", "int8_decode_dot", "batch_invariant",
+    "kv_cache_dtype",
     "max_num_seqs",
     "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
     "max_batch_size", "static_padding", "max_model_len",

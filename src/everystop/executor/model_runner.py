@@ -77,7 +77,11 @@ def select_backends(config: ModelConfig) -> Backends:
                               "GEMM (it needs AVX-512 or AMX); use 'auto' or 'fp32'")
         if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
             fp32_gemm = not native_ok or fp32_gemm_is_faster(DTYPES[config.dtype])
-        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm, config.int8_decode_dot)
+        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm, config.int8_decode_dot,
+                                   config.batch_invariant)
+    if config.batch_invariant and kernels is None:
+        raise ConfigError("batch_invariant needs the CPU kernels, and none built here (see the "
+                          "warnings above)")
     return Backends(kernels, config.attention_backend, config.decoder_stack)
 
 
@@ -141,9 +145,9 @@ class ModelRunner:
             gemm = ("" if kernels is None or self.dtype == torch.float32 else
                     f"; {model_config.dtype} prefill GEMMs in "
                     f"{'fp32' if kernels.fp32_gemm_for_16bit else model_config.dtype}")
-            logger.info("CPU kernels: %s; attention: %s%s",
+            logger.info("CPU kernels: %s; attention: %s%s%s",
                         kernels.isa if kernels else "off (plain torch)", self.backends.attention,
-                        gemm)
+                        gemm, "; batch-invariant" if model_config.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: LlamaForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,

@@ -180,6 +180,11 @@ class CpuKernels:
     isa: str
     fp32_gemm_for_16bit: bool = True
     int8_decode_dot: bool = False  # ModelConfig.int8_decode_dot
+    # ModelConfig.batch_invariant: a row computes the same whatever else is in the pass. Every
+    # linear takes the GEMV kernels (each output sums in one order for any row count) and
+    # attention sees every query token as a one-token sequence (the decode kernel's order,
+    # never the prefill tiles'), so a prompt chunk's rows compute as decoded rows do.
+    batch_invariant: bool = False
 
     @functools.cached_property
     def ops(self) -> SimpleNamespace:
@@ -196,6 +201,9 @@ class CpuKernels:
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float) -> torch.Tensor:
         """Attention through the block tables; returns q's dtype."""
+        if self.batch_invariant:
+            block_tables, query_start_loc, seq_lens = one_query_per_token(
+                q.shape[0], block_tables, query_start_loc, seq_lens)
         # q is small next to the caches, so it is handed over in fp32 and the output cast
         # back: one kernel instantiation per cache dtype instead of one per (q, cache) pair.
         out = self.ops.paged_attention(
@@ -250,6 +258,9 @@ class CpuKernels:
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
         `formats`: per layer the four linears' format codes (0 dense, else block format)."""
+        if self.batch_invariant:
+            block_tables, query_start_loc, seq_lens = one_query_per_token(
+                x.shape[0], block_tables, query_start_loc, seq_lens)
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
@@ -290,8 +301,30 @@ class CpuKernels:
         return self.ops.dequantize(weight, fmt, k)
 
 
+def one_query_per_token(num_tokens: int, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same attention with each of the `num_tokens` query tokens as its own one-token
+    sequence over its sequence's blocks, up to and including itself: (block_tables,
+    query_start_loc, seq_lens) for that packing. The kernel then runs a prompt chunk's rows
+    exactly as decode rows, one work item each, whatever the chunking::
+
+        seq s, qlen 3, seq_len L:  tokens t0 t1 t2  ->  3 sequences of lengths L-2, L-1, L
+    """
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == num_seqs:  # one query token per sequence already
+        return block_tables, query_start_loc, seq_lens
+    qsl = query_start_loc.long()
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qsl[1:] - qsl[:-1],
+                                           output_size=num_tokens)
+    tokens = torch.arange(num_tokens)
+    lens = seq_lens.long()[seq_of_token] - (qsl[1:][seq_of_token] - 1 - tokens)
+    return block_tables[seq_of_token], torch.arange(num_tokens + 1), lens
+
+
 def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
-                     int8_decode_dot: bool = False) -> CpuKernels | None:
+                     int8_decode_dot: bool = False, batch_invariant: bool = False
+                     ) -> CpuKernels | None:
     """The kernels for `choice`: "auto" = the best build this CPU runs that compiles, "off" =
     None (plain torch), or an ISA name (an error if this CPU cannot run it or it fails to
     build)."""
@@ -300,7 +333,7 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
     if choice == "auto":
         for name in runnable_isas():
             if library_available(name):
-                return CpuKernels(name, fp32_gemm_for_16bit, int8_decode_dot)
+                return CpuKernels(name, fp32_gemm_for_16bit, int8_decode_dot, batch_invariant)
         return None
     _isa(choice)  # an unknown name is a ValueError
     if choice not in runnable_isas():
@@ -308,4 +341,4 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
                          f"(it runs: {', '.join(runnable_isas())})")
     if not library_available(choice):
         raise RuntimeError(f"CPU kernels {choice!r} failed to build (see the warning above)")
-    return CpuKernels(choice, fp32_gemm_for_16bit, int8_decode_dot)
+    return CpuKernels(choice, fp32_gemm_for_16bit, int8_decode_dot, batch_invariant)

@@ -14,6 +14,7 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,7 +43,11 @@ CHUNKED_GEMV_ROWS_BF16_TILES = 16
 
 
 def gemv_rows(weight: torch.Tensor, fmt: str, x_dtype: torch.dtype, kernels: CpuKernels) -> int:
-    """Up to how many rows of x linear() multiplies `weight` with the GEMV kernels."""
+    """Up to how many rows of x linear() multiplies `weight` with the GEMV kernels: every row
+    count in batch-invariant mode, where a row must sum in the same order in a prefill chunk
+    as decoded alone (a library GEMM's blocking, and so its sums, depend on the row count)."""
+    if kernels.batch_invariant:
+        return sys.maxsize
     if fmt != DENSE:
         return CHUNKED_GEMV_ROWS_BF16_TILES if kernels.bf16_tiles(x_dtype) else CHUNKED_GEMV_ROWS
     if weight.dtype != torch.float32 and (kernels.fp32_gemm_for_16bit or x_dtype != weight.dtype):
@@ -59,6 +64,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = N
     if fmt != DENSE:
         return _quantized_linear(x, weight, kernels, fmt, k)
     if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
+        if kernels.batch_invariant:
+            return kernels.linear_small(x, weight.contiguous())
         if x.shape[0] <= gemv_rows(weight, fmt, x.dtype, kernels) and weight.is_contiguous():
             return kernels.linear_small(x, weight)
         if weight.dtype == torch.float32:

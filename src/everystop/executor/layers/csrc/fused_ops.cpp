@@ -11,7 +11,8 @@
 //                              into their KV cache slots
 //   argmax_rows(x)             first index of each row's maximum (NaN counts as maximal)
 //   linear_small(x, w)         x @ w.T for a few rows of x (decode): a weight-streaming GEMV,
-//                              fp32 accumulation (bf16 dot products where the CPU has them)
+//                              fp32 accumulation (bf16 dot products where the CPU has them);
+//                              a row's sums come out the same for any row count
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -437,22 +438,24 @@ inline void gemv_cols(const float* x, int64_t k, const W* w, int64_t n, float* o
 template <typename W, int R>
 void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t n_end,
                 float* out, int64_t out_stride) {
-  // One row of fp32 x against bf16 weights reads them as pairs: x goes into the split order
-  // once per thread's range of columns (k floats against 64 or more weight rows of k), and
-  // the weights then widen with a shift and a mask, no shuffles. Over the SmolLM2 layers' bf16
+  // fp32 x against bf16 weights reads them as pairs: x goes into the split order once per
+  // thread's range of columns (R x k floats against 64 or more weight rows of k), and the
+  // weights then widen with a shift and a mask, no shuffles. Over the SmolLM2 layers' bf16
   // weights that streamed 6% faster on AVX2 (3% AVX-512) at one row, no faster at 2, 4 or 8
-  // (paired builds, one run).
-  constexpr bool kPairs = kSplitBf16 && std::is_same<W, c10::BFloat16>::value && R == 1;
+  // (paired builds, one run); it runs at every row count so that a row sums in the same order
+  // alone as beside others.
+  constexpr bool kPairs = kSplitBf16 && std::is_same<W, c10::BFloat16>::value;
   const float* xs = nullptr;
   if constexpr (kPairs) {
     thread_local std::vector<float> split;
-    split.resize(static_cast<size_t>(k));
-    for (int64_t i = 0; i + 2 * kW <= k; i += 2 * kW) {
-      vf even, odd;
-      split_even_odd(x + i, even, odd);
-      std::memcpy(split.data() + i, &even, sizeof(vf));
-      std::memcpy(split.data() + i + kW, &odd, sizeof(vf));
-    }
+    split.resize(static_cast<size_t>(R * k));
+    for (int m = 0; m < R; ++m)
+      for (int64_t i = 0; i + 2 * kW <= k; i += 2 * kW) {
+        vf even, odd;
+        split_even_odd(x + m * k + i, even, odd);
+        std::memcpy(split.data() + m * k + i, &even, sizeof(vf));
+        std::memcpy(split.data() + m * k + i + kW, &odd, sizeof(vf));
+      }
     xs = split.data();
   }
   // Where R rows leave registers for one column only (AVX2, 7-8 rows), the rows go in two
@@ -461,23 +464,28 @@ void gemv_block(const float* x, int64_t k, const W* w, int64_t n_begin, int64_t 
   constexpr int R1 = kSplit ? (R + 1) / 2 : R;
   constexpr int R2 = R - R1;
   constexpr int C = kCols<R1>;
+  const float* xs2 = kPairs ? xs + R1 * k : nullptr;  // the second pass's rows, split
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
     gemv_cols<W, R1, C, kPairs>(x, k, w, n, out, out_stride, xs);
-    if constexpr (R2 > 0) gemv_cols<W, R2, C>(x + R1 * k, k, w, n, out + R1 * out_stride,
-                                               out_stride);
+    if constexpr (R2 > 0) gemv_cols<W, R2, C, kPairs>(x + R1 * k, k, w, n, out + R1 * out_stride,
+                                                       out_stride, xs2);
   }
-  for (; n < n_end; ++n)
-    for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
+  // NOTE: the columns left over take the same vector path one at a time, so every output sums
+  // in one order whatever C (which depends on R) is: batch-invariant results rely on it.
+  for (; n < n_end; ++n) {
+    gemv_cols<W, R1, 1, kPairs>(x, k, w, n, out, out_stride, xs);
+    if constexpr (R2 > 0) gemv_cols<W, R2, 1, kPairs>(x + R1 * k, k, w, n, out + R1 * out_stride,
+                                                       out_stride, xs2);
+  }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // x and w both bf16: 32 products per instruction. The k remainder (k % 32) runs in fp32 on
 // the widened values, which are exact.
-template <int R>
+template <int R, int C = kCols<R>>
 void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
                        int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
-  constexpr int C = kCols<R>;
   const int64_t k32 = k - k % 32;
   int64_t n = n_begin;
   for (; n + C <= n_end; n += C) {
@@ -501,8 +509,10 @@ void gemv_block_bf16dp(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w
         out[m * out_stride + n + j] =
             _mm512_reduce_add_ps(acc[m][j]) + dot_tail(x + m * k, w0 + j * k, k32, k);
   }
-  for (; n < n_end; ++n)
-    for (int m = 0; m < R; ++m) out[m * out_stride + n] = dot_tail(x + m * k, w + n * k, 0, k);
+  // The columns left over one at a time on the same path (see gemv_block).
+  if constexpr (C > 1) {
+    if (n < n_end) gemv_block_bf16dp<R, 1>(x, k, w, n, n_end, out, out_stride);
+  }
 }
 #endif
 
@@ -521,11 +531,10 @@ void for_column_chunks(int64_t n, int64_t k, const F& body) {
   });
 }
 
-// More than kMaxRows rows (a decode batch of 9 to kMaxChunkedRows sequences, where the
-// alternative widens the whole 16-bit weight to fp32 for a GEMM on every call): the rows go
-// kMaxRows at a time over a group of columns whose weights (~256 KiB) stay in L2, so the
-// weights still stream from memory once.
-constexpr int64_t kMaxChunkedRows = 64;
+// More than kMaxRows rows (a decode batch of 9 or more sequences, where the alternative widens
+// the whole 16-bit weight to fp32 for a GEMM on every call; any pass in batch-invariant mode):
+// the rows go kMaxRows at a time over a group of columns whose weights (~256 KiB) stay in L2,
+// so the weights still stream from memory once.
 constexpr int64_t kGroupBytes = int64_t{256} << 10;
 
 // gemv(x rows [r0, r0 + R), columns [b, e)) for every row chunk, column group by group.
@@ -572,8 +581,7 @@ void linear_small_bf16dp(const at::Tensor& x, const at::Tensor& w, at::Tensor& o
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "linear_small: x [rows, k] and w [n, k] expected");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxChunkedRows, "linear_small: 1 to ",
-              kMaxChunkedRows, " rows");
+  TORCH_CHECK(x.size(0) >= 1, "linear_small: at least one row");
   TORCH_CHECK(w.is_contiguous(), "linear_small: weight must be contiguous");
   at::Tensor out32 = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

@@ -6,7 +6,7 @@
 //   q4_1  [half d][half m][uint8 qs x16]         20 B / 32 values   w = d * q + m
 //         (qs[j] holds value j in its low nibble and value j + 16 in its high nibble)
 //
-//   linear_q_small(x, w, fmt, k)  x [rows <= 64, k] @ W.T: the decode GEMV. Each block is
+//   linear_q_small(x, w, fmt, k)  x [rows, k] @ W.T: the decode GEMV. Each block is
 //                                 widened to fp32 in registers and multiplied into up to 8
 //                                 rows, so the weights stream from memory exactly once.
 //   linear_q_tiled(x, w, fmt, k)  x [rows, k] @ W.T for prefill: each thread widens a tile of
@@ -185,12 +185,11 @@ void over_columns(int64_t n, int64_t row_bytes, const Fn& body) {
 }
 
 // Up to kMaxSmallRows rows: one pass over the weights, every block widened once for all rows.
-// More rows (a decode batch of 9 to kMaxChunkedRows sequences): the rows go 8 at a time over a
-// group of columns whose blocks (~256 KiB) stay in L2, so the weights still stream from memory
-// once and only the widening is repeated per 8 rows. Dequantizing the whole weight for a GEMM
+// More rows (a decode batch of 9 or more sequences; any pass in batch-invariant mode): the rows
+// go 8 at a time over a group of columns whose blocks (~256 KiB) stay in L2, so the weights
+// still stream from memory once and only the widening is repeated per 8 rows. Dequantizing the whole weight for a GEMM
 // instead costs a write and a read of it as fp32 per call: a 9-row decode step of the default
 // model took ~3x an 8-row one that way.
-constexpr int64_t kMaxChunkedRows = 64;
 constexpr int64_t kGroupBytes = int64_t{256} << 10;
 
 template <int F>
@@ -454,7 +453,8 @@ int64_t best_path() {
 
 at::Tensor linear_q_small_path(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t k,
                                int64_t path) {
-  const int64_t max_rows = path == kFloatPath ? kMaxChunkedRows : kMaxSmallRows;
+  // The float path takes any rows (column groups in L2, 8 rows at a time over each).
+  const int64_t max_rows = path == kFloatPath ? INT64_MAX : kMaxSmallRows;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) >= 1 && x.size(0) <= max_rows,
               "linear_q_small: x must be [1..", max_rows, ", k] on dot path ", path);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && k % kBlock == 0,
