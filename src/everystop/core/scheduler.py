@@ -256,7 +256,8 @@ class Scheduler:
             # Start a prompt only if all of it fits while others run: else the decodes' growth
             # preempts it mid-prompt, again and again (a starved pool thrashed under step budgets).
             while self.running and not self.kv.can_allocate(
-                    req, req.num_tokens - start, computed, reserve_watermark=True):
+                    req, req.num_tokens - start, computed, reserve_watermark=True,
+                    max_pass_tokens=self.config.max_num_batched_tokens):
                 if not self._preempt_worse_tier(req, step):
                     return
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
@@ -327,7 +328,7 @@ class Scheduler:
         now, out = step.now, step.out
         step.drop(victim.request_id)
         self._leave_running(victim)
-        num_blocks = len(self.kv.req_blocks.get(victim.request_id, ()))
+        num_blocks = self.kv.num_held_blocks(victim.request_id)
         can_swap = (self.kv.can_swap_out(victim)
                     and len(self.swapped) < self.config.max_swapped_seqs)
         strategy = choose_strategy(victim, num_blocks, self.config, self.cost_model, can_swap, now)
@@ -374,6 +375,10 @@ class Scheduler:
         requests, running = self.requests, RequestStatus.RUNNING
         kv = self.kv
         cache_blocks, caching = kv.cache_computed_blocks, kv.enable_prefix_caching
+        # Under a sliding window, a row that runs on releases what its next pass cannot read
+        # (after registering it: released blocks stay in the prefix cache). A finished row is
+        # freed whole, or kept whole as a static padding row (it reads one position back).
+        release = kv.release_behind_window if kv.window is not None else None
         registered, bs = kv.registered_blocks, kv.block_size
         prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
         sampled = result.sampled_token_ids
@@ -391,6 +396,8 @@ class Scheduler:
                 if scored:
                     req.keep_prompt_logprobs(entry.start_pos, scored)
             if not entry.sample:
+                if release is not None:
+                    release(req)
                 continue
             token = sampled[rid]
             output = req.output_token_ids
@@ -416,6 +423,8 @@ class Scheduler:
                   or len(req.prompt_token_ids) + num_output >= max_len):
                 status = RequestStatus.FINISHED_LENGTH
             else:
+                if release is not None:
+                    release(req)
                 updates.append(update)
                 continue
             self._finish(req, status)
