@@ -313,17 +313,17 @@ class KVCacheManager:
         null = self.null_block
         return sum(1 for b in computed if b.ref_cnt == 0 and b is not null)
 
-    def release_behind_window(self, req: Request) -> None:
-        """Release the request's blocks that no query at num_computed_tokens or later reads
-        (sliding window only; call once its computed tokens advanced). Blocks registered in
-        the prefix cache stay reusable, as cached free blocks, until evicted."""
+    def release_behind_window(self, req: Request, next_pos: int) -> None:
+        """Release the request's blocks that no query at next_pos or later reads (sliding
+        window only; call as its computed tokens advance). Blocks registered in the prefix
+        cache stay reusable, as cached free blocks, until evicted."""
         if self.window is None:
             return
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
         if not blocks:
             return
-        first = min(self.window.first_live_block(req.num_computed_tokens), len(blocks))
+        first = min(self.window.first_live_block(next_pos), len(blocks))
         done = self._num_released.get(rid, 0)
         if first <= done:
             return

@@ -353,6 +353,12 @@ class Scheduler:
         self.preempted.push(victim)
 
     @property
+    def padding_lag(self) -> int:
+        """How far before its computed tokens a running row's next query may lie: one for a
+        static batch's member, which may end as a padding row recomputing its last position."""
+        return int(self.config.scheduling == "static" and self.config.static_padding)
+
+    @property
     def num_seats(self) -> int:
         """Sequences a pass may hold now: max_num_seqs, or less after an out-of-memory pass."""
         return self.oom_seat_cap.seats(self.config.max_num_seqs)
@@ -375,10 +381,10 @@ class Scheduler:
         requests, running = self.requests, RequestStatus.RUNNING
         kv = self.kv
         cache_blocks, caching = kv.cache_computed_blocks, kv.enable_prefix_caching
-        # Under a sliding window, a row that runs on releases what its next pass cannot read
-        # (after registering it: released blocks stay in the prefix cache). A finished row is
-        # freed whole, or kept whole as a static padding row (it reads one position back).
+        # Under a sliding window, each row releases what its next query cannot read (after
+        # registering it: released blocks stay in the prefix cache).
         release = kv.release_behind_window if kv.window is not None else None
+        lag = self.padding_lag
         registered, bs = kv.registered_blocks, kv.block_size
         prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
         sampled = result.sampled_token_ids
@@ -391,13 +397,13 @@ class Scheduler:
             computed = req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
             if caching and computed // bs > registered.get(rid, 0):
                 cache_blocks(req)
+            if release is not None:
+                release(req, computed - lag)
             if prompt_logprobs:
                 scored = prompt_logprobs.get(rid)
                 if scored:
                     req.keep_prompt_logprobs(entry.start_pos, scored)
             if not entry.sample:
-                if release is not None:
-                    release(req)
                 continue
             token = sampled[rid]
             output = req.output_token_ids
@@ -423,8 +429,6 @@ class Scheduler:
                   or len(req.prompt_token_ids) + num_output >= max_len):
                 status = RequestStatus.FINISHED_LENGTH
             else:
-                if release is not None:
-                    release(req)
                 updates.append(update)
                 continue
             self._finish(req, status)
