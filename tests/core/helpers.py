@@ -67,6 +67,7 @@ class Harness:
 
 def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int = 0,
                  prefix_caching: bool = True, watermark: float = 0.0,
+                 sliding_window: int | None = None,
                  step_cost: StepCostModel | None = None,
                  cost_fn: Callable[[StepShape], float] | None = None,
                  **sched_kwargs: object) -> Harness:
@@ -75,7 +76,9 @@ def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int
     defaults.update(sched_kwargs)
     config = SchedulerConfig(**defaults)  # type: ignore[arg-type]
     kv = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                        enable_prefix_caching=prefix_caching, watermark=watermark)
+                        enable_prefix_caching=prefix_caching, watermark=watermark,
+                        sliding_window=sliding_window)
     clock = FakeClock()
     return Harness(Scheduler(config, kv, clock=clock, step_cost=step_cost),
-                   ToyExecutor(num_blocks, block_size, num_cpu_blocks, cost_fn), clock)
+                   ToyExecutor(num_blocks, block_size, num_cpu_blocks, cost_fn, sliding_window),
+                   clock)

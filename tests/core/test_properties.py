@@ -1,4 +1,5 @@
-"""Property-based tests: random arrivals, lengths, pool sizes and aborts; invariants every step."""
+"""Property-based tests: random arrivals, lengths, pool sizes and aborts, with and without a
+sliding window; invariants every step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everystop.core.block_pool import BlockPool
+from everystop.core.intake import peak_blocks
 
 from .helpers import make_harness
 from .toy_executor import reference_output
@@ -18,8 +20,7 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+workload_st = dict(
     requests=st.lists(request_st, min_size=1, max_size=14),
     num_blocks=st.integers(min_value=20, max_value=80),
     block_size=st.sampled_from([1, 2, 4, 8]),
@@ -30,15 +31,39 @@ request_st = st.tuples(
     prefix_caching=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 13)), max_size=3),
 )
-def test_invariants_hold_and_everything_finishes(requests, num_blocks, block_size, max_num_seqs,
-                                                 extra_budget, chunk_size, mode, prefix_caching,
-                                                 aborts) -> None:
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**workload_st)
+def test_invariants_hold_and_everything_finishes(**workload) -> None:
+    run_workload(**workload)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**workload_st, window=st.integers(min_value=1, max_value=24),
+       scheduling=st.sampled_from(["continuous", "continuous", "static"]))
+def test_invariants_hold_under_a_sliding_window(window, scheduling, **workload) -> None:
+    if scheduling == "static":  # the static baseline never swaps a victim back in
+        workload["mode"] = "recompute"
+    run_workload(**workload, sliding_window=window, scheduling=scheduling)
+
+
+def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, chunk_size,
+                 mode, prefix_caching, aborts, sliding_window=None,
+                 scheduling="continuous") -> None:
+    """Run the requests through the toy executor, checking the invariants after every step
+    (Harness.step) and more here; every request not aborted must produce what it produces
+    alone."""
     h = make_harness(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_seqs + extra_budget,
                      chunk_size=chunk_size, preemption_mode=mode, prefix_caching=prefix_caching,
-                     recompute_threshold_tokens=4, watermark=0.05)
-    pool = h.scheduler.kv.pool
+                     recompute_threshold_tokens=4, watermark=0.05,
+                     sliding_window=sliding_window, scheduling=scheduling,
+                     max_batch_size=max_num_seqs, static_batch_timeout_s=0.05)
+    kv = h.scheduler.kv
+    pool = kv.pool
+    null = kv.null_block.block_id if kv.null_block is not None else None
     accepted: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
     step = 0
@@ -50,8 +75,8 @@ def test_invariants_hold_and_everything_finishes(requests, num_blocks, block_siz
                 h.add(f"r{i}", prompt, max_tokens, priority=prio)
                 accepted[f"r{i}"] = (prompt, max_tokens)
             except ValueError:  # RequestRejected: too big for this pool
-                needed = h.scheduler.kv.blocks_needed(len(prompt) + max_tokens)
-                assert needed > num_blocks - h.scheduler.kv.watermark_blocks
+                needed = peak_blocks(len(prompt), max_tokens, h.scheduler.config, kv)
+                assert needed > kv.num_gpu_blocks - kv.watermark_blocks
         for at, idx in aborts:
             if at == step and f"r{idx}" in h.scheduler.requests:
                 h.scheduler.abort_requests([f"r{idx}"])
@@ -62,21 +87,28 @@ def test_invariants_hold_and_everything_finishes(requests, num_blocks, block_siz
         # free + used == total, and cached blocks are a subset of the free ones
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
         assert pool.num_cached_free_blocks <= pool.num_free_blocks
-        assert sched.num_scheduled_tokens <= max(max_num_seqs + extra_budget,
-                                                 max((e.num_tokens for e in sched.scheduled),
-                                                     default=0))
+        assert scheduling == "static" or sched.num_scheduled_tokens <= max(
+            max_num_seqs + extra_budget, max((e.num_tokens for e in sched.scheduled), default=0))
         assert len(sched.scheduled) <= max_num_seqs
         owners: dict[int, str] = {}
         for e in sched.scheduled:  # no block is written by two sequences in one pass
             for pos in range(e.start_pos, e.seq_len):
                 b = e.block_ids[pos // block_size]
                 assert owners.setdefault(b, e.request_id) == e.request_id
+        # Released entries are never written nor copied; nobody holds more than its window.
+        assert null is None or null not in owners
+        assert null is None or all(null not in pair for pair in
+                                   sched.blocks_to_swap_out + sched.blocks_to_swap_in)
+        for req in h.scheduler.running:
+            assert kv.num_held_blocks(req.request_id) <= kv.max_blocks_held(
+                req.num_tokens, max(max_num_seqs + extra_budget, len(req.prompt_token_ids))
+                if scheduling == "static" else max_num_seqs + extra_budget)
     for rid, (prompt, max_tokens) in accepted.items():
         if rid in aborted:
             continue
-        assert h.outputs[rid] == reference_output(prompt, max_tokens), rid
+        assert h.outputs[rid] == reference_output(prompt, max_tokens, sliding_window), rid
     assert pool.num_used_blocks == 0
-    assert h.scheduler.kv.num_swapped_blocks == 0
+    assert kv.num_swapped_blocks == 0
 
 
 @settings(max_examples=80, deadline=None)

@@ -5,6 +5,10 @@ writes the scheduled tokens through the block table, then "attends": it reads ba
 context through the block table and checks it is exactly the sequence's tokens. The next token is
 a deterministic function of that context, so a wrong block table, a bad prefix-cache hit or a
 broken swap shows up as a different output from the request run alone.
+
+With a sliding window W it is a windowed model: a query at position p reads only positions
+p-W+1 .. p (so the blocks before those may be released and reused by others), and the next
+token sees the positions outside the last query's window as MASKED.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable
 
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.step_cost import StepShape
+
+MASKED = -1  # what a windowed model's next token sees for a position outside its window
 
 
 class KVCorruption(AssertionError):
@@ -28,11 +34,13 @@ def next_token(context: list[int], vocab: int = 1000) -> int:
 
 class ToyExecutor:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 cost_fn: Callable[[StepShape], float] | None = None) -> None:
+                 cost_fn: Callable[[StepShape], float] | None = None,
+                 sliding_window: int | None = None) -> None:
         # With cost_fn, each pass reports that many seconds as its execute time (a machine
         # whose step cost is known exactly).
         self.cost_fn = cost_fn
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.gpu: list[list[tuple[int, int] | None]] = [[None] * block_size
@@ -63,24 +71,35 @@ class ToyExecutor:
         out = ModelOutput()
         if self.cost_fn is not None:
             out.execute_time_s = self.cost_fn(StepShape.from_output(sched))
+        window = self.sliding_window
         for e in sched.scheduled:
-            context = []
-            for pos in range(e.seq_len):
+            # The positions this row's queries read: its first query's window onwards.
+            first = 0 if window is None else max(0, e.start_pos - window + 1)
+            context = [MASKED] * first
+            for pos in range(first, e.seq_len):
                 cell = self.gpu[e.block_ids[pos // bs]][pos % bs]
                 if cell is None or cell[1] != pos:
                     raise KVCorruption(f"{e.request_id}: slot for position {pos} holds {cell}")
                 context.append(cell[0])
             if e.sample:
-                out.sampled_token_ids[e.request_id] = next_token(context)
+                out.sampled_token_ids[e.request_id] = next_token(masked(context, window))
         return out
 
 
-def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+def masked(context: list[int], window: int | None) -> list[int]:
+    """The context as the last query sees it: MASKED outside its window."""
+    if window is None or len(context) <= window:
+        return context
+    return [MASKED] * (len(context) - window) + context[-window:]
+
+
+def reference_output(prompt: list[int], max_tokens: int,
+                     sliding_window: int | None = None) -> list[int]:
     """What the toy model generates for a prompt run alone (ignore_eos)."""
     ctx = list(prompt)
     out = []
     for _ in range(max_tokens):
-        t = next_token(ctx)
+        t = next_token(masked(ctx, sliding_window))
         out.append(t)
         ctx.append(t)
     return out

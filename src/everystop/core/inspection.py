@@ -29,10 +29,15 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
         raise AssertionError("the queues and the request table disagree")
     if len(sched.running) > sched.config.max_num_seqs:
         raise AssertionError("more running sequences than max_num_seqs")
+    window = sched.kv.window
     for r in sched.running:
         held = len(sched.kv.req_blocks.get(r.request_id, ()))
         if held < sched.kv.blocks_needed(r.num_computed_tokens):
             raise AssertionError(f"{r.request_id} computed more tokens than its blocks hold")
+        released = held - sched.kv.num_held_blocks(r.request_id)
+        if window is not None and released < window.first_live_block(
+                r.num_computed_tokens - sched.padding_lag):
+            raise AssertionError(f"{r.request_id} holds blocks its window has passed")
     for r in sched.swapped:
         if r.request_id not in sched.kv.swapped_blocks:
             raise AssertionError(f"swapped {r.request_id} has no host blocks")

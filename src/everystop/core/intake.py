@@ -96,13 +96,23 @@ def check_runnable(num_prompt_tokens: int, max_tokens: int, priority: int,
             f"prompt ({num_prompt_tokens} tokens) + max_tokens "
             f"({max_tokens}) exceeds max_model_len ({max_model_len})")
     usable = kv.num_gpu_blocks - kv.watermark_blocks
-    if kv.blocks_needed(max_total_tokens) > usable:
+    need = peak_blocks(num_prompt_tokens, max_tokens, cfg, kv)
+    if need > usable:
         raise RequestRejected(
-            f"the request needs up to {kv.blocks_needed(max_total_tokens)} KV blocks "
-            f"but the pool has {usable}")
+            f"the request needs up to {need} KV blocks but the pool has {usable}")
     if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
         raise RequestRejected(
             f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
             f"({cfg.max_num_batched_tokens}) and chunked prefill is off")
     if not 0 <= priority <= 2:
         raise RequestRejected(f"priority must be 0, 1 or 2, not {priority}")
+
+
+def peak_blocks(num_prompt_tokens: int, max_tokens: int, cfg: SchedulerConfig,
+                kv: KVCacheManager) -> int:
+    """The most KV blocks a request of this shape holds at once: all its tokens' blocks, or,
+    under a sliding window, those its largest pass reads (a prompt chunk within the token
+    budget; without chunked prefill, a recompute of every token in one pass)."""
+    num_tokens = num_prompt_tokens + max_tokens
+    chunked = cfg.scheduling == "continuous" and cfg.enable_chunked_prefill
+    return kv.max_blocks_held(num_tokens, cfg.max_num_batched_tokens if chunked else num_tokens)

@@ -1,16 +1,37 @@
-"""Per-request block tables on top of the block pool: allocate on demand, free at once,
-reuse cached prefixes, and keep the books for swapping to host memory."""
+"""Per-request block tables on top of the block pool: allocate on demand, free at once (and,
+under a sliding window, release what the window has passed), reuse cached prefixes, and keep
+the books for swapping to host memory."""
 
 from __future__ import annotations
 
 from everystop.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from everystop.core.request import Request
+from everystop.core.sliding_window import SlidingWindow
 
 
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.02) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.02,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the tokens every layer's queries attend back over (None when any
+        layer attends to the whole context); blocks behind it are released as sequences run."""
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.window = None if sliding_window is None else SlidingWindow(sliding_window,
+                                                                        block_size)
+        # NOTE: a released entry of a block table holds the null block, so that logical block
+        # i stays entry i of the table (positions map to slots as before). The null block is
+        # the device's last block, kept out of the pool: never handed out, never written, never
+        # swapped, so a kernel that gathers whole tables reads only values the window masks.
+        # Released entries are always a leading run of the table (`_num_released`, kept while
+        # the request is swapped out too).
+        self.null_block: KVBlock | None = None
+        if self.window is not None:
+            if num_gpu_blocks < 2:
+                raise ValueError("a sliding window needs at least two device blocks")
+            num_gpu_blocks -= 1
+            self.null_block = KVBlock(num_gpu_blocks)
+        self._num_released: dict[str, int] = {}
         self.pool = BlockPool(num_gpu_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         # New admissions must leave this many blocks free, so running sequences can always grow
@@ -54,6 +75,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_pass_tokens: int) -> int:
+        """The most device blocks a sequence of num_tokens holds at once, when no pass carries
+        more than max_pass_tokens of it (all of them, without a sliding window)."""
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        return self.window.max_blocks_held(num_tokens, max_pass_tokens)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Device blocks the request holds now (its table less the released entries)."""
+        return (len(self.req_blocks.get(request_id, ()))
+                - self._num_released.get(request_id, 0))
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as it is now: a list the manager never changes later
         (callers must not change it either)."""
@@ -92,11 +125,30 @@ class KVCacheManager:
             tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
             block = self.pool.lookup(hashes[i], parent, tokens)
             if block is None:
-                break
+                if self.window is None:
+                    break
+                hit.append(self._no_block)
+                continue
             hit.append(block)
+        if self.window is not None:
+            hit = self._hit_in_window(hit)
         if hit:
             self.num_prefix_hits += 1
         return hit
+
+    # A miss in a windowed lookup (never returned: _hit_in_window cuts or masks it).
+    _no_block = KVBlock(-1)
+
+    def _hit_in_window(self, found: list[KVBlock]) -> list[KVBlock]:
+        """The blocks a windowed sequence adopts from one lookup per block (misses are
+        _no_block): the longest hit whose blocks within the window of its end are all
+        cached, with the null block for those before the window (core/sliding_window.py).
+        NOTE: every hit was checked against the request's own hash chain, which commits to
+        its whole prefix, so the blocks missing before the window do not weaken the match."""
+        assert self.window is not None and self.null_block is not None
+        n = self.window.longest_hit([b is not self._no_block for b in found])
+        first = self.window.first_live_block(n * self.block_size)
+        return [self.null_block] * first + found[first:n]
 
     def count_prefix_use(self, req: Request, num_hit_blocks: int) -> None:
         """Count an admitted request's prefix lookup in tokens: its tokens queried, and those
@@ -130,7 +182,7 @@ class KVCacheManager:
         hashes = self._req_hashes.get(rid)
         if hashes is None or len(hashes) < start:
             hashes = self._block_hashes(req, start)  # those registered are hashed already
-        cache_block = self.pool.cache_block
+        cache_block, null = self.pool.cache_block, self.null_block
         prompt, output = req.prompt_token_ids, req.output_token_ids
         num_prompt = len(prompt)
         for i in range(start, num_full):
@@ -144,7 +196,8 @@ class KVCacheManager:
                 tokens = tuple(prompt[lo:] + output[:hi - num_prompt])
             if i == len(hashes):
                 hashes.append(hash_block_tokens(parent, tokens))
-            cache_block(blocks[i], hashes[i], parent, tokens)
+            if blocks[i] is not null:  # a released entry (after a swap-in): nothing to keep
+                cache_block(blocks[i], hashes[i], parent, tokens)
         self.registered_blocks[rid] = num_full
 
     def cache_next_blocks(self, reqs: list[Request]) -> None:
@@ -152,6 +205,10 @@ class KVCacheManager:
         past those registered (a decode stretch's rows at a block boundary): the same
         registrations in the same order, the per-call lookups made once."""
         if not self.enable_prefix_caching:
+            return
+        if self.window is not None:  # a row may hold released entries: the general path
+            for req in reqs:
+                self.cache_computed_blocks(req)
             return
         bs, registered, held, all_hashes = (self.block_size, self.registered_blocks,
                                             self.req_blocks, self._req_hashes)
@@ -196,10 +253,16 @@ class KVCacheManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int,
                      computed: list[KVBlock] = (),  # type: ignore[assignment]
-                     reserve_watermark: bool = False) -> bool:
+                     reserve_watermark: bool = False,
+                     max_pass_tokens: int | None = None) -> bool:
+        """Whether the pool holds room for num_new_tokens more tokens after `computed`; with
+        max_pass_tokens, for those tokens run in passes of at most that many, which under a
+        sliding window release blocks as they go."""
         need = self.num_new_blocks_needed(req, num_new_tokens, computed)
-        # Reusing a cached block that is currently free takes it out of the free pool.
-        need += sum(1 for b in computed if b.ref_cnt == 0)
+        if max_pass_tokens is not None and self.window is not None:
+            total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+            need = min(need, self.window.max_blocks_held(total, max_pass_tokens))
+        need += self._taken_from_free(computed)
         reserve = self.watermark_blocks if reserve_watermark else 0
         return need <= self.pool.num_free_blocks - reserve
 
@@ -217,15 +280,19 @@ class KVCacheManager:
             return True  # fits in the blocks it holds: the common decode step
         total = req.num_computed_tokens + len(computed) * bs + num_new_tokens
         need = max(0, -(-total // bs) - held - len(computed))
-        # Reusing a cached block that is currently free takes it out of the free pool.
-        taken = need + sum(1 for b in computed if b.ref_cnt == 0) if computed else need
+        taken = need + self._taken_from_free(computed) if computed else need
         reserve = self.watermark_blocks if reserve_watermark else 0
         if taken > self.pool.num_free_blocks - reserve:
             return False
         blocks = self.req_blocks.setdefault(req.request_id, [])
         added: list[KVBlock] = []
         if computed:
-            self.pool.touch(list(computed))
+            released = computed.count(self.null_block) if self.null_block is not None else 0
+            if released:  # the window passed these already: the leading entries, null
+                if blocks:
+                    raise ValueError(f"{req.request_id}: a windowed prefix adopted mid-table")
+                self._num_released[req.request_id] = released
+            self.pool.touch(list(computed[released:]))
             added.extend(computed)
             blocks.extend(computed)
             self.registered_blocks[req.request_id] = len(blocks)
@@ -240,13 +307,41 @@ class KVCacheManager:
             self._req_block_ids[req.request_id] = ids + [b.block_id for b in added]
         return True
 
+    def _taken_from_free(self, computed: list[KVBlock]) -> int:
+        """Cached blocks among `computed` that are free now: adopting them takes them out of
+        the free pool (the null block is never in it)."""
+        null = self.null_block
+        return sum(1 for b in computed if b.ref_cnt == 0 and b is not null)
+
+    def release_behind_window(self, req: Request, next_pos: int) -> None:
+        """Release the request's blocks that no query at next_pos or later reads (sliding
+        window only; call as its computed tokens advance). Blocks registered in the prefix
+        cache stay reusable, as cached free blocks, until evicted."""
+        if self.window is None:
+            return
+        rid = req.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        first = min(self.window.first_live_block(next_pos), len(blocks))
+        done = self._num_released.get(rid, 0)
+        if first <= done:
+            return
+        gone = blocks[done:first]
+        assert self.null_block is not None
+        blocks[done:first] = [self.null_block] * (first - done)
+        self._num_released[rid] = first
+        self._req_block_ids.pop(rid, None)  # made again when asked for (see block_ids)
+        self.pool.free_blocks(gone[::-1])
+
     def free(self, req: Request) -> None:
         """Return the request's device blocks now (tail first, so shared prefixes stay cached
         longest). Also forgets its host copy, if it had one."""
         blocks = self.req_blocks.pop(req.request_id, None)
         self._req_block_ids.pop(req.request_id, None)
+        released = self._num_released.pop(req.request_id, 0)
         if blocks:
-            self.pool.free_blocks(blocks[::-1])
+            self.pool.free_blocks(blocks[released:][::-1])
         self.registered_blocks.pop(req.request_id, None)
         host = self.swapped_blocks.pop(req.request_id, None)
         if host:
@@ -263,13 +358,15 @@ class KVCacheManager:
         return sum(len(h) for h in self.swapped_blocks.values())
 
     def can_swap_out(self, req: Request) -> bool:
-        return len(self.req_blocks.get(req.request_id, ())) <= len(self._cpu_free)
+        return self.num_held_blocks(req.request_id) <= len(self._cpu_free)
 
     def swap_out(self, req: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to host space: returns (device, host) copies to perform
-        before the next forward pass; the device blocks are free from now on."""
+        before the next forward pass; the device blocks are free from now on. Released
+        entries are not copied: they come back as released."""
         blocks = self.req_blocks.pop(req.request_id)
         self._req_block_ids.pop(req.request_id, None)
+        blocks = blocks[self._num_released.get(req.request_id, 0):]
         host = [self._cpu_free.pop() for _ in blocks]
         self.swapped_blocks[req.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
@@ -278,21 +375,31 @@ class KVCacheManager:
         return mapping
 
     def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
-        host = self.swapped_blocks[req.request_id]
+        return self._swap_in_blocks(req, num_new_tokens) <= (self.pool.num_free_blocks
+                                                              - self.watermark_blocks)
+
+    def _swap_in_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Device blocks a swap-in takes: the copies, or room for the new tokens if more."""
+        rid = req.request_id
+        released = self._num_released.get(rid, 0)
         total = req.num_computed_tokens + num_new_tokens
-        need = max(len(host), self.blocks_needed(total))
-        return need <= self.pool.num_free_blocks - self.watermark_blocks
+        return max(released + len(self.swapped_blocks[rid]), self.blocks_needed(total)) - released
 
     def swap_in(self, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
         """Bring a swapped request back: returns (host, device) copies, and room for
         num_new_tokens more tokens."""
-        host = self.swapped_blocks.pop(req.request_id)
-        total = req.num_computed_tokens + num_new_tokens
-        blocks = self.pool.get_new_blocks(max(len(host), self.blocks_needed(total)))
-        self.req_blocks[req.request_id] = blocks
-        self._req_block_ids[req.request_id] = [b.block_id for b in blocks]
+        rid = req.request_id
+        new = self.pool.get_new_blocks(self._swap_in_blocks(req, num_new_tokens))
+        host = self.swapped_blocks.pop(rid)
+        released = self._num_released.get(rid, 0)
+        blocks = new
+        if released:
+            assert self.null_block is not None
+            blocks = [self.null_block] * released + new
+        self.req_blocks[rid] = blocks
+        self._req_block_ids[rid] = [b.block_id for b in blocks]
         self._cpu_release_next_step.extend(host)
-        return [(h, b.block_id) for h, b in zip(host, blocks)]
+        return [(h, b.block_id) for h, b in zip(host, new)]
 
     def begin_step(self) -> None:
         """Called at the start of each schedule(): host blocks read by last step's swap-ins
@@ -305,12 +412,20 @@ class KVCacheManager:
     def check_integrity(self, live_request_ids: set[str] | None = None) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
+        null = self.null_block
         for rid, blocks in self.req_blocks.items():
             ids = self._req_block_ids.get(rid)
             if ids is not None and ids != [b.block_id for b in blocks]:
                 raise AssertionError(f"{rid}: block id list out of step with its table")
-            for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            released = self._num_released.get(rid, 0)
+            for i, b in enumerate(blocks):
+                if (b is null) != (i < released):
+                    raise AssertionError(f"{rid}: entry {i} is {'' if b is null else 'not '}"
+                                         f"released, but {released} leading entries are")
+                if b is not null:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        if set(self._num_released) - set(self.req_blocks) - set(self.swapped_blocks):
+            raise AssertionError("released entries counted for a request holding no blocks")
         for block in self.pool.blocks:
             if refs.get(block.block_id, 0) != block.ref_cnt:
                 raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "

@@ -256,7 +256,8 @@ class Scheduler:
             # Start a prompt only if all of it fits while others run: else the decodes' growth
             # preempts it mid-prompt, again and again (a starved pool thrashed under step budgets).
             while self.running and not self.kv.can_allocate(
-                    req, req.num_tokens - start, computed, reserve_watermark=True):
+                    req, req.num_tokens - start, computed, reserve_watermark=True,
+                    max_pass_tokens=self.config.max_num_batched_tokens):
                 if not self._preempt_worse_tier(req, step):
                     return
             while not self.kv.allocate(req, n, computed, reserve_watermark=True):
@@ -327,7 +328,7 @@ class Scheduler:
         now, out = step.now, step.out
         step.drop(victim.request_id)
         self._leave_running(victim)
-        num_blocks = len(self.kv.req_blocks.get(victim.request_id, ()))
+        num_blocks = self.kv.num_held_blocks(victim.request_id)
         can_swap = (self.kv.can_swap_out(victim)
                     and len(self.swapped) < self.config.max_swapped_seqs)
         strategy = choose_strategy(victim, num_blocks, self.config, self.cost_model, can_swap, now)
@@ -352,6 +353,12 @@ class Scheduler:
         self.preempted.push(victim)
 
     @property
+    def padding_lag(self) -> int:
+        """How far before its computed tokens a running row's next query may lie: one for a
+        static batch's member, which may end as a padding row recomputing its last position."""
+        return int(self.config.scheduling == "static" and self.config.static_padding)
+
+    @property
     def num_seats(self) -> int:
         """Sequences a pass may hold now: max_num_seqs, or less after an out-of-memory pass."""
         return self.oom_seat_cap.seats(self.config.max_num_seqs)
@@ -374,6 +381,10 @@ class Scheduler:
         requests, running = self.requests, RequestStatus.RUNNING
         kv = self.kv
         cache_blocks, caching = kv.cache_computed_blocks, kv.enable_prefix_caching
+        # Under a sliding window, each row releases what its next query cannot read (after
+        # registering it: released blocks stay in the prefix cache).
+        release = kv.release_behind_window if kv.window is not None else None
+        lag = self.padding_lag
         registered, bs = kv.registered_blocks, kv.block_size
         prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
         sampled = result.sampled_token_ids
@@ -386,6 +397,8 @@ class Scheduler:
             computed = req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
             if caching and computed // bs > registered.get(rid, 0):
                 cache_blocks(req)
+            if release is not None:
+                release(req, computed - lag)
             if prompt_logprobs:
                 scored = prompt_logprobs.get(rid)
                 if scored:
