@@ -152,6 +152,8 @@ def serve(args: argparse.Namespace) -> int:
                                       registry=metrics.registry, model_version=name)
         install_admin_routes(app, front, admin_key=args.admin_key, store=telemetry.store,
                              telemetry=telemetry)
+        metrics.loop_lag_listeners.append(
+            lambda lag_s: telemetry.guardrails.on_loop_lag(lag_s, front.clock()))
         install_dashboard(app, front, metrics, admin_key=args.admin_key)
 
     app = build_app(front, name, aliases=names, api_key=args.api_key, max_n=args.max_n,

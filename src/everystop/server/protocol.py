@@ -71,6 +71,12 @@ class _GenerationRequest(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def constrained(self) -> bool:
+        """Whether a field asks for structured output (its grammar compiles off the loop)."""
+        return any(getattr(self, name) is not None for name in
+                   ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """(the field that asked, the constraint), or None; two constraints are a 400."""
         found = self._constraints()
@@ -198,6 +204,12 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # OpenAI's default (null) is true: a reply may hold several calls.
     parallel_tool_calls: bool | None = None
+
+    @property
+    def constrained(self) -> bool:
+        fmt = self.response_format
+        return (super().constrained or (fmt is not None and fmt.type != "text")
+                or self.tool_choice not in (None, "none", "auto"))
 
     @property
     def parallel(self) -> bool:
