@@ -64,7 +64,7 @@ class RouteGuards:
     async def parse(self, http: Request, model: type[Any]) -> Any:
         raw = await http.body()
         return await self.prep.run(parse_body, raw, model, self.limits.max_json_depth,
-                                   size=len(raw))
+                                   self.limits.max_token_ids, size=len(raw))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.known:

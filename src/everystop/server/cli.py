@@ -90,6 +90,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="most prompts in one /v1/completions request")
     lim.add_argument("--max-request-sequences", type=int, default=d.max_sequences,
                      help="most sequences (prompts x n) one request may start")
+    lim.add_argument("--max-token-ids", type=int, default=d.max_token_ids,
+                     help="most token ids in one request's prompt(s) or /detokenize list")
     c = parser.add_argument_group("scale out (Ray Serve; pip install everystop[cluster])")
     c.add_argument("--replicas", type=_positive_int, default=1,
                    help="engine replicas behind one ingress (>1, or --ray-address, uses Ray)")
@@ -167,7 +169,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                         max_prompts=args.max_prompts, max_sequences=args.max_request_sequences)
+                         max_prompts=args.max_prompts, max_sequences=args.max_request_sequences,
+                         max_token_ids=args.max_token_ids)
 
 
 # A GGUF file's quantization suffix: "SmolLM2-135M-Instruct.Q4_1", "Llama-3-8B-Q4_K_M".

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted
-from everystop.server.limits import loads
+from everystop.server.limits import RequestLimits, check_token_ids, loads
 from everystop.server.tools import tool_constraint
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -292,11 +292,13 @@ class DetokenizeRequest(StrictModel):
     tokens: list[NonNegInt]
 
 
-def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
+               max_token_ids: int = RequestLimits.max_token_ids) -> Any:
     """Bytes -> a validated request, or an APIError(400) naming the offending field."""
     data = loads(raw, max_json_depth)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    check_token_ids(data, max_token_ids)
     try:
         req = model.model_validate(strip_accepted(data))
     except ValidationError as exc:
