@@ -280,6 +280,30 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """What a structured-output spec may cost: size limits checked before any compile (a spec
+    over one is refused naming it), a time limit on the compile itself, and the compiled-grammar
+    cache. The limits sit where xgrammar's compile time turns steep (measured on SmolLM2's 49k
+    vocabulary: a 10k-value enum compiles in 0.06 s, 30k in 1.4 s; arrays nested 128 deep in
+    0.14 s, 500 deep in 5.5 s; a 20k-word regex alternation in 0.5 s, 60k in 2.7 s)."""
+
+    max_spec_bytes: int = 256 << 10  # a schema's JSON text, a grammar, a choice list
+    max_schema_depth: int = 64  # JSON nesting of the schema document
+    max_enum_values: int = 4096  # enum and const values, summed over the schema
+    max_schema_properties: int = 2048  # property names, summed over the schema
+    max_choices: int = 4096  # guided_choice entries
+    max_regex_chars: int = 16 << 10
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 64  # compiled grammars kept (LRU, keyed by the spec's hash)
+    max_concurrent_compiles: int = 2  # compiles running at once; more are refused as busy
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_spec_bytes", "max_schema_depth", "max_enum_values",
+                  "max_schema_properties", "max_choices", "max_regex_chars",
+                  "grammar_compile_timeout_s", "grammar_cache_size", "max_concurrent_compiles")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, shared by the CLI, the offline API and the server."""
 
@@ -287,16 +311,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from flat keyword options (CLI flags, `LLM(**kwargs)`), routing each to its
         part."""
         parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {},
-                                               "parallel": {}}
+                                               "parallel": {}, "structured": {}}
         owners = {name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
                                                   ("scheduler", SchedulerConfig),
-                                                  ("parallel", ParallelConfig))
+                                                  ("parallel", ParallelConfig),
+                                                  ("structured", StructuredOutputConfig))
                   for name in (f.name for f in dataclasses.fields(klass))}
         for key, value in options.items():
             if value is None and key != "model":
@@ -307,7 +333,9 @@ class EngineConfig:
         return cls(model=ModelConfig(**parts["model"]),  # type: ignore[arg-type]
                    cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
                    scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
-                   parallel=ParallelConfig(**parts["parallel"]))  # type: ignore[arg-type]
+                   parallel=ParallelConfig(**parts["parallel"]),  # type: ignore[arg-type]
+                   structured=StructuredOutputConfig(
+                       **parts["structured"]))  # type: ignore[arg-type]
 
 
 def _positive(obj: object, *names: str) -> None:

@@ -180,6 +180,9 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
                    help="host swap space in GiB")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="shards (worker processes; one GPU each on CUDA, gloo on CPU)")
+    g.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", type=float,
+                   default=None, help="seconds a structured-output grammar may take to compile "
+                   "before the request is refused (default 10)")
 
 
 # Flag destinations that are engine options (EngineConfig.from_options keys).
@@ -194,7 +197,7 @@ ENGINE_OPTIONS = (
     "tpot_max_stretch",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
-    "quantization", "onednn_cache_capacity")
+    "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from everystop.config import CacheConfig, SchedulerConfig
+from everystop.config import CacheConfig, SchedulerConfig, StructuredOutputConfig
 from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler, SchedulerStats
@@ -299,6 +299,11 @@ class AsyncEngine:
     @property
     def cache_config(self) -> CacheConfig:
         return self.engine.cache_config
+
+    @property
+    def structured_output_config(self) -> StructuredOutputConfig:
+        """The size and time limits on structured-output specs."""
+        return self.engine.config.structured
 
     @property
     def block_size(self) -> int:

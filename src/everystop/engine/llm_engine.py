@@ -74,7 +74,8 @@ class LLMEngine:
         self.num_steps = 0
         self._prefill_passes = 0  # counted up to LIVE_RATE_CHECK_PASSES, then the check runs
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
-                                                  sorted(tokenizer.eos_token_ids))
+                                                  sorted(tokenizer.eos_token_ids),
+                                                  config.structured)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -128,6 +129,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.outputs.add(req)
         self._live[req.request_id] = req
+        self.structured.hold(req)
         return req
 
     def abort_request(self, request_ids: list[str] | str) -> None:

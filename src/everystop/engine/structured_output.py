@@ -6,70 +6,47 @@ The grammar engine is xgrammar: on this model's 49k vocabulary it fills a row's 
 (0.4 ms for 128 rows, against 1-8 ms for llguidance; everystop bench grammar-mask), since
 it precomputes which tokens each grammar position accepts. Nothing here is built until the first
 constrained request arrives, so unconstrained serving pays neither the import nor the vocabulary
-scan.
+scan. Compiling (limits, cache, time limit) is GrammarCompiler's job.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 from typing import Any
 
+from everystop.config import StructuredOutputConfig
 from everystop.core.outputs import SchedulerOutput
 from everystop.core.request import Request
-from everystop.sampling_params import StructuredOutput, StructuredOutputError
+from everystop.engine.grammar_compiler import GrammarCompiler
+from everystop.sampling_params import StructuredOutput
 
 logger = logging.getLogger("everystop.engine")
 
 
 class StructuredOutputManager:
-    def __init__(self, hf_tokenizer: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, hf_tokenizer: Any, stop_token_ids: list[int],
+                 config: StructuredOutputConfig | None = None) -> None:
         """`hf_tokenizer`: the transformers tokenizer (None: structured output unsupported);
         `stop_token_ids`: what ends a finished text (EOS and end-of-turn ids)."""
         self._hf = hf_tokenizer
-        self._stop_ids = sorted(stop_token_ids)
-        self._compiler: Any = None
-        self._lock = threading.Lock()  # compile() runs on request threads
+        self.compiler = GrammarCompiler(hf_tokenizer, stop_token_ids, config)
         # request id -> [matcher, tokens consumed]
         self._matchers: dict[str, list[Any]] = {}
+        # request id -> its compiled grammar, held from admission to finish, so that an LRU
+        # eviction never makes the engine thread compile again.
+        self._held: dict[str, Any] = {}
 
     def compile(self, so: StructuredOutput) -> Any:
-        """The compiled grammar (cached by the compiler); raises StructuredOutputError."""
-        compiler = self._get_compiler()
-        try:
-            if so.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if so.kind == "json_schema":
-                # Fixed separators: a small model given free whitespace can emit newlines
-                # forever without leaving the grammar.
-                return compiler.compile_json_schema(so.spec, any_whitespace=False)
-            if so.kind == "regex":
-                return compiler.compile_regex(so.spec)
-            if so.kind == "choice":
-                choices = json.loads(so.spec)
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(str(c)) for c in choices))
-            return compiler.compile_grammar(so.spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            msg = " ".join(str(exc).split())[:300]
-            raise StructuredOutputError(f"invalid {so.kind}: {msg}") from None
+        """The compiled grammar (see GrammarCompiler.compile for what it raises)."""
+        return self.compiler.compile(so)
 
-    def _get_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                if self._hf is None:
-                    raise StructuredOutputError("this model's tokenizer does not support "
-                                                "structured output")
-                try:
-                    import xgrammar
-                except ImportError:
-                    raise StructuredOutputError("structured output needs xgrammar "
-                                                "(pip install xgrammar)") from None
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._hf, vocab_size=len(self._hf), stop_token_ids=self._stop_ids)
-                self._compiler = xgrammar.GrammarCompiler(info)
-            return self._compiler
+    def hold(self, req: Request) -> None:
+        """Keep `req`'s compiled grammar (compiled by make_request) until `free`."""
+        so = req.sampling_params.structured_output
+        if so is not None:
+            compiled = self.compiler.cached(so)
+            if compiled is not None:
+                self._held[req.request_id] = compiled
 
     def fill_bitmasks(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Set `token_bitmask` on every sampled row with a grammar, first advancing its matcher
@@ -86,8 +63,8 @@ class StructuredOutputManager:
             if state is None:
                 so = seq.sampling_params.structured_output
                 assert so is not None
-                state = self._matchers[seq.request_id] = [
-                    xgrammar.GrammarMatcher(self.compile(so)), 0]
+                compiled = self._held.get(seq.request_id) or self.compile(so)
+                state = self._matchers[seq.request_id] = [xgrammar.GrammarMatcher(compiled), 0]
             matcher, consumed = state
             output = requests[seq.request_id].output_token_ids
             for token in output[consumed:]:
@@ -100,3 +77,4 @@ class StructuredOutputManager:
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._held.pop(request_id, None)

@@ -40,6 +40,7 @@ class Access(enum.Enum):
 # By route template (FastAPI's path, as registered).
 _ROUTES = {
     "/health": Access.PUBLIC, "/health/replicas": Access.PUBLIC,  # probes carry no key
+    "/ping": Access.PUBLIC, "/version": Access.PUBLIC,
     "/docs": Access.PUBLIC, "/docs/oauth2-redirect": Access.PUBLIC,
     "/openapi.json": Access.PUBLIC,
     "/tokenize": Access.API, "/detokenize": Access.API, "/tokenizer_info": Access.API,

@@ -8,22 +8,24 @@ Everything a route needs lives on `app.state.ctx` (a ServingContext).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.access import AccessPolicy, install_access
 from everystop.server.admission import AdmissionConfig, AdmissionController
+from everystop.server.chat_prompt import render_chat
 from everystop.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from everystop.server.formatting import ChatFormat, CompletionFormat
 from everystop.server.limits import LimitsMiddleware, RequestLimits, check_fan_out
+from everystop.server.loop_lag import LoopLagMonitor
 from everystop.server.metrics import CONTENT_TYPE, ServerMetrics
-from everystop.server.offload import check_text_fits, json_with_ids, off_loop
+from everystop.server.offload import PrepLimits, PrepPool, json_with_ids
 from everystop.server.openapi import install_openapi
 from everystop.server.protocol import (
     ChatCompletionRequest,
@@ -45,15 +47,17 @@ class RouteGuards:
     by server/access.py): the model's name, the body."""
 
     def __init__(self, served_model_name: str, aliases: Iterable[str],
-                 limits: RequestLimits) -> None:
+                 limits: RequestLimits, prep: PrepPool) -> None:
         self.served_model_name = served_model_name
         # Other names the model answers to (e.g. the file's full stem); responses use the first.
         self.known = {served_model_name, *aliases}
         self.limits = limits
+        self.prep = prep
 
     async def parse(self, http: Request, model: type[Any]) -> Any:
         raw = await http.body()
-        return await off_loop(parse_body, raw, model, self.limits.max_json_depth, size=len(raw))
+        return await self.prep.run(parse_body, raw, model, self.limits.max_json_depth,
+                                   self.limits.max_token_ids, size=len(raw))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.known:
@@ -67,9 +71,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
               admin_key: str | None = None, admission: AdmissionConfig | None = None,
               metrics: ServerMetrics | None = None,
               max_n: int = 8, extensions: Iterable[Extension] = (),
-              limits: RequestLimits | None = None, open_metrics: bool = False) -> FastAPI:
+              limits: RequestLimits | None = None, open_metrics: bool = False,
+              prep: PrepLimits | None = None) -> FastAPI:
     """`api_key`, `admin_key`, `open_metrics`: who may call what (server/access.py; /metrics
-    without the API key when `open_metrics`: a scraper on a private network)."""
+    without the API key when `open_metrics`: a scraper on a private network); `prep`: the
+    request-preparation workers' limits (server/offload.py)."""
     app = FastAPI(title="everystop", docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     install_error_handlers(app)
@@ -85,10 +91,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         admission or AdmissionConfig(),
         max_num_seqs=lambda: async_engine.scheduler_config.max_num_seqs,
         num_running=lambda: async_engine.num_running)
-    ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n)
+    ctx = ServingContext(async_engine, served_model_name, controller, metrics, max_n,
+                         PrepPool(prep))
     app.state.ctx = ctx
     app.state.engine = async_engine
-    guards = RouteGuards(served_model_name, aliases, limits)
+    app.state.loop_lag = LoopLagMonitor([metrics.observe_loop_lag])
+    _run_with_app(app, ctx, app.state.loop_lag)
+    guards = RouteGuards(served_model_name, aliases, limits, ctx.prep)
     add_generation_routes(app, ctx, guards)
     add_model_routes(app, async_engine.max_model_len, guards)
     add_tokenizer_routes(app, async_engine, guards)
@@ -122,26 +131,36 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         body: ChatCompletionRequest = await guards.parse(http, ChatCompletionRequest)
         guards.check_model(body.model)
         check_fan_out(limits, 1, body.n)
-        template = getattr(tokenizer, "apply_chat_template", None)
-        if template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions",
-                           code="no_chat_template")
-        conversation = body.conversation()
-        size = sum(len(m.get("content") or "") for m in conversation)
-        check_text_fits(async_engine, size)
-        tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} \
-            if body.tools else {}  # the model's template renders them
         ctx.metrics.count_ignored_fields(body.ignored_fields)
-        try:
-            prompt = await off_loop(template, conversation, size=size,
-                                    add_generation_prompt=body.add_generation_prompt,
-                                    continue_final_message=body.continue_final_message,
-                                    **tools, **body.template_kwargs())
-        except (TypeError, ValueError, TemplateError) as exc:  # it refused its inputs
-            raise APIError(400, f"the chat template could not render this request: {exc}",
-                           param="messages") from None
+        prompt = await ctx.prep.run(render_chat, async_engine, body,
+                                    size=len(await http.body()))
         fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    vocab = tokenizer.vocab_size
+    if any(t >= vocab for t in ids):
+        raise APIError(400, f"tokens: ids must be < {vocab}", param="tokens")
+    text: str = tokenizer.decode(ids, skip_special_tokens=False)
+    return text
+
+
+def _run_with_app(app: FastAPI, ctx: ServingContext, monitor: LoopLagMonitor) -> None:
+    """The loop-lag monitor runs, and the preparation workers live, as long as the app."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        monitor.start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            await monitor.stop()
+            ctx.prep.shutdown()
+
+    app.router.lifespan_context = lifespan
 
 
 def add_model_routes(app: FastAPI, max_model_len: int, guards: RouteGuards) -> None:
@@ -162,26 +181,26 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
     """vLLM-style helpers over the served model's tokenizer."""
     tokenizer = async_engine.tokenizer
     max_model_len = async_engine.max_model_len
+    prep = guards.prep
 
     @app.post("/tokenize")
     async def tokenize(http: Request) -> Response:
         """vLLM-style helper: {"prompt": str} -> {"tokens": [...], "count", "max_model_len"}."""
         body = await guards.parse(http, TokenizeRequest)
         guards.check_model(body.model)
-        ids = await off_loop(tokenizer.encode, body.prompt, size=len(body.prompt),
+        ids = await prep.run(tokenizer.encode, body.prompt, size=len(body.prompt),
                              add_special_tokens=bool(body.add_special_tokens))
         fields = {"count": len(ids), "max_model_len": max_model_len}
-        return Response(await off_loop(json_with_ids, ids, fields, size=len(ids)),
+        return Response(await prep.run(json_with_ids, ids, fields, size=len(ids)),
                         media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(http: Request) -> JSONResponse:
         """vLLM-style helper: {"tokens": [...]} -> {"prompt": str} (special tokens kept)."""
-        body = parse_body(await http.body(), DetokenizeRequest)
+        body = await guards.parse(http, DetokenizeRequest)
         guards.check_model(body.model)
-        if any(t >= tokenizer.vocab_size for t in body.tokens):
-            raise APIError(400, f"tokens: ids must be < {tokenizer.vocab_size}", param="tokens")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        text = await prep.run(_decode, tokenizer, body.tokens, size=len(body.tokens))
+        return JSONResponse({"prompt": text})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:
@@ -218,8 +237,7 @@ def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
         return await health()
 
     @app.post("/v1/embeddings")
-    async def embeddings(http: Request) -> Response:
-        guards.check_auth(http)
+    async def embeddings() -> Response:
         raise APIError(404, "embeddings are not served: this server runs a generative model "
                             "(use /v1/completions or /v1/chat/completions)",
                        code="embeddings_not_served")

@@ -111,6 +111,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="most prompts in one /v1/completions request")
     lim.add_argument("--max-request-sequences", type=int, default=d.max_sequences,
                      help="most sequences (prompts x n) one request may start")
+    lim.add_argument("--max-token-ids", type=int, default=d.max_token_ids,
+                     help="most token ids in one request's prompt(s) or /detokenize list")
     c = parser.add_argument_group("scale out (Ray Serve; pip install everystop[cluster])")
     c.add_argument("--replicas", type=_positive_int, default=1,
                    help="engine replicas behind one ingress (>1, or --ray-address, uses Ray)")
@@ -172,6 +174,8 @@ def serve(args: argparse.Namespace) -> int:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
         install_admin_routes(app, front, store=telemetry.store, telemetry=telemetry)
+        metrics.loop_lag_listeners.append(
+            lambda lag_s: telemetry.guardrails.on_loop_lag(lag_s, front.clock()))
         install_dashboard(app, front, metrics)
 
     app = build_app(front, name, aliases=names, api_key=args.api_key,
@@ -187,7 +191,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                         max_prompts=args.max_prompts, max_sequences=args.max_request_sequences)
+                         max_prompts=args.max_prompts, max_sequences=args.max_request_sequences,
+                         max_token_ids=args.max_token_ids)
 
 
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:

@@ -8,7 +8,9 @@ Checked in this order, each answered with a 4xx that names the limit:
   3. JSON            (400, `loads`: nesting depth, NaN/Infinity, numbers out of range, lone
                       UTF-16 surrogates; parsed with Python's C decoder, then walked once
                       iteratively, so no input can reach a RecursionError)
-  4. fan-out         (400, `check_fan_out`: prompts per request, and prompts x n)
+  4. token ids       (400, `check_token_ids`: the ids of a token-id prompt or a /detokenize
+                      list, counted before they are validated one by one or decoded)
+  5. fan-out         (400, `check_fan_out`: prompts per request, and prompts x n)
 """
 
 from __future__ import annotations
@@ -32,9 +34,14 @@ class RequestLimits:
     max_json_depth: int = 32
     max_prompts: int = 128  # prompts in one /v1/completions list
     max_sequences: int = 128  # prompts x n: engine requests one HTTP request may start
+    # Token ids in one request's prompt(s) or /detokenize list. Validating and decoding ids
+    # hold the GIL in long single calls (1.7M ids: over a second each, a stall of every
+    # thread, the event loop's included); this is twice a 128k context.
+    max_token_ids: int = 1 << 18
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_prompts", "max_sequences"):
+        for name in ("max_body_bytes", "max_json_depth", "max_prompts", "max_sequences",
+                     "max_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -149,6 +156,19 @@ def _check_text(text: str) -> None:
     except UnicodeEncodeError as exc:
         raise bad_request(f"text contains an unpaired UTF-16 surrogate at character "
                           f"{exc.start}", code="invalid_unicode") from None
+
+
+def check_token_ids(data: dict[str, Any], max_token_ids: int) -> None:
+    """The ids in `prompt` (a list of ids, or of lists of ids) or `tokens`, at most
+    `max_token_ids` in all."""
+    for field in ("prompt", "tokens"):
+        value = data.get(field)
+        if not isinstance(value, list):
+            continue
+        count = sum(len(v) if isinstance(v, list) else 1 for v in value)
+        if count > max_token_ids:
+            raise bad_request(f"{field}: {count} token ids exceed max_token_ids "
+                              f"({max_token_ids})", field, code="max_token_ids")
 
 
 def check_fan_out(limits: RequestLimits, num_prompts: int, n: int) -> None:

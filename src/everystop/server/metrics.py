@@ -5,6 +5,7 @@ Three sources feed them:
   - engine listeners (engine thread): per-iteration latency and token counts, and per finished
     request its TTFT, TPOT, queue/prefill/decode/inference/end-to-end times and token counts;
   - the routes (event loop): inter-token latency as tokens reach the client, 429s by reason;
+    the event loop's own lag (server/loop_lag.py);
   - a collector read at scrape time: queue lengths, KV usage, prefix-cache and preemption
     counters straight from the scheduler, so they are never stale.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -124,6 +125,12 @@ class ServerMetrics:
         self.ignored_fields = Counter(
             "everystop:ignored_request_fields", "Bookkeeping keys in messages accepted and "
             "ignored (server/fields.py MESSAGE_BOOKKEEPING), by key", ["field"], registry=r)
+        self.loop_lag = Histogram("everystop:event_loop_lag_seconds",
+                                  "How late the event loop woke a sleeping task (sampled every "
+                                  "100 ms): the stall every stream and /health saw",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        # Fed each loop-lag sample after the histogram (the guardrails' loop_lag alert).
+        self.loop_lag_listeners: list[Callable[[float], None]] = []
 
     def attach(self, async_engine: AsyncEngine, model_name: str | None = None) -> None:
         """Hook the engine's listeners and the scrape-time collector."""
@@ -177,6 +184,11 @@ class ServerMetrics:
         for _ in range(num_tokens):
             child.observe(per_token)
         self.window.on_itl(label, priority, per_token, num_tokens)
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        self.loop_lag.observe(lag_s)
+        for listener in self.loop_lag_listeners:
+            listener(lag_s)
 
     def count_rejected(self, reason: str, priority: int) -> None:
         self.rejected.labels(reason, str(priority)).inc()

@@ -1,21 +1,30 @@
-"""CPU-heavy request preparation (JSON parsing, chat templating, tokenizing) off the event loop.
+"""CPU-heavy request preparation off the event loop, in a bounded pool of worker threads.
 
-One request's 8 MB prompt takes seconds to tokenize; on the event loop that would stall
-`/health` and every other client's stream for as long. Small inputs run inline: a thread hop
-costs more than tokenizing a short prompt.
+What runs here: JSON parsing and validation of large bodies, chat templating (tools included),
+tokenizing, grammar compiles (through the engine's make_request), detokenizing and rendering
+long id lists. On the event loop any of these stalls `/health` and every other client's stream
+for as long as it runs (a 10 MB prompt: seconds). Threads suffice: the tokenizers and xgrammar
+release the GIL for most of their work, and what holds it is kept short (`json_with_ids`).
+
+Small inputs run inline: a thread hop costs more than tokenizing a short prompt. Each job has a
+time limit, and the pool a bound on jobs waiting or running; past either the client gets a 503
+naming the limit (a worker past its time limit finishes in the background, still counted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 from everystop.sampling_params import SamplingParams
-from everystop.server.errors import bad_request
+from everystop.server.errors import APIError, bad_request
 
 T = TypeVar("T")
 
@@ -25,23 +34,59 @@ INLINE_SIZE = 4096
 IDS_PER_SLICE = 1 << 15
 
 
-async def off_loop(fn: Callable[..., T], *args: Any, size: int, **kwargs: Any) -> T:
-    """`fn(*args, **kwargs)`, on a worker thread when `size` says the input is large."""
-    if size <= INLINE_SIZE:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
+@dataclass(frozen=True)
+class PrepLimits:
+    workers: int = 4  # threads preparing requests at once
+    max_pending: int = 64  # jobs waiting or running; more are refused (503 prep_queue_full)
+    timeout_s: float = 60.0  # one job, waiting included (503 prep_timeout_s)
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_pending", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"prep {name} must be > 0")
 
 
-async def make_request(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
-                       **kwargs: Any) -> Request:
-    """The engine's make_request (tokenizing) off the loop. ValueError for an empty prompt:
-    nothing to condition on is the client's mistake, not a context-length problem."""
-    if isinstance(prompt, str):
-        check_text_fits(engine, len(prompt))
-    req = await off_loop(engine.make_request, prompt, params, size=len(prompt), **kwargs)
-    if not req.prompt_token_ids:
-        raise ValueError("prompt is empty: it has no tokens")
-    return req
+class PrepPool:
+    """The server's request-preparation workers (one per app)."""
+
+    def __init__(self, limits: PrepLimits | None = None) -> None:
+        self.limits = limits or PrepLimits()
+        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="everystop-prep")
+        self.num_pending = 0  # read and written on the event loop only
+        self.num_timeouts = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any, size: int, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`: inline when `size` says the input is small, else on a worker."""
+        if size <= INLINE_SIZE:
+            return fn(*args, **kwargs)
+        return await self.run_always(fn, *args, **kwargs)
+
+    async def run_always(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on a worker, whatever its size (a grammar compile's time does
+        not follow its spec's length)."""
+        limits = self.limits
+        if self.num_pending >= limits.max_pending:
+            raise APIError(503, f"{self.num_pending} requests are being prepared, the most "
+                                f"max_pending ({limits.max_pending}) allows; retry later",
+                           code="prep_queue_full", headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        self.num_pending += 1
+        future.add_done_callback(self._done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), limits.timeout_s)
+        except TimeoutError:
+            self.num_timeouts += 1
+            raise APIError(503, f"preparing the request took longer than prep_timeout_s "
+                                f"({limits.timeout_s:g} s)", code="prep_timeout_s") from None
+
+    def _done(self, future: asyncio.Future[Any]) -> None:
+        self.num_pending -= 1
+        if not future.cancelled():
+            future.exception()  # retrieved: a job given up on raises nothing at collection
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def check_text_fits(engine: AsyncEngine, num_chars: int) -> None:
@@ -56,6 +101,29 @@ def check_text_fits(engine: AsyncEngine, num_chars: int) -> None:
         raise bad_request(f"the prompt's {num_chars} characters are at least {at_least} tokens, "
                           f"over max_model_len ({engine.max_model_len})", "prompt",
                           code="context_length_exceeded")
+
+
+def check_ids_fit(engine: AsyncEngine, num_ids: int) -> None:
+    """A 400 (context_length_exceeded) for a token-id prompt longer than the context window,
+    before any of its ids is looked at."""
+    if num_ids > engine.max_model_len:
+        raise bad_request(f"the prompt's {num_ids} tokens exceed max_model_len "
+                          f"({engine.max_model_len})", "prompt", code="context_length_exceeded")
+
+
+def make_request(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
+                 **kwargs: Any) -> Request:
+    """The engine's make_request (tokenizing, compiling a grammar), after the cheap length
+    checks. ValueError for an empty prompt: nothing to condition on is the client's mistake,
+    not a context-length problem. Blocking: run it on a PrepPool worker."""
+    if isinstance(prompt, str):
+        check_text_fits(engine, len(prompt))
+    else:
+        check_ids_fit(engine, len(prompt))
+    req = engine.make_request(prompt, params, **kwargs)
+    if not req.prompt_token_ids:
+        raise ValueError("prompt is empty: it has no tokens")
+    return req
 
 
 def json_with_ids(ids: list[int], fields: dict[str, Any]) -> bytes:

@@ -25,7 +25,7 @@ from pydantic import (
 from everystop.sampling_params import StructuredOutput
 from everystop.server.errors import APIError, bad_request
 from everystop.server.fields import reason, strip_accepted, strip_message_bookkeeping
-from everystop.server.limits import loads
+from everystop.server.limits import RequestLimits, check_token_ids, loads
 from everystop.server.tools import tool_constraint
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -127,6 +127,13 @@ class _GenerationRequest(StrictModel):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a field asks for structured output (its grammar compiles off the loop)."""
+        return any(getattr(self, name) is not None for name in
+                   ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs"))
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """(the field that asked, the constraint), or None; two constraints are a 400."""
@@ -290,6 +297,12 @@ class ChatCompletionRequest(_GenerationRequest):
         return kwargs
 
     @property
+    def constrained(self) -> bool:
+        fmt = self.response_format
+        return (super().constrained or (fmt is not None and fmt.type != "text")
+                or self.tool_choice not in (None, "none", "auto"))
+
+    @property
     def parallel(self) -> bool:
         return self.parallel_tool_calls is not False
 
@@ -372,11 +385,13 @@ class DetokenizeRequest(StrictModel):
     tokens: list[NonNegInt]
 
 
-def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
+               max_token_ids: int = RequestLimits.max_token_ids) -> Any:
     """Bytes -> a validated request, or an APIError(400) naming the offending field."""
     data = loads(raw, max_json_depth)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    check_token_ids(data, max_token_ids)
     ignored = strip_message_bookkeeping(data)
     try:
         req = model.model_validate(strip_accepted(data))

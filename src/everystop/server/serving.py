@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected
 from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDraining
+from everystop.engine.grammar_compiler import GrammarCompilerBusy
+from everystop.engine.grammar_limits import SpecOverLimit
 from everystop.sampling_params import (
     SamplingParams,
     SamplingParamsError,
@@ -36,7 +39,7 @@ from everystop.server.admission import (
 from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
-from everystop.server.offload import make_request, off_loop
+from everystop.server.offload import INLINE_SIZE, PrepPool, make_request
 from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
 from everystop.server.streaming import DONE, SSEResponse, sse
 from everystop.server.tenants import clean_tenant
@@ -49,6 +52,7 @@ class ServingContext:
     admission: AdmissionController
     metrics: ServerMetrics
     max_n: int = 8
+    prep: PrepPool = dataclasses.field(default_factory=PrepPool)
 
 
 @dataclass
@@ -114,26 +118,47 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
         raise bad_request(f"n must be <= {ctx.max_n}", "n")
     if ctx.engine.draining:
         raise APIError(503, "the server is shutting down", code="draining")
-    num_logprobs = _num_logprobs(body)
-    base = sampling_params(body, num_logprobs)
     tenant = tenant_of(http, body)
     # Chat without a limit: up to the context window, as OpenAI does.
     to_context = (default_max_tokens_to_len and body.max_tokens is None
                   and getattr(body, "max_completion_tokens", None) is None)
+    prepare = functools.partial(_prepare, ctx, body, prompts, tenant, to_context)
+    if body.constrained or len(await http.body()) > INLINE_SIZE:
+        choices = await ctx.prep.run_always(prepare)  # tokenizing, compiling a grammar
+    else:
+        choices = prepare()
+    await _admit(ctx, choices, body.priority)
+    if body.stream:
+        return SSEResponse(_stream_events(ctx, body, fmt, choices))
+    return await _respond_when_done(ctx, http, fmt, choices)
+
+
+def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | list[int]],
+             tenant: str, to_context: bool) -> list[_Choice]:
+    """The engine requests of `prompts` x body.n, tokenized (each prompt once; its n copies
+    reuse the ids) and with their grammar compiled. Blocking: large or constrained requests run
+    it on a PrepPool worker."""
+    num_logprobs = _num_logprobs(body)
+    base = sampling_params(body, num_logprobs)
     choices: list[_Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
             params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
-            # Tokenized once per prompt (off the event loop when large); the n copies reuse it.
             source = prompt if j == 0 else choices[-1].req.prompt_token_ids
             if j == 0 and body.truncate_prompt_tokens is not None:
-                source = await _truncated(ctx, prompt, body.truncate_prompt_tokens)
+                source = _truncated(ctx, prompt, body.truncate_prompt_tokens)
             try:
-                req = await make_request(ctx.engine, source, params, priority=body.priority,
-                                         tenant=tenant, max_tokens_to_context=to_context)
+                req = make_request(ctx.engine, source, params, priority=body.priority,
+                                   tenant=tenant, max_tokens_to_context=to_context)
+            except SpecOverLimit as exc:
+                field = body.structured_output()
+                raise bad_request(str(exc), field[0] if field else None, code=exc.limit) from None
             except StructuredOutputError as exc:
                 field = body.structured_output()
                 raise bad_request(str(exc), field[0] if field else None) from None
+            except GrammarCompilerBusy as exc:
+                raise APIError(503, f"{exc}; retry later", code="grammar_compiler_busy",
+                               headers={"Retry-After": "1"}) from None
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
@@ -143,16 +168,13 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
             choices.append(_Choice(len(choices), req, prompt_index, echo=echo,
                                    prompt_logprobs=getattr(body, "prompt_logprobs", None)
                                    is not None))
-    await _admit(ctx, choices, body.priority)
-    if body.stream:
-        return SSEResponse(_stream_events(ctx, body, fmt, choices))
-    return await _respond_when_done(ctx, http, fmt, choices)
+    return choices
 
 
-async def _truncated(ctx: ServingContext, prompt: str | list[int], keep: int) -> list[int]:
+def _truncated(ctx: ServingContext, prompt: str | list[int], keep: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens."""
     if isinstance(prompt, str):
-        prompt = await off_loop(ctx.engine.tokenizer.encode, prompt, size=len(prompt))
+        prompt = ctx.engine.tokenizer.encode(prompt)
     return list(prompt[-keep:])
 
 

@@ -11,6 +11,8 @@
                    message says when the decodes alone were predicted over the target (no
                    prefill budget can meet it: the target is below this machine's decode
                    step at that batch size, `everystop bench step-floor`)
+  loop_lag         the server's event loop woke a sleeping task this late (seconds) or later:
+                   work ran on the loop, and every stream and /health waited for it
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
 run of overruns in steps that carried prefill the budget predicted within the target, lasting
@@ -38,7 +40,7 @@ from everystop.core.outputs import IterationRecord
 from everystop.core.request import Request, RequestStatus
 from everystop.stats import percentile
 
-KINDS = ("prefill_ceiling", "starvation", "kv_leak", "tpot_overrun")
+KINDS = ("prefill_ceiling", "starvation", "kv_leak", "tpot_overrun", "loop_lag")
 NUM_TIERS = 3
 
 
@@ -66,6 +68,9 @@ class GuardrailConfig:
     # premium run on the loaded CPU: 8 steps at 352 ms against 198 predicted clamped the cap
     # to 144 tokens for the server's life).
     clamp_after_steps: int = 50
+    # An event-loop lag sample this long (seconds) counts a loop_lag alert (reported at most
+    # every report_every_s).
+    loop_lag_alert_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Guardrails:
         self.max_prefill_tokens = 0
         self._prefill_breaches = 0  # since the last report
         self._last_prefill_report = -float("inf")
+        self._last_lag_report = -float("inf")
         self._waits: dict[int, deque[tuple[float, float]]] = {
             t: deque() for t in range(NUM_TIERS)}  # (admitted at, queue wait)
         self._sampled: set[str] = set()
@@ -157,6 +163,20 @@ class Guardrails:
                 tokens = sum(r.num_prefill_tokens + r.num_decode_tokens for r in run) / len(run)
                 self._clamps.append((int(tokens * target / mean_s),
                                      f"{len(run)} steps in a row overran {1e3 * target:.0f} ms"))
+
+    def on_loop_lag(self, lag_s: float, now: float) -> None:
+        """One event-loop lag sample (the server's loop thread; `now`: the engine clock)."""
+        threshold = self.config.loop_lag_alert_s
+        if lag_s < threshold:
+            return
+        with self._lock:
+            self.alerts_total[("loop_lag", "")] += 1
+            if now - self._last_lag_report >= self.config.report_every_s:
+                self._last_lag_report = now
+                self._pending.append(Alert(
+                    now, "loop_lag", None, None, lag_s, threshold,
+                    f"the event loop stalled {lag_s:.2f}s (alert at {threshold:g}s): work ran "
+                    "on it, and every stream and /health waited"))
 
     def drain_clamps(self) -> list[tuple[int, str]]:
         """Proposed max_num_batched_tokens caps, with the reason, since the last drain."""
@@ -308,7 +328,7 @@ class _TelemetryCollector:
                                      "Guardrail alerts raised, by kind and tier.",
                                      labels=["kind", "tier"])
         for kind in KINDS:  # zeros included: dashboards see the series before the first alert
-            tiers = ([""] if kind in ("prefill_ceiling", "tpot_overrun")
+            tiers = ([""] if kind in ("prefill_ceiling", "tpot_overrun", "loop_lag")
                      else [""] + [str(t) for t in range(3)])
             for tier in tiers:
                 alerts.add_metric([kind, tier], g.alerts_total.get((kind, tier), 0))
