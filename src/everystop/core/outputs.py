@@ -163,24 +163,13 @@ class RequestMetrics:
 
 
 @dataclass
-class CompletionOutput:
-    """One of the `n` completions of a prompt (the offline API's vLLM-shaped view)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-
-
-@dataclass
 class RequestOutput:
     """What a consumer receives after each step that gave its request new tokens (or ended it).
 
     `new_text` / `new_token_ids` / `new_logprobs` are this step's delta; `text` / `token_ids` /
     `logprobs` are cumulative. Text that might be the start of a stop string is held back until
-    it is known not to be. `prompt` and `outputs` (all n completions) are filled in by the
-    offline `LLM` API only.
+    it is known not to be. (The offline `LLM` API hands out engine/offline_outputs.py's
+    vLLM-shaped view of these.)
     """
 
     request_id: str
@@ -197,8 +186,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Prompt tokens 1.. given their prefixes (token 0 has none); None unless asked for.
     prompt_logprobs: list[TokenLogprob] | None = None
-    prompt: str | None = None
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    # The stop string or stop token id that ended it (None for EOS, length, abort).
+    stop_reason: int | str | None = None
     # With finish_reason "error": what went wrong (an engine fault, not the request's doing).
     error: str | None = None
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from everystop.config import EngineConfig
-from everystop.core.outputs import CompletionOutput, RequestOutput
+from everystop.core.outputs import RequestOutput
 from everystop.engine.llm_engine import LLMEngine
+from everystop.engine.offline_outputs import LLMOutput, llm_output
 from everystop.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,29 +40,36 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: int = 1) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int = 1) -> list[LLMOutput]:
         """Raw prompts (no chat template): strings, token-id lists, or vLLM's dicts
-        {"prompt": str} / {"prompt_token_ids": [...]}. One result per prompt, in order, with
-        .text, .token_ids, .logprobs and .finish_reason of its first completion and all n of
-        them in .outputs."""
+        {"prompt": str} / {"prompt_token_ids": [...]}. One result per prompt, in order, in
+        vLLM's shape (engine/offline_outputs.py): all n completions in .outputs (with
+        logprobs, cumulative_logprob, stop_reason), .prompt_logprobs, and .text, .token_ids and
+        .finish_reason of the first completion."""
         one = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
         batch = cast("list[PromptInput]", [prompts] if one else list(prompts))
         return self._run([_prompt_of(p) for p in batch], sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[LLMOutput]:
+        """Apply the model's chat template to one conversation or a list of them (vLLM's
+        keywords: OpenAI-shaped `tools`, extra template variables, an open last turn)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = cast("Tokenizer", self.engine.tokenizer)  # from_config loads a real one
         prompts: list[str | list[int]] = [
-            tok.apply_chat_template(cast("list[Message]", conv), add_generation_prompt=True)
+            tok.apply_chat_template(cast("list[Message]", conv), add_generation_prompt,
+                                    tools, continue_final_message,
+                                    **(chat_template_kwargs or {}))
             for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm, 1)
 
     def _run(self, prompts: list[str | list[int]],
              params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
-             priority: int) -> list[RequestOutput]:
+             priority: int) -> list[LLMOutput]:
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams() for _ in prompts]
         else:
@@ -87,16 +95,17 @@ class LLM:
         self.engine.run_until_done(collect)
         if bar is not None:
             bar.close()
+        tokenizer = self.engine.tokenizer
+
+        def decode(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
         results = []
-        for prompt, outs in zip(prompts, done):
+        for prompt, p, outs in zip(prompts, per_prompt, done):
             finished = [o for o in outs if o is not None]
-            if not finished:
-                continue
-            first = finished[0]
-            first.prompt = prompt if isinstance(prompt, str) else None
-            first.outputs = [CompletionOutput(j, o.text, o.token_ids, o.logprobs, o.finish_reason)
-                             for j, o in enumerate(finished)]
-            results.append(first)
+            if finished:
+                results.append(llm_output(prompt if isinstance(prompt, str) else None, finished,
+                                          p.logprobs is not None, decode))
         return results
 
 

@@ -29,6 +29,7 @@ class _RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_hold: int = 0  # chars held back: a suffix that may be the start of a stop string
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 class OutputProcessor:
@@ -62,6 +63,8 @@ class OutputProcessor:
             # An EOS or stop token ends the text without appearing in it.
             text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None
                         else upd.new_token_ids)
+            if upd.stop_token_id is not None and upd.stop_token_id in state.params.stop_token_ids:
+                state.stop_reason = upd.stop_token_id  # EOS leaves it None, as vLLM does
             if text_ids:
                 state.text += state.detok.push(text_ids)
             if finish_reason is not None and hasattr(state.detok, "flush"):
@@ -84,11 +87,11 @@ class OutputProcessor:
         for stop in state.params.stop:
             i = state.text.find(stop, search_from)
             if i >= 0 and (best is None or i < best[0]):
-                best = (i, len(stop))
+                best = (i, stop)
         if best is None:
             return None
-        start, length = best
-        return start + length if state.params.include_stop_str_in_output else start
+        start, state.stop_reason = best
+        return start + len(best[1]) if state.params.include_stop_str_in_output else start
 
     def _emit(self, state: _RequestState, finish_reason: str | None) -> RequestOutput:
         finished = finish_reason is not None
@@ -108,7 +111,8 @@ class OutputProcessor:
             metrics=RequestMetrics(req.arrival_time, req.admitted_time, req.first_token_time,
                                    req.finished_time or (self._clock() if finished else None),
                                    req.preemption_count),
-            logprobs=list(state.logprobs), prompt_logprobs=state.prompt_logprobs)
+            logprobs=list(state.logprobs), prompt_logprobs=state.prompt_logprobs,
+            stop_reason=state.stop_reason if finish_reason == "stop" else None)
         if finished:
             del self._states[req.request_id]
         return out
