@@ -397,11 +397,12 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
     """`LLMEngine.make_request` without an engine: what a cluster's ingress builds with only
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
+    vocab = tokenizer.vocab_size
+    params.check_vocab(vocab)  # ids reach tensor indices: checked here, never in a pass
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = [int(t) for t in prompt]
-        vocab = tokenizer.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
