@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 100.0
+# Below this (and above 0) a temperature is argmax in all but name, and dividing logits by it
+# could overflow float32: such rows are sampled greedily.
+GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGPROBS = 20
+
 
 class SamplingParamsError(ValueError):
-    """An out-of-range or inconsistent sampling parameter (the server answers 400)."""
+    """An out-of-range or inconsistent sampling parameter (the server answers 400 naming
+    `param`, the request field it came from)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StructuredOutputError(SamplingParamsError):
@@ -62,39 +76,48 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = [_token_id("stop_token_ids", t) for t in self.stop_token_ids]
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be >= 0 (or -1 for none), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise SamplingParamsError(
-                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        # NOTE: every value that reaches a tensor is range-checked here (and token ids against
+        # the vocabulary in check_vocab): a bad value must fail its own request at intake, not
+        # the forward pass it would share with other requests.
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        _check_int("top_k", self.top_k, 0, INT32_MAX, "(or -1 for none)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, -2**63, 2**63 - 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise SamplingParamsError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingParamsError(
-                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise SamplingParamsError(f"n must be an integer >= 1, got {self.n!r}")
+            _check_float(name, getattr(self, name), -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                     MAX_REPETITION_PENALTY)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_int("n", self.n, 1, INT32_MAX)
         # A new dict: the caller's is never changed, and JSON's string keys become ids.
-        self.logit_bias = {_token_id(t): max(-100.0, min(100.0, float(b)))
+        self.logit_bias = {_token_id("logit_bias", t): _bias(b)
                            for t, b in dict(self.logit_bias or {}).items()}
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError if a token id or count here does not fit a vocabulary of
+        `vocab_size` tokens (what the engine calls when it makes a request for its model)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise SamplingParamsError(f"{name}: token id {bad} is outside the vocabulary "
+                                          f"(0..{vocab_size - 1})", name)
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and count > vocab_size:
+                raise SamplingParamsError(f"{name} must be <= the vocabulary size "
+                                          f"({vocab_size}), got {count}", name)
 
     @property
     def penalizes(self) -> bool:
@@ -104,14 +127,55 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def _token_id(key: object) -> int:
+def _check_int(name: str, value: object, lo: int, hi: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SamplingParamsError(
+            f"{name} must be an integer in [{lo}, {hi}]{' ' + note if note else ''}, "
+            f"got {_short(value)}", name)
+
+
+def _check_float(name: str, value: object, lo: float, hi: float) -> None:
+    # NaN fails both comparisons; a bool is not a number here.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise SamplingParamsError(
+            f"{name} must be a number in [{lo:g}, {hi:g}], got {_short(value)}", name)
+
+
+def _bias(value: object) -> float:
+    """A logit_bias value, clamped to OpenAI's [-100, 100]; NaN or a non-number is refused."""
     try:
-        tid = int(str(key))
-    except ValueError:
-        raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}") from None
-    if tid < 0:
-        raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {tid}")
+        bias = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        bias = math.nan
+    if math.isnan(bias) or isinstance(value, bool):
+        raise SamplingParamsError(f"logit_bias values must be numbers, got {_short(value)}",
+                                  "logit_bias")
+    return max(-100.0, min(100.0, bias))
+
+
+def _token_id(name: str, key: object) -> int:
+    """A token id from an int or (logit_bias's JSON keys) a decimal string, in [0, INT32_MAX]:
+    ids become int32/int64 tensor indices, and no vocabulary is that large."""
+    if isinstance(key, bool):
+        tid = -1
+    else:
+        try:
+            tid = int(key) if isinstance(key, int) else int(str(key), 10)
+        except ValueError:
+            tid = -1
+    if not 0 <= tid <= INT32_MAX:
+        raise SamplingParamsError(f"{name}: token ids must be integers in [0, {INT32_MAX}], "
+                                  f"got {_short(key)}", name)
     return tid
+
+
+def _short(value: object) -> str:
+    """A value for an error message: at most 40 characters (an int too long to print, too)."""
+    try:
+        text = repr(value)
+    except ValueError:  # Python will not print an int of over 4300 digits
+        return "an integer too large to print"
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -10,11 +10,10 @@ batch that really does not fit is retried at most log2(batch) times, then runs a
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from everystop.core.failed_pass import recompute_now, recompute_swapped, with_rows
 from everystop.core.outputs import SchedulerOutput
 from everystop.core.preemption import victim_rank
 from everystop.core.request import RequestStatus
@@ -49,20 +48,6 @@ class SeatCap:
                 self.limit = None
 
 
-def without(sched: SchedulerOutput, removed: Collection[str]) -> SchedulerOutput:
-    """The pass `sched` with the rows of `removed` dropped (they join preempted_request_ids)
-    and no swap copies: whatever a failed pass's copies did is not trusted, so every request a
-    copy touched is recomputed instead (shrink_after_oom)."""
-    rows = [e for e in sched.scheduled if e.request_id not in removed]
-    # Decode-shaped rows as PassBuilder counts them: one token, the last one, or padding.
-    decodes = [e for e in rows if e.padding or (e.sample and e.num_tokens == 1)]
-    return dataclasses.replace(
-        sched, scheduled=rows, blocks_to_swap_out=[], blocks_to_swap_in=[],
-        preempted_request_ids=list(dict.fromkeys([*sched.preempted_request_ids, *removed])),
-        num_decode_tokens=len(decodes), num_padding_tokens=sum(e.padding for e in decodes),
-        num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes))
-
-
 def shrink_after_oom(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOutput | None:
     """The pass to run again instead of `failed`, which ran out of memory, or None when it held
     one sequence (that one cannot run even alone; the caller fails it).
@@ -83,17 +68,12 @@ def shrink_after_oom(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOutp
                     key=lambda r: victim_rank(r, sched.config, now), reverse=True)
     keep = ranked[:(len(ranked) + 1) // 2]
     kept_ids = {r.request_id for r in keep}
-    victims = [r for r in live if r.request_id not in kept_ids]
+    victims = [r for r in live if r.request_id not in kept_ids and r.request_id not in swapped_in]
     for victim in victims:
-        sched._leave_running(victim)
-        sched._recompute_later(victim)
-        victim.preemption_count += 1
-        victim.preemption_times.append(now)
-        sched.num_preemptions["recompute"] += 1
-    for rid in failed.preempted_request_ids:  # swapped out by this pass: recompute instead
-        req = requests.get(rid)
-        if req is not None and req.status == RequestStatus.SWAPPED:
-            sched.swapped.remove(req)
-            sched._recompute_later(req)
+        recompute_now(sched, victim)
     sched.oom_seat_cap.lower_to(len(keep))
-    return without(failed, [r.request_id for r in victims])
+    # The requests whose blocks it swapped are recomputed too (core/failed_pass.py).
+    retry = recompute_swapped(sched, failed)
+    out = [r.request_id for r in victims]
+    return with_rows(retry, [e for e in retry.scheduled if e.request_id not in out],
+                     preempted=out)

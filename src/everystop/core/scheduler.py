@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from everystop.config import SchedulerConfig
+from everystop.core.failed_pass import recompute_swapped
 from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
 from everystop.core.intake import (
     QueuedCounts,
@@ -366,6 +367,11 @@ class Scheduler:
     def shrink_after_oom(self, failed: SchedulerOutput) -> SchedulerOutput | None:
         """The pass to run again after `failed` ran out of memory (oom_backoff.py), or None."""
         return shrink_after_oom(self, failed)
+
+    def recompute_swapped(self, failed: SchedulerOutput) -> SchedulerOutput:
+        """After `failed` raised: recompute what it swapped; the pass that may run again
+        (core/failed_pass.py)."""
+        return recompute_swapped(self, failed)
 
     # -- results --------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,

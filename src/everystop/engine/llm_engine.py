@@ -31,6 +31,7 @@ from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
 from everystop.core.step_cost import SEED_PROMPT_TOKENS
+from everystop.engine.fault_isolation import forward_error, isolate_faults
 from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
@@ -176,27 +177,34 @@ class LLMEngine:
                 break
             except Exception as exc:
                 self.check_health()  # a dead executor (TP worker gone) is fatal: raises here
-                if is_out_of_memory(exc):
+                if not is_out_of_memory(exc):
+                    # Only the requests that make the pass fail fail (fault_isolation.py).
                     with lock:
-                        retry = self.scheduler.shrink_after_oom(sched)
-                    if retry is not None:
-                        logger.warning("forward pass of %d sequences ran out of memory (%s); "
-                                       "running %d of them again", len(sched.scheduled), exc,
-                                       len(retry.scheduled))
-                        sched = retry
-                        continue
-                logger.exception("forward pass failed; failing the %d sequences in it",
-                                 len(sched.scheduled))
-                reason = f"engine error in the forward pass: {type(exc).__name__}: {exc}"
+                        rerun = self.scheduler.recompute_swapped(sched)
+                    found = isolate_faults(self.executor.execute, rerun, exc, self.check_health,
+                                           changed=rerun is not sched)
+                    sched, result = found.sched, found.result
+                    break
                 with lock:
-                    victims = self._step_victims(sched)
-                    outputs.extend(self.fail_requests(dict.fromkeys(victims, reason)))
-                return outputs
+                    retry = self.scheduler.shrink_after_oom(sched)
+                if retry is None:
+                    with lock:
+                        outputs.extend(self._fail_pass(sched, exc))
+                    return outputs
+                logger.warning("forward pass of %d sequences ran out of memory (%s); running "
+                               "%d of them again", len(sched.scheduled), exc, len(retry.scheduled))
+                sched = retry
         with lock:
             if result.failed:
                 outputs.extend(self.fail_requests(result.failed))
             outputs.extend(self.finish_step(sched, result, start))
         return outputs
+
+    def _fail_pass(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """End every request a failed pass takes down (one that cannot run even alone)."""
+        logger.error("forward pass failed; failing the %d sequences in it",
+                     len(sched.scheduled), exc_info=exc)
+        return self.fail_requests(dict.fromkeys(self._step_victims(sched), forward_error(exc)))
 
     def _step_victims(self, sched: SchedulerOutput) -> list[str]:
         """Who a failed pass takes down: its sequences, and those swapped out in it (their
@@ -399,11 +407,12 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
     """`LLMEngine.make_request` without an engine: what a cluster's ingress builds with only
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
+    vocab = tokenizer.vocab_size
+    params.check_vocab(vocab)  # ids reach tensor indices: checked here, never in a pass
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = [int(t) for t in prompt]
-        vocab = tokenizer.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

@@ -101,9 +101,13 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         structured_output=constraint[1] if constraint else None)
     try:
         return SamplingParams(**opts)
-    except SamplingParamsError as exc:  # its message starts with the parameter's name
-        name = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), name if name in type(body).model_fields else None) from None
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), _field(body, exc)) from None
+
+
+def _field(body: _GenerationRequest, exc: SamplingParamsError) -> str | None:
+    """The request field a SamplingParamsError names, when the body has such a field."""
+    return exc.param if exc.param in type(body).model_fields else None
 
 
 def tenant_of(http: HTTPRequest, body: _GenerationRequest) -> str:
@@ -159,6 +163,8 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
             except GrammarCompilerBusy as exc:
                 raise APIError(503, f"{exc}; retry later", code="grammar_compiler_busy",
                                headers={"Retry-After": "1"}) from None
+            except SamplingParamsError as exc:  # a token id outside the model's vocabulary
+                raise bad_request(str(exc), _field(body, exc)) from None
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
