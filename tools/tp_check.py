@@ -1,8 +1,8 @@
 """Tensor-parallel equality check and overhead measurement; writes JSON.
 
-    everystop bench tp-check --tp 2                  # CPU, gloo (any machine)
-    everystop bench tp-check --tp 2 --device cuda    # NCCL: needs 2 GPUs (one per rank)
-    everystop bench tp-check --tp 1 --device cuda    # 1 GPU: NCCL group smoke test only
+    python tools/tp_check.py --tp 2                  # CPU, gloo (any machine)
+    python tools/tp_check.py --tp 2 --device cuda    # NCCL: needs 2 GPUs (one per rank)
+    python tools/tp_check.py --tp 1 --device cuda    # 1 GPU: NCCL group smoke test only
 
 For tp >= 2 it runs the same mixed greedy batch through the continuous-batching engine at TP=1
 and TP=N and compares tokens (must be equal) and first-step logits (max |diff|), then times
@@ -128,7 +128,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
-    ap.add_argument("--out", default="benchmarks/results/tp_check.json")
+    ap.add_argument("--out", default="tp_check.json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,3 +158,9 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_result(report, args.out)
     return 0 if report.get("tokens_equal", True) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

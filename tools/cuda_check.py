@@ -2,9 +2,8 @@
 fp32 model, packed batches against sequences alone, the engine end to end) and decode tok/s at
 batch 1 / 32 / 128 in fp32 and bf16; JSON out. Exits 1 if a check fails.
 
-    everystop bench cuda-check --out cuda_check.json
-    python benchmarks/cuda_check.py --out cuda_check.json        # the same, as a script
-    everystop bench cuda-check --device cpu --batches 1,4        # dry run of the check itself
+    python tools/cuda_check.py --out cuda_check.json
+    python tools/cuda_check.py --device cpu --batches 1,4        # dry run of the check itself
 
 The device runs the same code path as the CPU minus the C++ CPU kernels (attention falls back
 to the pure-torch path).
@@ -129,3 +128,9 @@ def run(args: argparse.Namespace) -> int:
     result["ok"] = all(v["ok"] for v in c.values())
     write_result(result, args.out)
     return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
