@@ -21,6 +21,8 @@ from everystop.workload import TextTokenizer
 # Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
 # and run(args), help). Each writes one result JSON (everystop.results.write_result).
 MEASUREMENTS = [
+    ("all", "everystop.bench.run_all", "this machine's canonical results and "
+     "docs/performance.md (`make bench`)"),
     ("throughput", "everystop.bench.throughput", "offline throughput on the 128-request workload, "
      "or single-stream decode latency"),
     ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),

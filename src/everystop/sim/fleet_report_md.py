@@ -272,7 +272,8 @@ def _running_it() -> list[str]:
         "everystop bench fleet-report --render-only",
         "# under PyPy (scripts/ensure_pypy.sh unpacks Debian's, no root)",
         "PYPY_GC_NURSERY=256MB PYPY_GC_MAJOR_COLLECT=4 PYTHONPATH=src \\",
-        "    $(scripts/ensure_pypy.sh) -m everystop simulate --replicas 16 --traffic 'n=20000,rate=150'",
+        "    $(scripts/ensure_pypy.sh) -m everystop simulate --replicas 16 \\",
+        "    --traffic 'n=20000,rate=150'",
         "```",
         "",
         "Traffic keys are documented in `src/everystop/sim/fleet_workload.py`; `rate` counts "
