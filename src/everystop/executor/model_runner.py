@@ -140,7 +140,7 @@ class ModelRunner:
                         gemm)
             if (kernels is not None and self.dtype == torch.float32
                     and "amx_bf16" in cpu_flags()):
-                # The fp32 default leaves this CPU's tile units idle (session 12: ~6.7x).
+                # The fp32 default leaves this CPU's tile units idle (~6.7x slower).
                 logger.info("this CPU has AMX-BF16: --dtype bfloat16 runs the GEMMs on it, "
                             "several times the fp32 rate (`everystop bench roofline`)")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.

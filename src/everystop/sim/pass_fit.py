@@ -8,7 +8,7 @@ the attention work on a coefficient of its own, judged on passes the fit did not
 In the base form attention's FLOPs ride in `flops` at the GEMMs' rate and its KV reads in
 `bytes`, inside the max: on a CPU the paged-attention kernel runs far below the GEMMs'
 efficiency and does not overlap with them, so the residuals grew with the attention share of a
-pass (session 6's notes). The attention form prices it apart, outside the max.
+pass. The attention form prices it apart, outside the max.
 
     dense_flops      2 * layer_params * tokens + 2 * lm_head_params * sampled
     attention_flops  4 * layers * heads * head_dim * attention_pairs
@@ -159,7 +159,7 @@ def residual_by_attention_share(model: ModelSpec, shapes: list[IterationShape],
 # apart and the linears' kernel picked by the pass's token count, as the CPU engine picks it
 # (layers/linear.py): GEMVs up to a row limit, 8 rows per chunk, each chunk reading every weight
 # once; GEMMs above it, converting every (block-quantized) weight once per pass. Measured on the
-# default model (session 12, 1 torch thread): a decode pass costs ~3 ms more per row, and ~10 ms
+# default model (1 torch thread): a decode pass costs ~3 ms more per row, and ~10 ms
 # more at 7 rows than at 6 and at 9 than at 8 (csrc/quant_linear.cpp's kQCols: from 7 rows on
 # AVX-512, 3 on AVX2, a chunk's accumulators leave registers for one output column per step);
 # passes of 33+ tokens pay ~60 ms up front and ~1.3 ms per token.

@@ -27,8 +27,8 @@ from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, deq
 
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
 # the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
-# whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear; see
-# docs/perf/profile.md). Larger inputs are compute-bound and go to oneDNN's GEMM (see
+# whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear).
+# Larger inputs are compute-bound and go to oneDNN's GEMM (see
 # _gemm_fp32); other devices use F.linear.
 SMALL_ROWS = 8
 # Up to this many rows, 16-bit weights beside fp32 activations and block weights stay on the
@@ -36,7 +36,7 @@ SMALL_ROWS = 8
 # from memory once), instead of being dequantized whole for a GEMM on every call: that cost a
 # 9-row decode step of the default model ~3x an 8-row one. Where block weights would go to bf16
 # tiles (a bf16 GEMM at ~2.5x the fp32 one) the GEMV wins only up to 16 rows. Measured per
-# layer on SmolLM2-135M and Llama-3.2-1B shapes (docs/perf/profile.md, session 11).
+# layer on SmolLM2-135M and Llama-3.2-1B shapes.
 CHUNKED_GEMV_ROWS = 32
 CHUNKED_GEMV_ROWS_BF16_TILES = 16
 
