@@ -34,8 +34,6 @@ MEASUREMENTS = [
      "router policies vs load, prefix hits on chats, capacity plans"),
     ("fleet-speed", "everystop.sim.fleet_speed", "how fast the fleet simulator runs (64 "
      "replicas; the 1M-request extrapolation)"),
-    ("sim-pass-calibrate", "everystop.bench.pass_calibration", "the cost model's per-pass error "
-     "on a live run, with and without its attention term"),
     ("routing", "everystop.bench.routing", "routing policies side by side on 2 Ray Serve "
      "replicas (skewed and shared-prefix workloads)"),
     ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),

@@ -125,24 +125,7 @@ def _calibrations(args: argparse.Namespace) -> dict:
     real = read(args.calibration_real)
     if real is not None:
         real.pop("calibration_records", None)
-    # Other runs of the same script (other seeds, loads), kept for the repeatability table.
-    repeats = []
-    for path in sorted((args.calibration_real.parent / "repeats").glob("*.json")):
-        run = read(path)
-        repeats.append({"file": path.name, "command": run["command"],
-                        "load_fraction": run["workload"]["load_fraction"],
-                        "num_requests": run["workload"]["num_requests"],
-                        "relative_error": run["relative_error"],
-                        "within_10pct": run["within_10pct"],
-                        "speed_probe_factors": run.get("speed_probe", {}).get("factors", [])})
-    # Calibration (a): every per-pass run kept, newest file name last.
-    passes = []
-    for path in sorted(args.calibration_real.parent.glob("pass_calibration*.json")):
-        run = read(path)
-        run.pop("passes", None)  # the raw per-pass records stay in their own file
-        passes.append({**run, "file": path.name})
-    return {"calibration": read(args.calibration), "calibration_real": real,
-            "calibration_real_repeats": repeats, "pass_calibration": passes}
+    return {"calibration": read(args.calibration), "calibration_real": real}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
