@@ -25,7 +25,7 @@ serve: $(STAMP)
 
 # ruff over everything we ship and test; mypy over the floors with typed contracts.
 lint: $(STAMP)
-	$(VPY) -m ruff check src tests benchmarks scripts
+	$(VPY) -m ruff check src tests benchmarks scripts tools
 	$(VPY) -m mypy
 
 # Two workers, a test module each at a time (module-scoped servers stay in one worker): most
