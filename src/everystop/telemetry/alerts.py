@@ -10,7 +10,7 @@
   tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance); the
                    message says when the decodes alone were predicted over the target (no
                    prefill budget can meet it: the target is below this machine's decode
-                   step at that batch size, `everystop bench step-floor`)
+                   step at that batch size; the step-cost fit on /metrics shows it)
 
 Auto-clamp: a prefill-ceiling breach (with a ceiling set below max_num_batched_tokens), or a
 run of overruns in steps that carried prefill the budget predicted within the target, lasting

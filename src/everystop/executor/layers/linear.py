@@ -152,7 +152,7 @@ def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x @ weight.T through oneDNN's GEMM. On AMD Zen (AVX2 and AVX-512 alike) MKL's
     sgemm, what F.linear calls, runs its generic code path: measured per thread, 1-thread CPU
     time, default model's projections at 256-512 rows: oneDNN 230-238 vs MKL (packed weights)
-    104-105 GFLOP/s with AVX-512, 115-116 vs 101 with AVX2 (everystop bench gemm-backends).
+    104-105 GFLOP/s with AVX-512, 115-116 vs 101 with AVX2.
     oneDNN reads the plain weight: no packed copy is kept beside it."""
     if not _ONEDNN:
         return F.linear(x, weight)
