@@ -44,12 +44,19 @@ def default_dtype(machine: dict[str, Any]) -> str:
 
 
 def _cli(argv: list[str]) -> None:
-    """One `everystop` command, recorded in its result as itself (the envelope reads argv)."""
-    from everystop.cli import main
+    """One `everystop bench ...` or `everystop simulate ...` command, recorded in its result as
+    itself (the result's envelope reads argv)."""
+    from everystop.bench.cli import register as register_bench
+    from everystop.sim.cli import register as register_simulate
+
     print("+ everystop " + " ".join(argv), flush=True)
+    parser = argparse.ArgumentParser(prog="everystop")
+    sub = parser.add_subparsers(dest="command")
+    (register_bench if argv[0] == "bench" else register_simulate)(sub)
+    args = parser.parse_args(argv)
     saved, sys.argv = sys.argv, ["everystop", *argv]
     try:
-        code = main(argv)
+        code = int(args.func(args) or 0)
     finally:
         sys.argv = saved
     if code:
