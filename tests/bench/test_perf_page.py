@@ -50,4 +50,4 @@ def test_the_tables_follow_the_numbers_in_the_results(tmp_path: Path) -> None:
 def test_bench_all_render_only_writes_the_page_next_to_other_results(tmp_path: Path) -> None:
     results = _copy_results(tmp_path)
     assert main(["bench", "all", "--out", str(results), "--render-only"]) == 0
-    assert (results / "performance.md").read_text() == perf_page.render(results)
+    assert (results / "performance.md").read_text() == perf_page.render(results, results)

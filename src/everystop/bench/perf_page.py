@@ -98,7 +98,7 @@ def throughput_line(r: dict[str, Any]) -> str:
             f"TTFT p99 {_ms(r['ttft_p99_s'])}.")
 
 
-def kind_section(kind_dir: Path) -> list[str]:
+def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     """Everything measured on one CPU kind; the commands that measured it."""
     vs, offline = _load(kind_dir / VS_LLAMACPP), _load(kind_dir / THROUGHPUT)
     single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
@@ -121,14 +121,15 @@ def kind_section(kind_dir: Path) -> list[str]:
                 f"{sweep['meta']['capacity_from']}); workload {sweep['meta']['workload']}.", "",
                 *load_table(sweep), ""]
         if png.is_file():
-            out += [f"![latency vs load]({os.path.relpath(png, ROOT / 'docs')})", ""]
+            out += [f"![latency vs load]({os.path.relpath(png, page_dir)})", ""]
     commands = [r["command"] for r in present]
     commands += [r["meta"]["server_command"] for r in single.values()
                  if "server_command" in r.get("meta", {})]
     commands += list((sweep or {}).get("meta", {}).get("server_commands", {}).values())
     commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
         else []
-    out += [f"Commands (results in `{rel}/`):", "", "```", *commands, "```", ""]
+    unique = list(dict.fromkeys(commands))  # a server started twice is listed once
+    out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
     return out
 
 
@@ -173,8 +174,9 @@ def sim_section(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def render(results: Path = RESULTS) -> str:
-    """The whole page from the results under `results`."""
+def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
+    """The whole page from the results under `results`, for a page in `page_dir` (the
+    plots are linked relative to it)."""
     kinds = sorted(p for p in (results / "cpu").glob("*") if p.is_dir())
     lines = [
         "# Performance", "",
@@ -186,6 +188,6 @@ def render(results: Path = RESULTS) -> str:
         "exist.", "",
     ]
     for kind_dir in kinds:
-        lines += kind_section(kind_dir)
+        lines += kind_section(kind_dir, page_dir)
     lines += sim_section(_load(results / "sim/report.json"))
     return "\n".join(lines)

@@ -135,6 +135,6 @@ def run(args: argparse.Namespace) -> int:
             _cli(["simulate", "report"])  # writes the committed sim/report.json
     page = perf_page.PAGE if out.resolve() == perf_page.RESULTS.resolve() \
         else out / "performance.md"
-    page.write_text(perf_page.render(out))
+    page.write_text(perf_page.render(out, page.parent))
     print(f"wrote {page}")
     return 0
