@@ -35,7 +35,7 @@ one primitive per batch row count and weight shape (~0.4 MiB each, 1,024 entries
 default, both must be bounded); the engine now bounds them at start-up
 (executor/onednn_caches.py, --onednn-cache-capacity, default 64).
 
-    everystop bench soak --minutes 20 --out benchmarks/results/soak.json
+    everystop bench soak --minutes 20 --out soak.json
 
 Not under `nice -n 19` on a shared host: the niced server then waits behind any other job, and
 /health measures the host.
