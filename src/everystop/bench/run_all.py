@@ -71,7 +71,7 @@ def single_stream(out_dir: Path, dtype: str, args: argparse.Namespace) -> None:
 
     workload = load_workload(str(WORKLOADS / "single-16.json"))
     if args.quick:
-        workload = workload.head(4)
+        workload = workload.head(3)
 
     def measure(url: str, server_command: str, name: str) -> None:
         report = asyncio.run(run_serve(workload, ServeOptions(
@@ -104,18 +104,18 @@ def measure_cpu(out_dir: Path, dtype: str, args: argparse.Namespace) -> None:
     """Every CPU measurement, each writing its result under out_dir."""
     quick = args.quick
     _cli(["bench", "throughput", "--dtype", dtype, "--out", str(out_dir / perf_page.THROUGHPUT)]
-         + (["--num-requests", "24"] if quick else []))
+         + (["--num-requests", "12"] if quick else []))
     single_stream(out_dir, dtype, args)
     llama = ["--llama-server", args.llama_server, "--gguf", _gguf(args)] \
         if args.llama_server else []
     if llama:
         _cli(["bench", "vs-llamacpp", *llama, "--dtype", dtype,
               "--out", str(out_dir / perf_page.VS_LLAMACPP)]
-             + (["--num-requests", "24"] if quick else []))
+             + (["--num-requests", "12"] if quick else []))
     threads = str(_threads())
     sweep = ["bench", "sweep", "--start-everystop", f"--dtype {dtype}",
              "--workload", str(WORKLOADS / "mixed-128.json"), "--token-ids",
-             "--num-requests", "12" if quick else "48", "--warmup-requests", "2" if quick else "8",
+             "--num-requests", "8" if quick else "48", "--warmup-requests", "1" if quick else "8",
              "--out", str(out_dir / perf_page.LOAD_SWEEP)]
     if llama:
         sweep += ["--start-llamacpp", f"-np 32 -c 65536 -t {threads} -tb {threads}", *llama,
