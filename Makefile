@@ -25,7 +25,7 @@ serve: $(STAMP)
 
 # ruff over everything we ship and test; mypy over the floors with typed contracts.
 lint: $(STAMP)
-	$(VPY) -m ruff check src tests benchmarks scripts
+	$(VPY) -m ruff check src tests benchmarks scripts tools
 	$(VPY) -m mypy
 
 # Two workers, a test module each at a time (module-scoped servers stay in one worker): most
@@ -35,6 +35,12 @@ test: lint
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not model and not server"
+
+# The committed results and docs/performance.md, measured again on this machine's CPU kind.
+# LLAMA_SERVER=/path/to/llama-server adds llama.cpp beside everystop; QUICK=1 is a smoke run.
+bench: $(STAMP)
+	$(VENV)/bin/everystop bench all --out benchmarks/results \
+		$(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

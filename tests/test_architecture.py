@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "telemetry": {"core"},
     "server": {"core", "engine", "telemetry"},
     "cluster": {"core", "engine", "routing", "server", "tokenizer"},
-    # the measurements time the executor's own parts (profile, the attention kernels),
+    # the measurements time the executor's own parts (the step profile),
     # calibrate the simulator and run the routing policies in the fleet simulator
     # (bench routing --simulate); quant-accuracy rounds weights as a format holds them
     # (executor.models' round_as_held), on our model and on transformers'

@@ -34,7 +34,7 @@ def test_roofline_annotates_a_committed_throughput_result(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "roofline.json"
     argv = ["bench", "roofline", "--peaks", str(RESULTS / "roofline.json"),
-            str(RESULTS / "throughput_bf16.json"), "--out", str(out)]
+            str(RESULTS / "cpu" / "amd_avx512" / "throughput.json"), "--out", str(out)]
     monkeypatch.setattr("sys.argv", ["/venv/bin/everystop", *argv])
     assert main(argv) == 0
     report = json.loads(out.read_text())
@@ -56,8 +56,7 @@ def test_simulate_calibrate_self_test_reproduces_the_committed_calibration(
 
 
 def test_every_committed_result_carries_the_envelope() -> None:
-    """Every committed result came through write_result, so each says how it was made (the last
-    ones written before it were rerun in session 11)."""
+    """Every committed result came through write_result, so each says how it was made."""
     paths = sorted(RESULTS.rglob("*.json"))
     assert paths, f"no committed results under {RESULTS}"
     without = []

@@ -41,7 +41,7 @@ def default_openmp_wait() -> None:
     needs: 2,024 ms/token measured under heavy load). A short spin (GOMP_SPINCOUNT=10000, then
     sleep) gets the quiet-machine speed (22 ms/token) and, under heavy load, stays far from the
     spinning collapse (112 ms/token; passive 43). On an oversubscribed machine set
-    OMP_WAIT_POLICY=PASSIVE (docs/perf/profile.md). Read once, when torch loads its OpenMP
+    OMP_WAIT_POLICY=PASSIVE. Read once, when torch loads its OpenMP
     runtime, so the package calls this on import, before anything imports torch; an explicit
     OMP_WAIT_POLICY or GOMP_SPINCOUNT (or torch imported first) wins."""
     if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:

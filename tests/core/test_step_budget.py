@@ -213,7 +213,7 @@ def test_budget_never_exceeds_max_num_batched_tokens(requests, max_num_seqs, ext
         assert h.outputs[rid] == reference_output(prompt, max_tokens), rid
 
 
-# A CPU-like machine (bench step-floor): a decode row costs a quarter of the fixed cost, so the
+# A CPU-like machine: a decode row costs a quarter of the fixed cost, so the
 # decodes alone can fill a tight target. Times in seconds.
 CPU = StepCoefficients(fixed=0.012, prefill_token=0.0005, decode_row=0.003, context_token=1e-7)
 PREMIUM_TARGETS_MS = (50.0, None, 200.0)

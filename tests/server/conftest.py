@@ -23,21 +23,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lost_its_port(log_text: str) -> bool:
+    """Whether a server's log says another process bound its port first: a free port is only
+    free until someone binds it, and another test worker (or Ray) may do so in between."""
+    return "address already in use" in log_text.lower()
+
+
 class ServerProcess:
+    """A server subprocess on a free loopback port; if the port is taken before the server binds
+    it, the server is started again on another one (up to PORT_RETRIES times)."""
+
+    PORT_RETRIES = 3
+
     def __init__(self, cmd: list[str], port: int, log: Path) -> None:
+        self.cmd = cmd
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - the server writes it until stop()
+        self._spawn(port)
+
+    def _spawn(self, port: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}",
                    OMP_NUM_THREADS="1")
-        self._log = open(log, "wb")  # noqa: SIM115 - the server writes it until stop()
-        self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)],
+        self.proc = subprocess.Popen(self.cmd + ["--host", "127.0.0.1", "--port", str(port)],
                                      cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        retries = self.PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if retries > 0 and lost_its_port(self.log()):
+                    retries -= 1
+                    self._log.write(f"\n-- port {self.port} was taken; restarting\n".encode())
+                    self._spawn(free_port())
+                    continue
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:

@@ -16,17 +16,8 @@ from everystop.sim.node import build_node
 TRAFFIC = ("n=260,prompt=uniform:20:700,output=uniform:5:200,rate=40,tiers=0.3:0.4:0.3,"
            "prefix=0.4:64,sessions=0.5:3:1,tenants=3,seed=11")
 
-# Re-pinned when #20 changed what replicas report (the prompt left of a running prefill) and
-# prefix-affinity's margin (2 -> 4), and again when its score weighed queued prefill tokens over
-# request counts (session 7): routing decisions, not the hot path; round-robin's holds. Unchanged
-# when the simulator's RouteRequest took the Ray router's block count, ceil((L + 1) / 16), from
-# `route_request` (session 8): no ranking in these runs turned on the one-block difference.
-# Re-pinned (chunked-swap only) when admission began asking for room for a prompt's whole rest
-# while others run (session 10, against the KV-starved thrash): a scheduling change, on purpose;
-# that run's preemptions 76 -> 70, p99 TTFT 3.34 -> 2.93 s, end 12.87 -> 12.43 s.
-# Re-pinned (chunked-swap only) when prefix-affinity stopped charging a prompt's blocks that an
-# unfinished request on the same replica already holds (session 12): a routing change, on
-# purpose; hit rate 0.241 -> 0.269, preemptions 70 -> 53, p99 TTFT 2.87 -> 2.77 s.
+# A digest changes only when a routing or scheduling decision does; re-pin it on purpose, with
+# the change's effect (hit rate, preemptions, p99 TTFT) in the commit message.
 CASES = {
     # scheduling, KV blocks, scheduler options, router, stats interval, digest
     "chunked-swap": ("chunked", 700, {"preemption_mode": "auto"}, "prefix-affinity", 0.5,

@@ -14,7 +14,7 @@ from everystop.config import SchedulerConfig
 from everystop.sim.simulator import SimSetup, simulate
 from everystop.workload import Workload, WorkloadRequest
 
-# `everystop bench preemption`'s workload shape: prompts 96..288 tokens, outputs 48..112.
+# A KV-starved workload's shape: prompts 96..288 tokens, outputs 48..112.
 WORKLOAD = Workload("starved", 0, {}, [
     WorkloadRequest(id=str(i), prompt_len=96 + (i * 53) % 193, max_tokens=48 + (i * 29) % 65)
     for i in range(24)])

@@ -21,11 +21,11 @@ from everystop.workload import TextTokenizer
 # Measurements of the engine on this machine: (subcommand, module with add_arguments(parser)
 # and run(args), help). Each writes one result JSON (everystop.results.write_result).
 MEASUREMENTS = [
+    ("all", "everystop.bench.run_all", "this machine's canonical results and "
+     "docs/performance.md (`make bench`)"),
     ("throughput", "everystop.bench.throughput", "offline throughput on the 128-request workload, "
      "or single-stream decode latency"),
     ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
-    ("step-floor", "everystop.bench.step_floor", "what a pure-decode step costs by batch size "
-     "(the floor under any TPOT target), and a step with one prompt's chunk on top"),
     ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
@@ -34,38 +34,10 @@ MEASUREMENTS = [
      "router policies vs load, prefix hits on chats, capacity plans"),
     ("fleet-speed", "everystop.sim.fleet_speed", "how fast the fleet simulator runs (64 "
      "replicas; the 1M-request extrapolation)"),
-    ("sim-pass-calibrate", "everystop.bench.pass_calibration", "calibration (a): the cost "
-     "model's per-pass error on a live run, with and without its attention term"),
-    ("startup", "everystop.bench.startup", "start-up: generate to its answer, serve to /health"),
     ("routing", "everystop.bench.routing", "routing policies side by side on 2 Ray Serve "
      "replicas (skewed and shared-prefix workloads)"),
     ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
-    ("health-big-request", "everystop.bench.health_big_request", "worst /health latency while "
-     "one client sends a 10 MB request"),
-    ("health-under-load", "everystop.bench.health_under_load", "/health latency with every "
-     "sequence slot busy"),
-    ("gemm-backends", "everystop.bench.gemm_backends", "fp32 GEMM: MKL vs oneDNN on the "
-     "model's projection shapes"),
-    ("attention", "everystop.bench.attention_kernels", "paged attention: torch vs each CPU "
-     "kernel build, per KV dtype"),
-    ("kv-read-ceiling", "everystop.bench.kv_read_ceiling", "K/V read in paged order vs a "
-     "sequential read, per block size, beside the attention kernel"),
-    ("preemption", "everystop.bench.preemption_modes", "KV-starved workload: recompute vs swap "
-     "vs the cost model"),
-    ("scheduler", "everystop.bench.scheduler_cost", "scheduler cost per iteration; decode "
-     "tok/s by batch size"),
-    ("grammar-mask", "everystop.bench.grammar_mask", "structured-output token masks: xgrammar "
-     "vs llguidance"),
-    ("structured-output", "everystop.bench.json_schema_outputs", "JSON-schema outputs: valid "
-     "share and the masks' cost"),
-    ("tp-check", "everystop.bench.tp_check", "tensor parallel: TP=N vs TP=1 equality and "
-     "overhead"),
-    ("cuda-check", "everystop.bench.cuda_check", "on a CUDA machine: correctness core and "
-     "decode tok/s"),
     ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
-    ("quant-kernels", "everystop.bench.quant_kernels", "quantized linear kernels vs torch's"),
-    ("quant-vs-llamacpp", "everystop.bench.quant_vs_llamacpp", "memory and decode speed vs "
-     "llama.cpp on the same GGUF files"),
 ]
 
 

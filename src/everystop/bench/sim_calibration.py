@@ -251,7 +251,7 @@ def per_pass_error(cost: CostModel, records: list[dict]) -> dict:
 
 
 def add_live_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The live engine a calibration runs against (shared with bench/pass_calibration.py)."""
+    """The live engine a calibration runs against."""
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

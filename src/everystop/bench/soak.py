@@ -30,12 +30,12 @@ returned by the server's heap trimmer); and malloc'd memory in use, outside Pyth
 (tracemalloc: ~9 MiB of the growth). An engine alone (no server), 24 random-token prompts a
 round: the same set three times +49, +19, 0 MiB in use; four new sets +63, +43, +33, +2; the
 first set again +30. So it follows content/shapes not seen lately, like a bounded cache
-filling, not a per-request leak. Attributed (session 9): oneDNN's two caches of compiled GEMMs,
+filling, not a per-request leak. Attributed: oneDNN's two caches of compiled GEMMs,
 one primitive per batch row count and weight shape (~0.4 MiB each, 1,024 entries per cache by
 default, both must be bounded); the engine now bounds them at start-up
 (executor/onednn_caches.py, --onednn-cache-capacity, default 64).
 
-    everystop bench soak --minutes 20 --out benchmarks/results/soak.json
+    everystop bench soak --minutes 20 --out soak.json
 
 Not under `nice -n 19` on a shared host: the niced server then waits behind any other job, and
 /health measures the host.

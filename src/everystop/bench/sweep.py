@@ -26,7 +26,7 @@ command lines go into the JSON's meta.server_commands); the side-by-side run of 
         --start-everystop "--dtype bfloat16 --tpot-target-ms 200 --ttft-target-ms auto" \
         --start-llamacpp "-np 32 -c 65536 -t 2 -tb 2" --capacity-from llamacpp \
         --workload benchmarks/workloads/mixed-128.json --num-requests 48 --token-ids \
-        --out benchmarks/results/latency_vs_load.json
+        --out benchmarks/results/cpu/amd_avx512/latency_vs_load.json
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ With the target off (tpot_target_ms=0) only the token cap applies: the fixed bud
 
 What a target can promise: rule 1 puts every decode in every step, so a step carrying a
 premium row costs at least the fixed cost plus a decode row per running sequence, whatever
-tier. On a CPU that alone can exceed a tight target (`everystop bench step-floor` measures it
-by batch size); no prefill budget meets such a target, and the TPOT-overrun alert says so.
+tier. On a CPU that alone can exceed a tight target (the step-cost fit predicts it by batch
+size); no prefill budget meets such a target, and the TPOT-overrun alert says so.
 """
 
 from __future__ import annotations

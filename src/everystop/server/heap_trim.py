@@ -127,7 +127,7 @@ def start_heap_trimming(interval_s: float) -> None:
 
     The first trim returns what start-up freed (the weights' staging buffers, the cost probes'
     and warm-up passes' activations) before the first request, rather than `interval_s` into
-    serving (the 1B-shape Q8_0 engine built offline: 1,610 -> 1,567 MiB RSS, session 12)."""
+    serving (the 1B-shape Q8_0 engine built offline: 1,610 -> 1,567 MiB RSS)."""
     HEAP_TRIMMER.interval_s = interval_s
     if interval_s > 0:
         released = HEAP_TRIMMER.trim_once()

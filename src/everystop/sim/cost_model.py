@@ -13,7 +13,7 @@ The same form is fitted to measurements (see `fit.py`): the coefficients are the
 seconds-per-FLOP and seconds-per-byte rather than 1/(peak*eff).
 
 A CPU runs its kernels one after another, not overlapped, and switches kernels by batch size,
-so measured CPU passes are fitted (`pass_fit.py`) to an extended form that replaces the max:
+so measured CPU passes are described by an extended form that replaces the max:
 
     attention_apart   the max covers the dense work only (dense FLOPs, weight bytes); attention
                       is added on top: e * attention FLOPs + f * KV bytes

@@ -87,14 +87,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without rerunning the simulations or the plots")
 
 
+REPORT_JSON = ROOT / "benchmarks/results/sim/report.json"
+PAGE = ROOT / "docs/simulator-report.md"
+
+
+def saved_report(args: argparse.Namespace) -> dict:
+    """What the page renders from the committed results: report.json and the calibrations."""
+    data = json.loads(REPORT_JSON.read_text())
+    data.update(_calibrations(args))
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
-    report = ROOT / "benchmarks/results/sim/report.json"
+    report = REPORT_JSON
     if args.markdown_only:
         # NOTE: report.json is not rewritten: its numbers were not rerun, and a rewrite would
         # stamp them with this command. The calibrations come from their own files.
-        data = json.loads(report.read_text())
-        data.update(_calibrations(args))
-        _write_markdown(data)
+        _write_markdown(saved_report(args))
         return 0
     img = ROOT / "docs/img"
     img.mkdir(parents=True, exist_ok=True)
@@ -125,24 +134,7 @@ def _calibrations(args: argparse.Namespace) -> dict:
     real = read(args.calibration_real)
     if real is not None:
         real.pop("calibration_records", None)
-    # Other runs of the same script (other seeds, loads), kept for the repeatability table.
-    repeats = []
-    for path in sorted((args.calibration_real.parent / "repeats").glob("*.json")):
-        run = read(path)
-        repeats.append({"file": path.name, "command": run["command"],
-                        "load_fraction": run["workload"]["load_fraction"],
-                        "num_requests": run["workload"]["num_requests"],
-                        "relative_error": run["relative_error"],
-                        "within_10pct": run["within_10pct"],
-                        "speed_probe_factors": run.get("speed_probe", {}).get("factors", [])})
-    # Calibration (a): every per-pass run kept, newest file name last.
-    passes = []
-    for path in sorted(args.calibration_real.parent.glob("pass_calibration*.json")):
-        run = read(path)
-        run.pop("passes", None)  # the raw per-pass records stay in their own file
-        passes.append({**run, "file": path.name})
-    return {"calibration": read(args.calibration), "calibration_real": real,
-            "calibration_real_repeats": repeats, "pass_calibration": passes}
+    return {"calibration": read(args.calibration), "calibration_real": real}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -151,6 +143,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_markdown(data: dict) -> None:
-    (ROOT / "docs/simulator-report.md").write_text(render(data))
+    PAGE.write_text(render(data))
     print("wrote docs/simulator-report.md")
 

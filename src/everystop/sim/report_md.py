@@ -3,8 +3,6 @@ numbers (everystop.sim.design_report)."""
 
 from __future__ import annotations
 
-from everystop.sim.pass_report_md import pass_calibration_lines, pass_calibration_summary
-
 # The design's published table (seed design, section on batching), beside the simulated rows.
 DESIGN = {"static": ("3,200", "$0.71", "~1,800 ms", "19 ms"),
           "continuous": ("6,200", "$0.37", "~450 ms", "17 ms"),
@@ -228,37 +226,6 @@ def _real_how_to_read(cal: dict) -> list[str]:
     ]
 
 
-def _repeatability(main: dict | None, repeats: list[dict]) -> list[str]:
-    """The committed run next to other runs of the same script (benchmarks/results/sim/repeats)."""
-    if not main or not repeats:
-        return []
-    probe = lambda fs: (f"{min(fs):.2f}-{max(fs):.2f}x" if fs else "-")  # noqa: E731
-    rows = [("calibration_real.json (above)", main["workload"]["load_fraction"],
-             main["workload"]["num_requests"], main["relative_error"], main["within_10pct"],
-             main.get("speed_probe", {}).get("factors", []))]
-    rows += [(r["file"], r["load_fraction"], r["num_requests"], r["relative_error"],
-              r["within_10pct"], r["speed_probe_factors"]) for r in repeats]
-    keys = list(main["relative_error"])
-    out = ["", "**Repeatability.** The same script, other arrival seeds (`--seed`) and loads; "
-           "each row is a whole run (its own profile, fit and measured workloads), errors "
-           "pooled over its requests:", "",
-           "| run | load | requests | speed probe | " + " | ".join(f"{k} error" for k in keys)
-           + " | within 10% |", "|---" * (5 + len(keys)) + "|"]
-    for name, load, n, err, ok, factors in rows:
-        out.append(f"| {name} | {load:.0%} | {n} | {probe(factors)} | "
-                   + " | ".join(f"{100 * err[k]:+.1f}%" if k in err else "-" for k in keys)
-                   + f" | {'yes' if ok else 'no'} |")
-    factors = [f for row in rows for f in row[5]]
-    out += ["", f"Within 10%: {sum(1 for row in rows if row[4])} of {len(rows)} runs."
-            + (f" Across them the speed probe (the same fixed shapes, against each run's own fit) "
-               f"ranged {min(factors):.2f}-{max(factors):.2f}x: the same work took that much "
-               "less or more time minutes apart, and TTFT, which adds queueing to pass times, "
-               "moves further than the pass times do. On this shared machine one run's TTFT "
-               "within 10% says more about the minute it ran in than about the model."
-               if factors else "")]
-    return out
-
-
 def _speed_probe(probe: dict | None) -> list[str]:
     if not probe or not probe.get("factors"):
         return []
@@ -471,7 +438,7 @@ def _comparison_section(d: dict) -> list[str]:
 
 
 def _calibration_section(d: dict) -> list[str]:
-    """Section 4: the cost model fitted to the real engine, pass by pass, and the self-test."""
+    """Section 4: the cost model fitted to the real engine, and the self-test."""
     lines = [
         "## 4. Calibration against a real engine",
         "",
@@ -484,29 +451,12 @@ def _calibration_section(d: dict) -> list[str]:
     ]
     lines += ["### 4.1 The real engine on this CPU", ""]
     lines += _real_calibration(d.get("calibration_real"))
-    lines += _repeatability(d.get("calibration_real"), d.get("calibration_real_repeats") or [])
-    lines += ["", "### 4.2 Pass by pass on a live run (calibration (a))", "",
-              "Each pass's predicted time against its measured time, on passes of the same live "
-              "run that the fit did not see. Three forms: the simulator's roofline form; the same "
-              "with attention priced apart (on a CPU the attention kernel neither overlaps the "
-              "GEMMs nor runs at their rate); and the regime form, the cost model's extended "
-              "form (`sim/cost_model.py`): attention apart, and the linears priced by the kernel "
-              "the engine picks for the pass's token count, GEMVs up to a row limit that read "
-              "every weight once per chunk of 8 rows (once more for a chunk of 7-8 rows on "
-              "AVX-512, whose accumulators leave registers for one output column at a time) or "
-              "GEMMs that convert every weight once per pass. The regime form's fit is a "
-              "`Coefficients` that `CostModel` takes as is, and it is judged through `CostModel` "
-              "itself.", ""]
-    lines += pass_calibration_summary(d.get("pass_calibration") or []) + [""]
-    for run in d.get("pass_calibration") or [None]:
-        lines += pass_calibration_lines(run) + [""]
-    lines += ["", "### 4.3 Synthetic self-test (a pipeline check, not a measurement)", ""]
+    lines += ["", "### 4.2 Synthetic self-test (a pipeline check, not a measurement)", ""]
     lines += _calibration(d.get("calibration"))
     lines += [
         "",
         "Here a hidden 'true' CPU cost model with +/-10% per-pass noise stands in for the engine, "
-        "so the fit-and-predict pipeline can be checked without one (written before the live "
-        "engine was in main). Its workload is below capacity on purpose: at 0.5 req/s (just over "
+        "so the fit-and-predict pipeline can be checked without one. Its workload is below capacity on purpose: at 0.5 req/s (just over "
         "capacity) the same fit still predicts throughput within 1% but TTFT p50 is off by 14%, "
         "because queueing near saturation amplifies small per-pass errors. "
         "`everystop simulate calibrate` also takes measured records from any engine: "

@@ -10,7 +10,7 @@
   tpot_overrun     N steps in a row ran longer than their TPOT target (plus a tolerance); the
                    message says when the decodes alone were predicted over the target (no
                    prefill budget can meet it: the target is below this machine's decode
-                   step at that batch size, `everystop bench step-floor`)
+                   step at that batch size; the step-cost fit on /metrics shows it)
   loop_lag         the server's event loop woke a sleeping task this late (seconds) or later:
                    work ran on the loop, and every stream and /health waited for it
 

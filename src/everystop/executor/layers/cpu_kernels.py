@@ -160,7 +160,7 @@ def _load_or_build(isa: Isa) -> None:
 def _default_build_root() -> str:
     """torch.utils.cpp_extension.get_default_build_root(), without importing that module: it
     imports setuptools and distutils (95 modules, ~4.4 MiB resident that a server loading a
-    cached build never uses; session 13)."""
+    cached build never uses)."""
     from torch import _appdirs
 
     return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
@@ -171,10 +171,9 @@ class CpuKernels:
     """One ISA's kernel library, as the layers call it.
 
     `fp32_gemm_for_16bit`: multiply 16-bit weights in fp32 for compute-bound inputs. On CPUs
-    without AMX or AVX512-BF16, oneDNN's bf16 GEMM runs at about half the fp32 rate
-    (docs/perf/profile.md); the result is what the bf16 GEMM gives (fp32 accumulation, rounded
-    once to bf16). False (bf16 timed faster) also sends block weights meeting bf16
-    activations to bf16 tiles.
+    without AMX or AVX512-BF16, oneDNN's bf16 GEMM runs at about half the fp32 rate; the result
+    is what the bf16 GEMM gives (fp32 accumulation, rounded once to bf16). False (bf16 timed
+    faster) also sends block weights meeting bf16 activations to bf16 tiles.
     """
 
     isa: str

@@ -28,8 +28,8 @@ from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, deq
 
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
 # the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
-# whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear; see
-# docs/perf/profile.md). Larger inputs are compute-bound and go to oneDNN's GEMM (see
+# whole model's projections take ~33 ms in fp32 vs ~62 ms through F.linear).
+# Larger inputs are compute-bound and go to oneDNN's GEMM (see
 # _gemm_fp32); other devices use F.linear.
 SMALL_ROWS = 8
 # Up to this many rows, 16-bit weights beside fp32 activations and block weights stay on the
@@ -37,7 +37,7 @@ SMALL_ROWS = 8
 # from memory once), instead of being dequantized whole for a GEMM on every call: that cost a
 # 9-row decode step of the default model ~3x an 8-row one. Where block weights would go to bf16
 # tiles (a bf16 GEMM at ~2.5x the fp32 one) the GEMV wins only up to 16 rows. Measured per
-# layer on SmolLM2-135M and Llama-3.2-1B shapes (docs/perf/profile.md, session 11).
+# layer on SmolLM2-135M and Llama-3.2-1B shapes.
 CHUNKED_GEMV_ROWS = 32
 CHUNKED_GEMV_ROWS_BF16_TILES = 16
 
@@ -159,7 +159,7 @@ def _gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x @ weight.T through oneDNN's GEMM. On AMD Zen (AVX2 and AVX-512 alike) MKL's
     sgemm, what F.linear calls, runs its generic code path: measured per thread, 1-thread CPU
     time, default model's projections at 256-512 rows: oneDNN 230-238 vs MKL (packed weights)
-    104-105 GFLOP/s with AVX-512, 115-116 vs 101 with AVX2 (everystop bench gemm-backends).
+    104-105 GFLOP/s with AVX-512, 115-116 vs 101 with AVX2.
     oneDNN reads the plain weight: no packed copy is kept beside it."""
     if not _ONEDNN:
         return F.linear(x, weight)

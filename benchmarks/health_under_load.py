@@ -1,6 +1,0 @@
-"""Thin entry point for `everystop bench health-under-load` (same flags)."""
-
-from everystop.bench.cli import script_main
-
-if __name__ == "__main__":
-    script_main("health-under-load")

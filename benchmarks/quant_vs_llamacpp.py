@@ -1,6 +1,0 @@
-"""Thin entry point for `everystop bench quant-vs-llamacpp` (same flags; code: everystop/bench/)."""
-
-from everystop.bench.cli import script_main
-
-if __name__ == "__main__":
-    script_main("quant-vs-llamacpp")

@@ -1,0 +1,193 @@
+"""docs/performance.md: tables rendered from the committed results (`everystop bench all`),
+one section per CPU kind that has results, then the simulator's GPU tables. Tables only: every
+number on the page is read from a result file, and the page says which."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and benchmarks/
+RESULTS = ROOT / "benchmarks/results"
+PAGE = ROOT / "docs/performance.md"
+# The files of one CPU kind's directory (results/cpu/KIND/), as `everystop bench all` names them.
+VS_LLAMACPP, THROUGHPUT = "vs_llamacpp.json", "throughput.json"
+SINGLE = {"everystop": "single_stream_everystop.json", "llama.cpp": "single_stream_llamacpp.json"}
+LOAD_SWEEP = "latency_vs_load.json"
+
+
+def cpu_kind(machine: dict[str, Any]) -> str:
+    """A results directory's name for a machine: its vendor and the widest ISA the run used
+    (an ISA capped in the environment, e.g. ONEDNN_MAX_CPU_ISA=AVX2, counts as that ISA)."""
+    model = machine.get("model", "")
+    vendor = "intel" if "Intel" in model else "amd" if "AMD" in model else "cpu"
+    flags = set(machine.get("isa_flags", []))
+    if machine.get("isa_env", {}).get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
+        isa = "avx2"
+    elif "amx_bf16" in flags:
+        isa = "amx"
+    elif "avx512f" in flags:
+        isa = "avx512"
+    else:
+        isa = "avx2" if "avx2" in flags else "generic"
+    return f"{vendor}_{isa}"
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:,.0f} ms"
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    env = {k: v for k, v in m.get("isa_env", {}).items() if k != "GOMP_SPINCOUNT"}
+    capped = f"; ISA capped by {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""
+    return (f"CPU: {m.get('model', 'unknown')}, {m.get('cpus', '?')} cores; flags: "
+            f"{' '.join(m.get('isa_flags', []))}{capped}.")
+
+
+def concurrent_table(r: dict[str, Any]) -> list[str]:
+    """128 requests at once through both servers: throughput, TTFT, memory."""
+    out = ["| server | output tok/s | TTFT p50 | TTFT p99 | peak RSS |", "|---|---|---|---|---|"]
+    for name, key in (("everystop", "everystop"), ("llama.cpp", "llamacpp")):
+        s = r[key]
+        out.append(f"| {name} | {s['output_tok_s']:,.1f} | {_ms(s['ttft_p50_s'])} | "
+                   f"{_ms(s['ttft_p99_s'])} | {_mib(s.get('peak_rss_bytes'))} |")
+    out.append("")
+    out.append(f"everystop / llama.cpp: **{r['throughput_ratio']:.2f}x** output tok/s, "
+               f"{r['ttft_p99_ratio']:.2f}x TTFT p99 ({r['num_requests']} requests, "
+               f"{r['prompt_tokens']:,} prompt tokens; everystop {r['everystop']['dtype']}, "
+               f"llama.cpp {r['llamacpp_slots']} slots).")
+    return out
+
+
+def single_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """One request at a time: the latency a lone user sees."""
+    out = ["| server | TTFT p50 | TPOT p50 | ITL p99 | output tok/s |", "|---|---|---|---|---|"]
+    for name, r in runs.items():
+        s = r["summary"]
+        out.append(f"| {name} | {s['ttft_ms']['p50']:,.0f} ms | {s['tpot_ms']['p50']:.1f} ms | "
+                   f"{s['itl_ms']['p99']:.1f} ms | {s['output_throughput']:.1f} |")
+    return out
+
+
+def load_table(r: dict[str, Any]) -> list[str]:
+    """Poisson arrivals at fractions of a measured capacity, every server through one client."""
+    out = ["| server | load | offered req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+           "|---|---|---|---|---|---|---|"]
+    for target, runs in r["runs"].items():
+        for load, run in sorted(runs.items(), key=lambda kv: float(kv[0])):
+            s = run["summary"]
+            out.append(f"| {target} | {float(load):.0%} | {run['offered_rps']:.2f} | "
+                       f"{s['ttft_ms']['p50']:,.0f} ms | {s['ttft_ms']['p99']:,.0f} ms | "
+                       f"{s['tpot_ms']['p50']:.1f} ms | {s['tpot_ms']['p99']:.1f} ms |")
+    return out
+
+
+def throughput_line(r: dict[str, Any]) -> str:
+    return (f"Offline, {r['num_requests']} requests in one engine ({r['dtype']}): "
+            f"**{r['output_tok_s']:,.1f} output tok/s** ({r['total_tok_s']:,.1f} with prompts), "
+            f"TTFT p99 {_ms(r['ttft_p99_s'])}.")
+
+
+def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
+    """Everything measured on one CPU kind; the commands that measured it."""
+    vs, offline = _load(kind_dir / VS_LLAMACPP), _load(kind_dir / THROUGHPUT)
+    single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
+    sweep = _load(kind_dir / LOAD_SWEEP)
+    present = [r for r in (vs, offline, *single.values(), sweep) if r is not None]
+    if not present:
+        return []
+    rel = kind_dir.relative_to(ROOT).as_posix() if kind_dir.is_relative_to(ROOT) else kind_dir
+    out = [f"## {kind_dir.name}", "", _machine_line(present[0]["machine"]), ""]
+    if vs:
+        out += ["### 128 concurrent requests", "", *concurrent_table(vs), ""]
+    if offline:
+        out += [throughput_line(offline), ""]
+    if single:
+        out += ["### Single stream", "", *single_table(single), ""]
+    if sweep:
+        png = (kind_dir / LOAD_SWEEP).with_suffix(".png")
+        out += ["### Latency under Poisson load", "",
+                f"Capacity {sweep['meta']['capacity_rps']:.2f} req/s (measured on "
+                f"{sweep['meta']['capacity_from']}); workload {sweep['meta']['workload']}.", "",
+                *load_table(sweep), ""]
+        if png.is_file():
+            out += [f"![latency vs load]({os.path.relpath(png, page_dir)})", ""]
+    commands = [r["command"] for r in present]
+    commands += [r["meta"]["server_command"] for r in single.values()
+                 if "server_command" in r.get("meta", {})]
+    commands += list((sweep or {}).get("meta", {}).get("server_commands", {}).values())
+    commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
+        else []
+    unique = list(dict.fromkeys(commands))  # a server started twice is listed once
+    out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
+    return out
+
+
+def bounds_table(bounds: list[dict[str, Any]]) -> list[str]:
+    out = ["| GPUs | max sequences at 1,024 tokens | decode step at 128 seqs | tok/s at 128 | "
+           "1,024-token prefill alone | TPOT p50 <= 16 ms | 8,000 tok/s at 128 |",
+           "|---|---|---|---|---|---|---|"]
+    for b in bounds:
+        v = b["verdict"]
+        out.append(f"| {b['tp']}x {b['hardware']} | {b['max_seqs_at_context']:,} | "
+                   f"{b['decode_step_ms_at_128']['modeled']:.1f} ms | "
+                   f"{b['tok_s_at_128']['modeled']:,.0f} | "
+                   f"{b['prefill_ms_1024_alone']['modeled']:.0f} ms | "
+                   f"{'yes' if v['tpot_p50_16ms'] else 'no'} | "
+                   f"{'yes' if v['tok_s_8000_at_128'] else 'no'} |")
+    return out
+
+
+def modes_table(modes: dict[str, dict[str, Any]]) -> list[str]:
+    out = ["| scheduling | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | $ / 1M output tokens |",
+           "|---|---|---|---|---|---|"]
+    for name, m in modes.items():
+        out.append(f"| {name} | {m['output_tokens_per_s']:,.0f} | {m['ttft_p50_ms']:,.0f} ms | "
+                   f"{m['ttft_p99_ms']:,.0f} ms | {m['tpot_p50_ms']:.1f} ms | "
+                   f"${m['cost_per_1m_output_tokens']:.2f} |")
+    return out
+
+
+def sim_section(report: dict[str, Any] | None) -> list[str]:
+    if report is None:
+        return []
+    return [
+        "## Simulator: Llama-3-70B on modelled GPUs", "",
+        "The real scheduler on a cost model of each node (`docs/simulator-report.md` explains "
+        "the model and its calibration). Modelled figures, not measurements on GPUs.", "",
+        *bounds_table(report["bounds"]), "",
+        f"4x A100 80GB, workload `{report['workload']}`, all requests at once:", "",
+        *modes_table(report["saturated"]), "",
+        f"The same at {report['rate']:g} requests/s (Poisson):", "",
+        *modes_table(report["loaded"]), "",
+        "```", report["command"], "```", "",
+    ]
+
+
+def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
+    """The whole page from the results under `results`, for a page in `page_dir` (the
+    plots are linked relative to it)."""
+    kinds = sorted(p for p in (results / "cpu").glob("*") if p.is_dir())
+    lines = [
+        "# Performance", "",
+        "<!-- Generated by `everystop bench all` from benchmarks/results/; do not edit. -->", "",
+        "Every table is read from a committed result; `make bench` (`everystop bench all --out "
+        "benchmarks/results --llama-server PATH`) measures them again on this machine and "
+        "rewrites its CPU kind's section and this page. Model: SmolLM2-135M-Instruct (the "
+        "default). Each CPU kind is a directory of results; sections appear where results "
+        "exist.", "",
+    ]
+    for kind_dir in kinds:
+        lines += kind_section(kind_dir, page_dir)
+    lines += sim_section(_load(results / "sim/report.json"))
+    return "\n".join(lines)
