@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -36,7 +37,14 @@ from everystop.server.protocol import (
     model_list,
     parse_body,
 )
+from everystop.server.responses_api import (
+    ResponseBuilder,
+    ResponsesRequest,
+    parse_chat,
+    stream,
+)
 from everystop.server.serving import ServingContext, generate
+from everystop.server.streaming import SSEResponse
 
 Extension = Callable[[FastAPI, AsyncEngine], Any]
 logger = logging.getLogger("everystop.server")
@@ -106,6 +114,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, *,
         extend(app, async_engine)
     install_openapi(app, {("POST", "/v1/completions"): CompletionRequest,
                           ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                          ("POST", "/v1/responses"): ResponsesRequest,
                           ("POST", "/tokenize"): TokenizeRequest})
     return app
 
@@ -125,6 +134,23 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         check_fan_out(limits, len(prompts), body.n)
         fmt = CompletionFormat(served_model_name, tokenizer)
         return await generate(ctx, http, body, prompts, fmt)
+
+    @app.post("/v1/responses")
+    async def responses(http: Request) -> Response:
+        req: ResponsesRequest = await guards.parse(http, ResponsesRequest)
+        guards.check_model(req.model)
+        body = parse_chat(req)
+        check_fan_out(limits, 1, body.n)
+        prompt = await ctx.prep.run(render_chat, async_engine, body,
+                                    size=len(await http.body()))
+        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
+        chat = await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
+        builder = ResponseBuilder(req, served_model_name)
+        if isinstance(chat, SSEResponse):
+            return stream(builder, chat)
+        if chat.status_code != 200:
+            return chat
+        return JSONResponse(builder.from_chat(json.loads(bytes(chat.body))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:

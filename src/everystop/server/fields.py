@@ -8,7 +8,7 @@ in step (tests/server/test_openai_fields.py walks that table).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 # Safe to ignore: they change bookkeeping on OpenAI's side, never the generated text.
@@ -74,13 +74,13 @@ def strip_message_bookkeeping(data: dict[str, Any]) -> list[str]:
     return dropped
 
 
-def strip_accepted(data: dict[str, Any]) -> dict[str, Any]:
+def strip_accepted(data: dict[str, Any], declared: Collection[str] = ()) -> dict[str, Any]:
     """The body without the fields that are ignored or at their default value (null always is:
     clients send `"suffix": null` for "not set"); whatever is left that the model does not
-    declare is refused by name."""
+    declare is refused by name. A field the model `declared` is its own to judge."""
     return {k: v for k, v in data.items()
-            if v is not None and k not in IGNORED
-            and not (k in DEFAULT_ONLY and DEFAULT_ONLY[k](v, data))}
+            if v is not None and (k in declared or (
+                k not in IGNORED and not (k in DEFAULT_ONLY and DEFAULT_ONLY[k](v, data))))}
 
 
 def reason(field: str) -> str:

@@ -394,7 +394,7 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
     check_token_ids(data, max_token_ids)
     ignored = strip_message_bookkeeping(data)
     try:
-        req = model.model_validate(strip_accepted(data))
+        req = model.model_validate(strip_accepted(data, model.model_fields))
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ())]
