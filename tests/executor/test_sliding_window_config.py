@@ -23,6 +23,8 @@ transformers = pytest.importorskip("transformers")
     ({"sliding_window": None}, None),
     ({}, None),  # Llama
     ({"sliding_window": 4096, "use_sliding_window": False}, None),  # Qwen2's default
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, None),
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}, 4096),
     ({"sliding_window": 512,  # Gemma 3: five local layers, then a global one
       "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, None),
     ({"sliding_window": 512, "layer_types": ["sliding_attention"] * 2}, 512),

@@ -420,10 +420,13 @@ def _hf_args(config: dict[str, Any]) -> LlamaArgs:
 
 def hf_sliding_window(config: dict[str, Any]) -> int | None:
     """The window every layer of a config.json's model attends within, or None where any
-    layer attends to the whole context (no window, Qwen2's use_sliding_window false, or a
-    global layer among `layer_types`, as Gemma 3 interleaves)."""
+    layer attends to the whole context (no window; Qwen2's use_sliding_window false, or its
+    first max_window_layers layers; a global layer among `layer_types`, as Gemma 3
+    interleaves)."""
     window = config.get("sliding_window")
     if not window or config.get("use_sliding_window") is False:
+        return None
+    if config.get("use_sliding_window") and config.get("max_window_layers"):
         return None
     if any(kind != "sliding_attention" for kind in config.get("layer_types") or ()):
         return None
