@@ -38,6 +38,7 @@ class ReplayExecutor:
     def __init__(self, setup: SimSetup, clock: FakeClock, latencies: list[float]) -> None:
         self.toy = ToyExecutor(setup.num_gpu_blocks, setup.block_size, setup.num_cpu_blocks)
         self.num_gpu_blocks, self.num_cpu_blocks = setup.num_gpu_blocks, setup.num_cpu_blocks
+        self.sliding_window = None
         self.clock, self.latencies = clock, latencies
         self.num_passes = 0
 

@@ -46,6 +46,7 @@ class SlowExecutor:
     def __init__(self, inner: ToyExecutor, pause_s: float) -> None:
         self.inner, self.pause_s = inner, pause_s
         self.num_gpu_blocks, self.num_cpu_blocks = inner.num_gpu_blocks, inner.num_cpu_blocks
+        self.sliding_window = inner.sliding_window
 
     def execute(self, sched: Any) -> Any:
         time.sleep(self.pause_s)

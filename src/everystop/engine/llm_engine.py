@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeVar
 
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from everystop.core.intake import model_len_limit
+from everystop.core.intake import model_len_limit, peak_blocks
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import (
     FinishListener,
@@ -65,7 +65,8 @@ class LLMEngine:
         self.kv = KVCacheManager(executor.num_gpu_blocks, cache.block_size,
                                  num_cpu_blocks=executor.num_cpu_blocks,
                                  enable_prefix_caching=cache.enable_prefix_caching,
-                                 watermark=cache.watermark)
+                                 watermark=cache.watermark,
+                                 sliding_window=executor.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, cost_model=cost_model, clock=clock)
         self.outputs = OutputProcessor(_detokenizer_factory(tokenizer), clock)
         self.iteration_listeners: list[IterationListener] = []
@@ -357,7 +358,8 @@ class LLMEngine:
         get the blocks it may grow to."""
         kv = self.kv
         usable = kv.num_gpu_blocks - int(cache.watermark * kv.num_gpu_blocks)
-        need = max((kv.blocks_needed(r.max_total_tokens)
+        cfg = self.scheduler.config
+        need = max((peak_blocks(r.num_prompt_tokens, r.sampling_params.max_tokens, cfg, kv)
                     for r in self.scheduler.requests.values()), default=0)
         if need > usable:
             raise ConfigError(f"watermark {cache.watermark} leaves {usable} usable KV blocks "

@@ -26,6 +26,12 @@ class Executor(Protocol):
     @property
     def num_cpu_blocks(self) -> int: ...
 
+    @property
+    def sliding_window(self) -> int | None:
+        """Tokens every layer attends back over (None: some layer sees the whole context):
+        the KV cache releases the blocks behind it."""
+        ...
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Do the step's swaps, run its tokens, and return one token per sampled sequence."""
         ...
@@ -71,6 +77,7 @@ class RunnerExecutor:
         self._num_gpu_blocks = runner.num_gpu_blocks
         self._num_cpu_blocks = runner.num_cpu_blocks
         self._max_model_len = runner.max_model_len
+        self._sliding_window = runner.sliding_window
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -83,6 +90,10 @@ class RunnerExecutor:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self._sliding_window
 
     def _live_runner(self) -> ModelRunner:
         if self.runner is None:

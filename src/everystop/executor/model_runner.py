@@ -159,6 +159,7 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                               f"length {args.max_position_embeddings}")
+        self.sliding_window = args.sliding_window  # the KV cache manager's (see LlamaArgs)
         # The CUDA pool sizing profiles a prefill of sequences this long; capped below.
         self.max_model_len = max_model_len or args.max_position_embeddings
         self.kv_dtype = kv_cache_dtype(cache_config, self.dtype, self.backends)

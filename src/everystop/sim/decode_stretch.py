@@ -65,10 +65,11 @@ FIRST_PLAN_PASSES = 8
 
 def can_stretch(sched: Scheduler, num_inbox: int, skip: int = 0) -> bool:
     """Whether the replica's next pass is pure decode with nothing that could join it (the
-    first `skip` running rows are a stretch's already)."""
+    first `skip` running rows are a stretch's already). Never under a sliding window: a
+    stretch's rows do not release the blocks their window passes."""
     if (num_inbox or not sched.running or sched.waiting or sched.preempted or sched.swapped
             or sched.config.scheduling != "continuous" or sched.oom_seat_cap.limit is not None
-            or len(sched.running) > sched.num_seats):
+            or len(sched.running) > sched.num_seats or sched.kv.window is not None):
         return False
     running = RequestStatus.RUNNING
     # Newest first: a prompt still mid-prefill (the usual reason to say no once the queues are

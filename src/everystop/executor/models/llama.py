@@ -53,6 +53,9 @@ class LlamaArgs:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    # Tokens every layer's queries attend back over; None when any layer attends to the whole
+    # context. The KV cache releases blocks behind it (core/sliding_window.py).
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 

@@ -413,8 +413,24 @@ def _hf_args(config: dict[str, Any]) -> LlamaArgs:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=None if kind == "default" else rope,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, bos_token_id=config.get("bos_token_id"),
+        max_position_embeddings=max_pos, sliding_window=hf_sliding_window(config),
+        bos_token_id=config.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def hf_sliding_window(config: dict[str, Any]) -> int | None:
+    """The window every layer of a config.json's model attends within, or None where any
+    layer attends to the whole context (no window; Qwen2's use_sliding_window false, or its
+    first max_window_layers layers; a global layer among `layer_types`, as Gemma 3
+    interleaves)."""
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return None
+    if config.get("use_sliding_window") and config.get("max_window_layers"):
+        return None
+    if any(kind != "sliding_attention" for kind in config.get("layer_types") or ()):
+        return None
+    return int(window)
 
 
 def _safetensors_getter(path: str) -> Callable[[str], torch.Tensor]:
