@@ -27,8 +27,8 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]  # no special tokens to add
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)  # no special tokens to skip
 
     def make_detokenizer(self) -> CharDetokenizer:
         return CharDetokenizer()

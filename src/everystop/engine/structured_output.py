@@ -63,7 +63,9 @@ class StructuredOutputManager:
             if state is None:
                 so = seq.sampling_params.structured_output
                 assert so is not None
-                compiled = self._held.get(seq.request_id) or self.compile(so)
+                compiled = self._held.get(seq.request_id)
+                if compiled is None:  # evicted before admission: compiled again here
+                    compiled = self.compile(so)
                 state = self._matchers[seq.request_id] = [xgrammar.GrammarMatcher(compiled), 0]
             matcher, consumed = state
             output = requests[seq.request_id].output_token_ids
