@@ -159,6 +159,12 @@ def test_a_route_nobody_classed_is_an_operator_route() -> None:
     assert policy.route_access(None) is Access.API  # no route at all: the 404 is the API's
 
 
+def test_an_empty_key_is_refused_not_taken_as_no_key() -> None:
+    for keys in ({"api_key": ""}, {"admin_key": ""}):
+        with pytest.raises(ValueError, match="must not be empty"):
+            AccessPolicy(**keys)
+
+
 def test_loopback_means_the_loopback_addresses_only() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("127.8.9.10") and is_loopback("::1")
     assert is_loopback("::ffff:127.0.0.1")

@@ -57,6 +57,11 @@ class AccessPolicy:
     admin_key: str | None = None
     open_metrics: bool = False  # /metrics without the API key (a scraper on a private network)
 
+    def __post_init__(self) -> None:
+        # An empty key would be matched by an empty (absent) one: open, not closed.
+        if self.api_key == "" or self.admin_key == "":
+            raise ValueError("an API or admin key must not be empty")
+
     def route_access(self, template: str | None) -> Access:
         """The class of the route registered as `template`; None (no route: a 404 to come)
         is treated as the API's."""

@@ -45,6 +45,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _key(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a key must not be empty (an empty key opens the door)")
+    return text
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -61,7 +67,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", type=_key, default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (and on operator routes "
                         "when there is no --admin-key); docs/access.md")
     g.add_argument("--served-model-name", default=None,
@@ -77,7 +83,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info")
     g.add_argument("--telemetry-db", default=None,
                    help="telemetry store: a SQLite path or a postgresql:// DSN (off when unset)")
-    g.add_argument("--admin-key", default=None,
+    g.add_argument("--admin-key", type=_key, default=None,
                    help="key for the operator routes, /admin and /dashboard/data "
                         "(Authorization: Bearer or X-Admin-Key); with no key at all they "
                         "answer loopback clients only (docs/access.md)")

@@ -9,9 +9,10 @@
   the server never learns it stopped; a small one stops the writes within a few hundred KB
   (this buffer, the client's receive window and asyncio's 64 KiB high-water mark), the stream
   goes unread, and the engine's slow-reader eviction aborts the request.
-- a write-stall deadline: a connection whose writes have been paused (nothing acknowledged by
-  the client) for `write_stall_timeout_s` is aborted, so a client that never reads again does
-  not keep its connection and its buffered bytes after its request was evicted.
+- a write-stall deadline: a connection whose writes are paused (its buffers full) and whose
+  client takes none of the waiting bytes for `write_stall_timeout_s` is aborted, so a client
+  that never reads again does not keep its connection and its buffered bytes after its request
+  was evicted. A client that reads, however slowly, keeps it.
 """
 
 from __future__ import annotations
@@ -71,9 +72,8 @@ class _Guards(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        timeout = self.limits.write_stall_timeout_s
-        if timeout is not None and self._stall_timer is None:
-            self._stall_timer = asyncio.get_running_loop().call_later(timeout, self._stalled)
+        if self._stall_timer is None:
+            self._watch_stall()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -100,14 +100,27 @@ class _Guards(asyncio.Protocol):
         if idle and not self.transport.is_closing():
             self.transport.close()
 
-    def _stalled(self) -> None:
+    def _watch_stall(self, waiting: int | None = None) -> None:
+        """Abort unless the client takes some of the bytes waiting now within the timeout."""
+        timeout = self.limits.write_stall_timeout_s
+        if timeout is not None:
+            waiting = self.transport.get_write_buffer_size() if waiting is None else waiting
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                timeout, self._check_stall, waiting)
+
+    def _check_stall(self, waiting: int) -> None:
         self._stall_timer = None
-        logger.warning("closing a connection whose client acknowledged nothing for %.0fs",
+        now = self.transport.get_write_buffer_size()
+        if now < waiting:  # still paused, but the client took some: it is reading
+            self._watch_stall(now)
+            return
+        logger.warning("closing a connection whose client took nothing for %.0fs",
                        self.limits.write_stall_timeout_s)
         self.transport.abort()  # close() would wait for the unsent bytes
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class (httptools when installed, else h11) with the guards:
-    pass it as uvicorn.Config(http=...)."""
-    return type("GuardedHTTPProtocol", (_Guards, AutoHTTPProtocol), {"limits": limits})
+def guarded_protocol(limits: ConnectionLimits,
+                     base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (by default httptools when installed, else h11) with the
+    guards: pass it as uvicorn.Config(http=...)."""
+    return type("GuardedHTTPProtocol", (_Guards, base), {"limits": limits})
