@@ -26,8 +26,12 @@ class SwiGLU(nn.Module):
                                            (start, self.intermediate_size), kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and self.kernels.handles(gate_up):
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.kernels))
+
+
+def silu_mul(gate_up: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (equal halves) along the last dim."""
+    if kernels is not None and kernels.handles(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
