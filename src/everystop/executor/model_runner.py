@@ -22,7 +22,7 @@ from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import cpu_flags, load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
+from everystop.executor.models.decoder import Backends, DecoderForCausalLM, KVCache
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.onednn_caches import bound_onednn_caches
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
@@ -94,12 +94,12 @@ def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,
 
 # Loaded weights by (path, dtype, device, backends). Inference never writes to them, so engines
 # in one process (tests, benchmarks comparing modes) share one copy instead of reloading.
-_MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], LlamaForCausalLM] = OrderedDict()
+_MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], DecoderForCausalLM] = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 
 def _shared_model(path: str | None, dtype: str, device: str,
-                  backends: Backends, quantization: str = "auto") -> LlamaForCausalLM:
+                  backends: Backends, quantization: str = "auto") -> DecoderForCausalLM:
     key = (path, dtype, device, backends, quantization)
     model = _MODELS.get(key)
     if model is None:
@@ -144,7 +144,7 @@ class ModelRunner:
                 logger.info("this CPU has AMX-BF16: --dtype bfloat16 runs the GEMMs on it, "
                             "several times the fp32 rate (`everystop bench roofline`)")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
-        self.model: LlamaForCausalLM = (
+        self.model: DecoderForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
             if parallel.world_size == 1 else

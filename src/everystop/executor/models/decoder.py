@@ -1,0 +1,326 @@
+"""The decoder every registered family (models/registry.py) is built from, over a flat packed
+batch with a paged KV cache. A family's differences are fields of `DecoderArgs`; a family file
+(models/llama.py, ...) only reads them from a checkpoint.
+
+Parameter names follow Hugging Face's except two fused projections (see `hf_sources`):
+`self_attn.qkv_proj` = [q; k; v] and `mlp.gate_up_proj` = [gate; up].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from everystop.executor.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    select_backend,
+    write_kv,
+)
+from everystop.executor.layers.cpu_kernels import CpuKernels
+from everystop.executor.layers.linear import (
+    CHUNKED_GEMV_ROWS,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gemv_rows,
+)
+from everystop.executor.layers.mlp import SwiGLU
+from everystop.executor.layers.norm import RMSNorm
+from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.layers.quant import DENSE, FORMATS
+from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """Architecture hyper-parameters, read from a GGUF header or a config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+
+@dataclass(frozen=True)
+class Backends:
+    """How the layers compute, fixed when the model is built: the CPU kernel library (None =
+    plain torch), the attention implementation (see layers/attention.select_backend) and
+    whether decode-sized batches run the whole decoder stack in one kernel call."""
+
+    kernels: CpuKernels | None = None
+    attention: str = "auto"
+    decoder_stack: bool = True
+
+
+TORCH_ONLY = Backends()
+
+
+class OutputRows(NamedTuple):
+    """The rows of a batch whose final hidden states are used, and the attention metadata
+    that queries only them (AttentionMetadata.for_rows)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+
+
+class DecoderAttention(nn.Module):
+    """Under tensor parallelism this rank's heads only (see `shard_heads`): the head counts and
+    sizes below are local; o_proj sums the ranks' partial outputs."""
+
+    def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
+        super().__init__()
+        self.backends = backends
+        kernels = backends.kernels
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, args.num_heads, args.num_kv_heads,
+                                          args.head_dim, ctx, kernels)
+        heads = self.qkv_proj.heads
+        self.num_heads, self.num_kv_heads, self.head_dim = (heads.num_q, heads.num_kv,
+                                                            args.head_dim)
+        self.q_size = heads.num_q * args.head_dim
+        self.kv_size = heads.num_kv * args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, ctx,
+                                        (heads.q_start * args.head_dim, self.q_size), kernels)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, only: OutputRows | None = None) -> torch.Tensor:
+        """Every row's K/V is written; the output is every row's, or only `only`'s rows'."""
+        qkv = self.qkv_proj(x)
+        kernels = self.backends.kernels
+        key_cache, value_cache = kv_cache
+        # NOTE: K/V are written before attention so each token sees itself and the earlier
+        # tokens of this same step through the block table.
+        if (kernels is not None and kernels.handles(qkv) and kernels.handles(key_cache)
+                and meta.write_rows is None and qkv.is_contiguous()):
+            kernels.rope_write_kv_(qkv, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                                   self.num_heads, self.num_kv_heads)
+            q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin, kernels)
+            k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin, kernels)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            write_kv(key_cache, value_cache, k, v, meta.slot_mapping, meta.write_rows)
+        if only is not None:
+            if only.rows.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            q, meta = q[only.rows], only.meta
+        out = paged_attention(q, key_cache, value_cache, meta, self.scale, kernels,
+                              self.backends.attention)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
+        super().__init__()
+        kernels = backends.kernels
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.self_attn = DecoderAttention(args, ctx, backends)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx, kernels)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                only: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings at layer 0, residual None).
+        Returns this layer's MLP output and the residual stream it is to be added to: each add
+        is fused into the norm that follows it (the stream is updated in place). With `only`,
+        K/V are still written for every row but the outputs are `only`'s rows alone."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, only)
+        if only is not None:
+            residual = residual[only.rows]
+            if h.shape[0] == 0:
+                return h, residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
+        super().__init__()
+        kernels = backends.kernels
+        # Vocab-sharded rather than replicated: a tied LM head then reuses this slice, and the
+        # rank saves (1 - 1/world) of vocab x hidden (1.6 GiB/GPU for Llama-3-70B in bf16 at
+        # TP=4) for one extra all-reduce of [tokens, hidden] per step (vs 2 per layer).
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx,
+                                                   kernels)
+        self.layers = nn.ModuleList(DecoderLayer(args, ctx, backends)
+                                    for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model. Build it under `torch.device("meta")` and load weights with
+    `load_state_dict(..., assign=True)`; then call `set_rope(...)` on the target device.
+
+    With a tensor-parallel `ctx` the module holds rank `ctx.rank`'s shard of every weight; the
+    loader cuts shards with each sharded layer's `shard_weight`."""
+
+    def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
+                 backends: Backends = TORCH_ONLY) -> None:
+        super().__init__()
+        self.args = args
+        self.ctx = ctx
+        self.backends = backends
+        self.model = DecoderModel(args, ctx, backends)
+        self.lm_head = (None if args.tie_word_embeddings else
+                        ParallelLMHead(args.vocab_size, args.hidden_size, ctx, backends.kernels))
+        self.inv_freq: torch.Tensor = rope_inv_freq(args.head_dim, args.rope_theta,
+                                                    args.rope_scaling)
+
+    def set_rope(self, device: torch.device | str,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        """(Re)compute the rope frequencies on `device` (not a parameter: never loaded)."""
+        self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta,
+                                      self.args.rope_scaling, freq_factors).to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states for a packed batch of T tokens: [T, hidden], or only the rows
+        `output_rows` (sorted token indices), the ones whose logits are wanted.
+
+        Given output rows, the last layer runs its attention, MLP and norms on those rows alone:
+        the other rows only need their K/V written there (as llama.cpp does; a 280-token
+        prompt's prefill saves ~94% of one layer's work)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self._runs_decoder_stack(x, kv_caches, meta):
+            out = self._decoder_stack(x, cos, sin, kv_caches, meta)
+            return out if output_rows is None else out[output_rows]
+        only = None
+        if output_rows is not None and output_rows.numel() < x.shape[0]:
+            only = OutputRows(output_rows, meta.for_rows(output_rows, positions))
+        residual = None
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, only if i == last else None)
+        if residual is None:  # no layers
+            x = self.model.norm(x)
+            return x if output_rows is None else x[output_rows]
+        return self.model.norm(x, residual)[0]
+
+    def _runs_decoder_stack(self, x: torch.Tensor, kv_caches: list[KVCache],
+                            meta: AttentionMetadata) -> bool:
+        """Whether this batch may take the one-call decoder stack: it runs exactly the kernels
+        the layers would pick (the GEMV at up to gemv_rows() rows, the attention kernel, fused
+        norms), so only where every layer would pick them; a tensor-parallel rank needs its
+        all-reduces between the kernels."""
+        kernels = self.backends.kernels
+        return (self.backends.decoder_stack and kernels is not None and self.ctx.world_size == 1
+                and 0 < x.shape[0] <= CHUNKED_GEMV_ROWS and kernels.handles(x)
+                and meta.write_rows is None and bool(kv_caches)
+                and select_backend(x, kv_caches[0][0], kernels, self.backends.attention)
+                == "kernel"
+                and x.dtype == self.model.norm.weight.dtype
+                and self._stack_weights() is not None
+                and x.shape[0] <= self._stack_rows(x.dtype))
+
+    def _stack_rows(self, x_dtype: torch.dtype) -> int:
+        """The most rows for which every linear takes the GEMV (per activation dtype, cached
+        with the stack's weights)."""
+        kernels = self.backends.kernels
+        assert kernels is not None
+        _, _, _, by_dtype, linears = self.__dict__["_stack_weight_cache"]
+        if x_dtype not in by_dtype:
+            by_dtype[x_dtype] = min(gemv_rows(m.weight, m.weight_format, x_dtype, kernels)
+                                    for m in linears)
+        return by_dtype[x_dtype]
+
+    def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        kernels = self.backends.kernels
+        assert kernels is not None
+        first = self.model.layers[0]
+        attn = first.self_attn
+        stack = self._stack_weights()
+        assert stack is not None
+        weights, formats = stack
+        return kernels.decoder_stack(
+            x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
+            meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
+            attn.num_heads, attn.num_kv_heads)
+
+    def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
+        format code (0 dense, else layers/quant.py's block format); None where the layers would
+        not take the decode GEMV (a weight not contiguous).
+        Cached: reading 180 parameters through nn.Module attribute lookups every step costs
+        ~0.1 ms; rebuilt when the loader has replaced a parameter (load_state_dict(assign=True))."""
+        layers = self.model.layers
+        cached = self.__dict__.get("_stack_weight_cache")
+        if (cached is None or cached[0] is not layers[0].self_attn.qkv_proj.weight
+                or cached[1] is not layers[-1].mlp.down_proj.weight):
+            weights = [w for layer in layers for w in (
+                layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
+                layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+            linears = [m for layer in layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj)]
+            formats = [0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
+                       for m in linears]
+            usable = all(w.is_contiguous() for w in weights)
+            cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
+                      (weights, formats) if usable else None, {}, linears)
+            self.__dict__["_stack_weight_cache"] = cached
+        return cached[2]
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [N, vocab] for the N hidden rows given (only the rows to sample);
+        under tensor parallelism on rank 0 only (None on the other ranks)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
+
+
+def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:
+    """For each of our parameter names, the Hugging Face tensors concatenated (dim 0) into it:
+    q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, every other one as is."""
+    out: dict[str, list[str]] = {n: [n] for n in ("model.embed_tokens.weight",
+                                                  "model.norm.weight")}
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        out[p + "mlp.gate_up_proj.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm",
+                     "post_attention_layernorm"):
+            out[p + name + ".weight"] = [p + name + ".weight"]
+    return out
+
