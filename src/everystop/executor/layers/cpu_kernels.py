@@ -68,6 +68,7 @@ _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "ro
 _OPS += ("linear_q_small", "linear_q_tiled", "linear_q_tiled_bf16", "dequantize")
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 _OPS += ("round_int8_blocks",)
+_OPS += ("paged_attention_ext",)  # with a sliding window and score soft-capping
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -194,14 +195,19 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-        """Attention through the block tables; returns q's dtype."""
+                        scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """Attention through the block tables; returns q's dtype. `window` > 0: a sliding
+        window (blocks wholly before it are never read); `softcap` > 0: capped scores."""
         # q is small next to the caches, so it is handed over in fp32 and the output cast
         # back: one kernel instantiation per cache dtype instead of one per (q, cache) pair.
-        out = self.ops.paged_attention(
-            q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
-            block_tables.long().contiguous(), query_start_loc.long().contiguous(),
-            seq_lens.long().contiguous(), float(scale), ROWS_PER_ITEM)
+        tensors = (q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+                   block_tables.long().contiguous(), query_start_loc.long().contiguous(),
+                   seq_lens.long().contiguous())
+        if window > 0 or softcap > 0:
+            out = self.ops.paged_attention_ext(*tensors, float(scale), ROWS_PER_ITEM,
+                                               int(window), float(softcap))
+        else:
+            out = self.ops.paged_attention(*tensors, float(scale), ROWS_PER_ITEM)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

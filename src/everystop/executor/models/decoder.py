@@ -29,7 +29,7 @@ from everystop.executor.layers.linear import (
     VocabParallelEmbedding,
     gemv_rows,
 )
-from everystop.executor.layers.mlp import SwiGLU
+from everystop.executor.layers.mlp import ACTIVATIONS, SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.layers.quant import DENSE, FORMATS
@@ -56,11 +56,45 @@ class DecoderArgs:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # What the families change (the defaults are Llama's):
+    attention_bias: bool = False  # q, k and v projections carry biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    # Per layer, the sliding window W (a query at p attends keys p-W+1..p); 0 = every key.
+    # Empty: no layer has a window.
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) when > 0 (Gemma 2)
+    final_softcap: float = 0.0  # logits likewise (Gemma 2)
+    sandwich_norms: bool = False  # an RMSNorm on the attention's and the MLP's outputs too
+    local_rope_theta: float | None = None  # windowed layers' own rope base, unscaled (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: "
+                             f"{', '.join(ACTIVATIONS)})")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for "
+                             f"{self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows):
+            raise ValueError(f"negative sliding window in {self.layer_windows}")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: none)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def stack_blockers(self) -> list[str]:
+        """What keeps decode passes off the one-call decoder stack (empty: nothing)."""
+        blockers = {"q/k/v bias": self.attention_bias, "q/k norm": self.qk_norm,
+                    "attention soft-cap": self.attn_softcap > 0,
+                    "sandwich norms": self.sandwich_norms,
+                    f"{self.hidden_act} MLP": self.hidden_act != "silu",
+                    "per-layer rope": self.local_rope_theta is not None}
+        return [name for name, on in blockers.items() if on]
 
 
 @dataclass(frozen=True)
@@ -87,10 +121,13 @@ class OutputRows(NamedTuple):
 
 class DecoderAttention(nn.Module):
     """Under tensor parallelism this rank's heads only (see `shard_heads`): the head counts and
-    sizes below are local; o_proj sums the ranks' partial outputs."""
+    sizes below are local; o_proj sums the ranks' partial outputs.
+
+    Optional, as `args` says: `qkv_bias` ([q; k; v] biases, sharded like qkv_proj's rows),
+    `q_norm`/`k_norm` (one RMSNorm weight [head_dim] shared by every head)."""
 
     def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
-                 backends: Backends = TORCH_ONLY) -> None:
+                 backends: Backends = TORCH_ONLY, window: int = 0) -> None:
         super().__init__()
         self.backends = backends
         kernels = backends.kernels
@@ -101,25 +138,39 @@ class DecoderAttention(nn.Module):
                                                             args.head_dim)
         self.q_size = heads.num_q * args.head_dim
         self.kv_size = heads.num_kv * args.head_dim
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
+        self.window, self.softcap = window, args.attn_softcap
+        self.qkv_bias = (nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size))
+                         if args.attention_bias else None)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, ctx,
                                         (heads.q_start * args.head_dim, self.q_size), kernels)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full q/k/v bias (the module's one direct parameter)."""
+        return self.qkv_proj.shard_weight(full)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, only: OutputRows | None = None) -> torch.Tensor:
         """Every row's K/V is written; the output is every row's, or only `only`'s rows'."""
         qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias.to(qkv.dtype)
         kernels = self.backends.kernels
         key_cache, value_cache = kv_cache
         # NOTE: K/V are written before attention so each token sees itself and the earlier
         # tokens of this same step through the block table.
         if (kernels is not None and kernels.handles(qkv) and kernels.handles(key_cache)
-                and meta.write_rows is None and qkv.is_contiguous()):
+                and meta.write_rows is None and qkv.is_contiguous() and self.q_norm is None):
             kernels.rope_write_kv_(qkv, cos, sin, key_cache, value_cache, meta.slot_mapping,
                                    self.num_heads, self.num_kv_heads)
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+                k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
             q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin, kernels)
             k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin, kernels)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -129,19 +180,28 @@ class DecoderAttention(nn.Module):
                 return x.new_empty((0, x.shape[1]))
             q, meta = q[only.rows], only.meta
         out = paged_attention(q, key_cache, value_cache, meta, self.scale, kernels,
-                              self.backends.attention)
+                              self.backends.attention, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
+    """input norm -> attention [-> attn_out_norm] -> + residual -> post-attention norm -> MLP
+    [-> mlp_out_norm] (the bracketed norms with `sandwich_norms`, Gemma 2/3)."""
+
     def __init__(self, args: DecoderArgs, ctx: ParallelContext = SINGLE,
-                 backends: Backends = TORCH_ONLY) -> None:
+                 backends: Backends = TORCH_ONLY, layer: int = 0) -> None:
         super().__init__()
         kernels = backends.kernels
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.self_attn = DecoderAttention(args, ctx, backends)
+        self.self_attn = DecoderAttention(args, ctx, backends, args.window(layer))
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx, kernels)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, ctx, kernels,
+                          args.hidden_act)
+        sandwich = args.sandwich_norms
+        self.attn_out_norm = (RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+                              if sandwich else None)
+        self.mlp_out_norm = (RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+                             if sandwich else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -159,8 +219,11 @@ class DecoderLayer(nn.Module):
             residual = residual[only.rows]
             if h.shape[0] == 0:
                 return h, residual
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -173,8 +236,8 @@ class DecoderModel(nn.Module):
         # TP=4) for one extra all-reduce of [tokens, hidden] per step (vs 2 per layer).
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, ctx,
                                                    kernels)
-        self.layers = nn.ModuleList(DecoderLayer(args, ctx, backends)
-                                    for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, ctx, backends, i)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
 
@@ -196,12 +259,18 @@ class DecoderForCausalLM(nn.Module):
                         ParallelLMHead(args.vocab_size, args.hidden_size, ctx, backends.kernels))
         self.inv_freq: torch.Tensor = rope_inv_freq(args.head_dim, args.rope_theta,
                                                     args.rope_scaling)
+        self.local_inv_freq: torch.Tensor | None = None
+        if args.local_rope_theta is not None:
+            self.local_inv_freq = rope_inv_freq(args.head_dim, args.local_rope_theta, None)
 
     def set_rope(self, device: torch.device | str,
                  freq_factors: torch.Tensor | None = None) -> None:
         """(Re)compute the rope frequencies on `device` (not a parameter: never loaded)."""
         self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta,
                                       self.args.rope_scaling, freq_factors).to(device)
+        if self.args.local_rope_theta is not None:
+            self.local_inv_freq = rope_inv_freq(self.args.head_dim, self.args.local_rope_theta,
+                                                None).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -213,7 +282,12 @@ class DecoderForCausalLM(nn.Module):
         the other rows only need their K/V written there (as llama.cpp does; a 280-token
         prompt's prefill saves ~94% of one layer's work)."""
         x = self.model.embed_tokens(input_ids)
+        if self.args.embed_scale != 1.0:
+            # As the reference: the scale rounded to the activation dtype first.
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        local = (None if self.local_inv_freq is None else
+                 rope_cos_sin(positions, self.local_inv_freq))
         if self._runs_decoder_stack(x, kv_caches, meta):
             out = self._decoder_stack(x, cos, sin, kv_caches, meta)
             return out if output_rows is None else out[output_rows]
@@ -223,7 +297,8 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         last = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, only if i == last else None)
+            c, s = local if local is not None and self.args.window(i) else (cos, sin)
+            x, residual = layer(x, residual, c, s, kv_cache, meta, only if i == last else None)
         if residual is None:  # no layers
             x = self.model.norm(x)
             return x if output_rows is None else x[output_rows]
@@ -237,6 +312,7 @@ class DecoderForCausalLM(nn.Module):
         all-reduces between the kernels."""
         kernels = self.backends.kernels
         return (self.backends.decoder_stack and kernels is not None and self.ctx.world_size == 1
+                and self.stack_ready
                 and 0 < x.shape[0] <= CHUNKED_GEMV_ROWS and kernels.handles(x)
                 and meta.write_rows is None and bool(kv_caches)
                 and select_backend(x, kv_caches[0][0], kernels, self.backends.attention)
@@ -297,6 +373,12 @@ class DecoderForCausalLM(nn.Module):
         return cached[2]
 
     @property
+    def stack_ready(self) -> bool:
+        """Whether this family's layers are what the decoder stack kernel computes: RMSNorm,
+        [q; k; v] with rope and full or windowed attention, SwiGLU."""
+        return not self.args.stack_blockers() and not any(self.args.layer_windows)
+
+    @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them without tensor parallelism)."""
         return self.model.layers[0].self_attn.num_kv_heads
@@ -305,7 +387,11 @@ class DecoderForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the N hidden rows given (only the rows to sample);
         under tensor parallelism on rank 0 only (None on the other ranks)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        logits = head.logits(hidden)
+        cap = self.args.final_softcap
+        if logits is None or cap <= 0:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
 
 def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:
@@ -318,6 +404,11 @@ def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
         out[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        if args.attention_bias:
+            out[p + "self_attn.qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        if args.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[p + f"self_attn.{n}.weight"] = [p + f"self_attn.{n}.weight"]
         out[p + "mlp.gate_up_proj.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm",
                      "post_attention_layernorm"):

@@ -69,6 +69,11 @@ class Family:
     # llama.cpp interleaves each Q/K head's rotary pairs on export for "llama" (its rope is
     # the interleaved kind there); families exported with NeoX-style rope keep HF's rows.
     gguf_permuted_qk: bool = False
+    # Added to every RMSNorm weight read from a Hugging Face checkpoint: Gemma's norms scale by
+    # (1 + w), which llama.cpp's export already folds into the GGUF's weights.
+    hf_norm_offset: float = 0.0
+    # What the family adds to the shared decoder, as `everystop models` lists it.
+    notes: str = ""
 
     def gguf_hf_name(self, name: str) -> str | None:
         """The Hugging Face name of a GGUF tensor, or None for one the model does not use."""
@@ -76,7 +81,7 @@ class Family:
             return GGUF_TOP_NAMES[name]
         parts = name.split(".")  # blk.{i}.{kind}.weight|bias
         if len(parts) == 4 and parts[0] == "blk":
-            kind = GGUF_LAYER_NAMES.get(parts[2]) or self.gguf_layer_names.get(parts[2])
+            kind = self.gguf_layer_names.get(parts[2]) or GGUF_LAYER_NAMES.get(parts[2])
             if kind is not None:
                 return f"model.layers.{parts[1]}.{kind}.{parts[3]}"
         return None
@@ -142,3 +147,17 @@ def gguf_common_args(meta: GGUFMeta) -> dict[str, Any]:
         max_position_embeddings=int(meta.key("context_length", 4096)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+
+
+def hf_layer_windows(config: dict[str, Any], num_layers: int,
+                     default_all: bool = False) -> tuple[int, ...]:
+    """Per-layer sliding windows from config.json: `layer_types` where it is written
+    ("sliding_attention" layers get `sliding_window`), else every layer's `sliding_window`
+    where `default_all`, else none."""
+    window = int(config.get("sliding_window") or 0)
+    types = config.get("layer_types")
+    if window and types:
+        if len(types) != num_layers:
+            raise ModelLoadError(f"config.json: {len(types)} layer_types for {num_layers} layers")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * num_layers if window and default_all else ()

@@ -110,13 +110,15 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         family, args, get, freq_factors = _open_hf_dir(path)
     else:
         family, args, get, freq_factors = _open_gguf(path, keep_blocks=hold)
-    logger.info("model family %s (%s)", family.name, path)
     torch_dtype = DTYPES[dtype]
     try:
         with torch.device("meta"):
             model = family.model_class(args, parallel, backends)
     except ValueError as e:  # heads that cannot be split over this many ranks
         raise ModelLoadError(f"{path}: {e}") from None
+    _log_family(family, model)
+    # Gemma's (1 + w) norms: llama.cpp folds the 1 into a GGUF's weights; a checkpoint not.
+    norm_offset = family.hf_norm_offset if os.path.isdir(path) else 0.0
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     held: set[str] = set()
@@ -139,6 +141,8 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
             continue
         dense = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         full = dense[0] if len(dense) == 1 else torch.cat(dense, dim=0)
+        if norm_offset and name.endswith("norm.weight"):
+            full = full.float() + norm_offset
         shard = owner.shard_weight(full) if hasattr(owner, "shard_weight") else full
         if tuple(shard.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(full.shape)}, "
@@ -154,6 +158,18 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
                     worst[2], worst[0], worst[1])
     model.set_rope(device, freq_factors)
     return model.eval().requires_grad_(False)
+
+
+def _log_family(family: Family, model: DecoderForCausalLM) -> None:
+    windows = sorted(set(model.args.layer_windows) - {0})
+    logger.info("model family %s%s%s", family.name,
+                f" ({family.notes})" if family.notes else "",
+                f"; sliding windows {windows}" if windows else "")
+    kernels = model.backends.kernels
+    if model.backends.decoder_stack and kernels is not None and not model.stack_ready:
+        missing = model.args.stack_blockers() or ["sliding window"]
+        logger.info("decode passes run layer by layer on the CPU kernels: the one-call "
+                    "decoder stack does not cover %s", ", ".join(missing))
 
 
 def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from everystop.executor.models import llama, mistral
+from everystop.executor.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from everystop.executor.models.errors import ModelLoadError
 from everystop.executor.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                 phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY)
 
 
 def supported_hf_architectures() -> list[str]:
