@@ -102,7 +102,7 @@ def test_block_equals_transformers_block(family, num_experts, top_k, norm, fmt, 
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def _poison_unchosen(ours: SparseMoeBlock, chosen: set[int]) -> int:
+def poison_unchosen(ours: SparseMoeBlock, chosen: set[int]) -> int:
     """Fill every unchosen expert's rows with NaN (dense) or 0xFF bytes (blocks: NaN scales).
     Returns how many experts were poisoned."""
     poisoned = 0
@@ -129,7 +129,7 @@ def test_unchosen_experts_are_never_read(fmt, use_kernels, rows, request):
     with torch.no_grad():
         clean = ours(x)
         _, ids = route(ours.gate(x), 2, True)
-        assert _poison_unchosen(ours, set(ids.flatten().tolist())) > 0
+        assert poison_unchosen(ours, set(ids.flatten().tolist())) > 0
         poisoned = ours(x)
     assert not clean.isnan().any()
     assert torch.equal(poisoned, clean)
@@ -142,7 +142,7 @@ def test_poison_is_seen_when_a_chosen_expert_is_poisoned():
     x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, ids = route(ours.gate(x), 2, True)
-        _poison_unchosen(ours, set(range(8)) - {int(ids[0, 0])})
+        poison_unchosen(ours, set(range(8)) - {int(ids[0, 0])})
         out = ours(x)
     assert out[0].isnan().all()
 

@@ -21,7 +21,6 @@ from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
-from everystop.executor.layers.mlp import silu_mul
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 
 
@@ -38,6 +37,14 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def silu_mul(gate_up: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (equal halves) along the last dim."""
+    if kernels is not None and kernels.handles(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Router(nn.Module):

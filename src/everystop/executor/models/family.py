@@ -74,6 +74,8 @@ class Family:
     hf_norm_offset: float = 0.0
     # What the family adds to the shared decoder, as `everystop models` lists it.
     notes: str = ""
+    # Where families share a GGUF architecture: whether a file's metadata is this family's.
+    gguf_accepts: Callable[[Mapping[str, Any]], bool] | None = None
 
     def gguf_hf_name(self, name: str) -> str | None:
         """The Hugging Face name of a GGUF tensor, or None for one the model does not use."""

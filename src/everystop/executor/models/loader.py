@@ -37,6 +37,8 @@ from everystop.executor.models.decoder import (
 )
 from everystop.executor.models.errors import ModelLoadError
 from everystop.executor.models.family import Family, GGUFMeta
+from everystop.executor.models.gguf_experts import ExpertSlices
+from everystop.executor.models.moe_decoder import MoeArgs
 from everystop.executor.models.registry import family_for_gguf, family_for_hf
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -270,7 +272,7 @@ def _open_gguf(path: str, keep_blocks: bool = False
     except Exception as e:  # numpy/struct errors on a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
     arch = meta.get("general.architecture")
-    family = family_for_gguf(arch, path)
+    family = family_for_gguf(arch, path, meta)
     tensors = {t.name: t for t in reader.tensors}
     try:
         args = family.gguf_args(GGUFMeta(meta, arch, tensors, path))
@@ -297,13 +299,17 @@ def _open_gguf(path: str, keep_blocks: bool = False
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"]).reshape(-1))
+    if isinstance(args, MoeArgs):  # llama.cpp stacks the experts; checkpoints name each
+        return family, args, ExpertSlices(get, args.num_experts), freq_factors
     return family, args, get, freq_factors
 
 
 def _read_gguf_tensor(tensor: Any, keep_blocks: bool) -> torch.Tensor | QuantizedTensor:
     kind = tensor.tensor_type.name
-    rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])  # GGUF lists dims innermost first
-    if keep_blocks and len(tensor.shape) == 2:
+    # GGUF lists dims innermost first; stacked experts [E, rows, cols] are read as [E * rows,
+    # cols] (models/gguf_experts.py cuts them per expert).
+    cols, rows = int(tensor.shape[0]), int(np.prod([int(d) for d in tensor.shape[1:]]))
+    if keep_blocks and len(tensor.shape) in (2, 3):
         if kind in _GGUF_NATIVE:  # a private copy of the file's blocks, byte for byte
             data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             return QuantizedTensor(_GGUF_NATIVE[kind], data.reshape(rows, -1), cols)
@@ -313,7 +319,7 @@ def _read_gguf_tensor(tensor: Any, keep_blocks: bool) -> torch.Tensor | Quantize
             raw = np.array(tensor.data).view(np.int16).reshape(rows, cols)
             return torch.from_numpy(raw).view(torch.bfloat16)
         if kind not in ("F32", "F64") and cols % BLOCK == 0:
-            exact = torch.from_numpy(_dequantize(tensor))
+            exact = torch.from_numpy(_dequantize(tensor).reshape(rows, cols))
             q = quantize(exact, _GGUF_NEAREST.get(kind, "q8_0"))
             logger.info("%s: %s requantized to %s at load (relative error %.4f)", tensor.name,
                         kind, q.fmt, relative_error(q.dequantize(), exact))
