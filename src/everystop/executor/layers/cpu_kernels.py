@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,7 +69,7 @@ _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "ro
 _OPS += ("linear_q_small", "linear_q_tiled", "linear_q_tiled_bf16", "dequantize")
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 _OPS += ("round_int8_blocks",)
-_OPS += ("paged_attention_ext",)  # with a sliding window and score soft-capping
+_OPS += ("paged_attention_ext", "decoder_stack_ext")  # the families' differences as parameters
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -251,11 +252,22 @@ class CpuKernels:
                       cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, final_norm: torch.Tensor, eps: float,
-                      scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                      scale: float, num_heads: int, num_kv_heads: int,
+                      qkv_biases: Sequence[torch.Tensor] = (),
+                      qk_norms: Sequence[torch.Tensor] = (), windows: Sequence[int] = (),
+                      softcap: float = 0.0) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
-        `formats`: per layer the four linears' format codes (0 dense, else block format)."""
+        `formats`: per layer the four linears' format codes (0 dense, else block format).
+        The families' differences, each empty where unused: `qkv_biases` one per layer,
+        `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`."""
+        if qkv_biases or qk_norms or windows or softcap:
+            return self.ops.decoder_stack_ext(
+                x, weights, formats, key_caches, value_caches, cos, sin, slot_mapping,
+                block_tables, query_start_loc, seq_lens, final_norm, eps, scale, num_heads,
+                num_kv_heads, ROWS_PER_ITEM, self.int8_decode_dot, list(qkv_biases),
+                list(qk_norms), list(windows), float(softcap))
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,

@@ -89,9 +89,7 @@ class DecoderArgs:
 
     def stack_blockers(self) -> list[str]:
         """What keeps decode passes off the one-call decoder stack (empty: nothing)."""
-        blockers = {"q/k/v bias": self.attention_bias, "q/k norm": self.qk_norm,
-                    "attention soft-cap": self.attn_softcap > 0,
-                    "sandwich norms": self.sandwich_norms,
+        blockers = {"sandwich norms": self.sandwich_norms,
                     f"{self.hidden_act} MLP": self.hidden_act != "silu",
                     "per-layer rope": self.local_rope_theta is not None}
         return [name for name, on in blockers.items() if on]
@@ -157,20 +155,23 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias.to(qkv.dtype)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Normed heads back into one [q; k; v] row per token, for the fused rope + write.
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
+            qkv = torch.cat([q, k, v], dim=-1)
         kernels = self.backends.kernels
         key_cache, value_cache = kv_cache
         # NOTE: K/V are written before attention so each token sees itself and the earlier
         # tokens of this same step through the block table.
         if (kernels is not None and kernels.handles(qkv) and kernels.handles(key_cache)
-                and meta.write_rows is None and qkv.is_contiguous() and self.q_norm is None):
+                and meta.write_rows is None and qkv.is_contiguous()):
             kernels.rope_write_kv_(qkv, cos, sin, key_cache, value_cache, meta.slot_mapping,
                                    self.num_heads, self.num_kv_heads)
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            if self.q_norm is not None and self.k_norm is not None:
-                q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-                k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
             q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin, kernels)
             k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin, kernels)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -341,11 +342,17 @@ class DecoderForCausalLM(nn.Module):
         stack = self._stack_weights()
         assert stack is not None
         weights, formats = stack
+        layers = self.model.layers
+        biases = [layer.self_attn.qkv_bias for layer in layers] if attn.qkv_bias is not None else []
+        norms = ([w for layer in layers
+                  for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
+                 if attn.q_norm is not None else [])
         return kernels.decoder_stack(
             x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
             meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
-            attn.num_heads, attn.num_kv_heads)
+            attn.num_heads, attn.num_kv_heads, biases, norms, self.args.layer_windows,
+            attn.softcap)
 
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
@@ -376,7 +383,7 @@ class DecoderForCausalLM(nn.Module):
     def stack_ready(self) -> bool:
         """Whether this family's layers are what the decoder stack kernel computes: RMSNorm,
         [q; k; v] with rope and full or windowed attention, SwiGLU."""
-        return not self.args.stack_blockers() and not any(self.args.layer_windows)
+        return not self.args.stack_blockers()
 
     @property
     def num_local_kv_heads(self) -> int:

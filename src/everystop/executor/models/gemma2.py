@@ -74,14 +74,23 @@ def gguf_windows(meta: GGUFMeta, num_layers: int, pattern: int) -> tuple[int, ..
     return tuple(window if (i + 1) % n else 0 for i in range(num_layers))
 
 
+def gguf_attn_scale(meta: GGUFMeta, fields: dict[str, Any], layers_27b: int) -> float:
+    """The score scale of a Gemma GGUF, which does not record query_pre_attn_scalar: the
+    file's `attention.scale` where it has one, else llama.cpp's rule: 1/sqrt(hidden / heads)
+    for the 27B size (told by its layer count), 1/sqrt(head_dim) for the others."""
+    scale = meta.get(f"{meta.arch}.attention.scale")
+    if scale is not None:
+        return float(scale)
+    if fields["num_layers"] == layers_27b:
+        return float(fields["hidden_size"] // fields["num_heads"]) ** -0.5
+    return float(fields["head_dim"]) ** -0.5
+
+
 def _gguf_args(meta: GGUFMeta) -> DecoderArgs:
     fields = gguf_common_args(meta)
-    # NOTE: the GGUF does not record query_pre_attn_scalar; as llama.cpp, 1/sqrt(head_dim)
-    # unless the file carries an attention scale.
-    scale = meta.get(f"{meta.arch}.attention.scale")
     return DecoderArgs(**fields, **gemma_common(fields),
                        layer_windows=gguf_windows(meta, fields["num_layers"], 2),
-                       attn_scale=None if scale is None else float(scale),
+                       attn_scale=gguf_attn_scale(meta, fields, 46),
                        attn_softcap=float(meta.key("attn_logit_softcapping", 0.0)),
                        final_softcap=float(meta.key("final_logit_softcapping", 0.0)))
 

@@ -17,6 +17,7 @@ from everystop.executor.models.gemma2 import (
     GEMMA_GGUF_NAMES,
     gemma_common,
     gemma_hf_sources,
+    gguf_attn_scale,
     gguf_windows,
 )
 
@@ -45,10 +46,9 @@ def _hf_args(config: dict[str, Any]) -> DecoderArgs:
 
 def _gguf_args(meta: GGUFMeta) -> DecoderArgs:
     fields = gguf_common_args(meta)
-    scale = meta.get(f"{meta.arch}.attention.scale")
     return DecoderArgs(**fields, **gemma_common(fields), qk_norm=True,
                        layer_windows=gguf_windows(meta, fields["num_layers"], 6),
-                       attn_scale=None if scale is None else float(scale),
+                       attn_scale=gguf_attn_scale(meta, fields, 62),
                        local_rope_theta=float(meta.key("rope.freq_base_swa", _LOCAL_THETA)))
 
 

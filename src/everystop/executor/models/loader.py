@@ -169,9 +169,8 @@ def _log_family(family: Family, model: DecoderForCausalLM) -> None:
                 f"; sliding windows {windows}" if windows else "")
     kernels = model.backends.kernels
     if model.backends.decoder_stack and kernels is not None and not model.stack_ready:
-        missing = model.args.stack_blockers() or ["sliding window"]
         logger.info("decode passes run layer by layer on the CPU kernels: the one-call "
-                    "decoder stack does not cover %s", ", ".join(missing))
+                    "decoder stack does not cover %s", ", ".join(model.args.stack_blockers()))
 
 
 def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,

@@ -755,4 +755,13 @@ at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cac
   return paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                          scale, rows_per_item);
 }
+at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache,
+                                      const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc,
+                                      const at::Tensor& seq_lens, double scale,
+                                      int64_t rows_per_item, int64_t window, double softcap) {
+  return paged_attention_ext(q, key_cache, value_cache, block_tables, query_start_loc,
+                             seq_lens, scale, rows_per_item, window, softcap);
+}
 }  // namespace ES_NS
