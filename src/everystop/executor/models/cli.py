@@ -11,11 +11,14 @@ from everystop.executor.models.family import Family
 from everystop.executor.models.registry import FAMILIES
 
 # A config.json every family reads, with a sliding window that the families using one pick
-# up, to show what their layers compute. (Soft-caps, where a checkpoint sets them, run in the
-# same attention kernel and the decoder stack.)
+# up, to show what their layers compute, and experts for the MoE families (under Mixtral's and
+# Qwen3-MoE's names). (Soft-caps, where a checkpoint sets them, run in the same attention
+# kernel and the decoder stack.)
 _SAMPLE: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4096}
+    "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4096,
+    "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32}
 
 
 def fast_path(args: DecoderArgs) -> str:
