@@ -189,3 +189,27 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path):
     _, again = runner.forward_logits(step)
     assert not clean.isnan().any()
     assert torch.equal(again, clean)
+
+
+def test_tensor_parallel_2_matches_1(tmp_path):
+    """Two ranks, each with half of every expert's intermediate size: the same greedy tokens
+    and first-step logits as one process (tests/executor/test_tensor_parallel.py's check)."""
+    from everystop.executor.models.loader import default_model_path
+    from tests.executor.test_tensor_parallel import _compare
+
+    _tiny("qwen3_moe").save_pretrained(tmp_path, safe_serialization=True)
+    _compare(str(tmp_path), default_model_path(), vocab=VOCAB)
+
+
+def test_bfloat16_activations_follow_float32(q8_gguf):
+    """The same Q8_0 file run with bf16 activations: finite logits near fp32's."""
+    logits = []
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(ModelConfig(model=str(q8_gguf), dtype=dtype),  # type: ignore[arg-type]
+                             CacheConfig(num_gpu_blocks_override=8 * PER_SEQ, swap_space_gib=0.0,
+                                         kv_cache_dtype="float32"), 512)
+        logits.append(greedy_generate(runner, _prompts(), 1, PER_SEQ)[1])
+    fp32, bf16 = logits
+    assert bf16.isfinite().all()
+    scale = fp32.abs().max().item()
+    assert (bf16 - fp32).abs().max().item() < 0.05 * scale
