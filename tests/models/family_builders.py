@@ -63,6 +63,16 @@ SPECS = {s.name: s for s in (
     Spec("phi3", "Phi3Config", dict(_BASE, num_key_value_heads=4), "phi3",
          ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
          gguf_names={"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}),
+    # LongRoPE with a 64-token pretraining length: the 70-token prompt takes the long factors,
+    # the others stay within 64 tokens (short factors) while they decode. (A sequence crossing
+    # the length while it decodes keeps its cache: transformers recomputes it; docs/models.md.)
+    Spec("phi3-longrope", "Phi3Config",
+         dict(_BASE, num_key_value_heads=4, original_max_position_embeddings=64,
+              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                               "original_max_position_embeddings": 64,
+                               "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                               "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0]}),
+         None, ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3),
     Spec("gemma2", "Gemma2Config",
          dict(_BASE, sliding_window=WINDOW, query_pre_attn_scalar=32, hidden_act=None,
               hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=5.0,

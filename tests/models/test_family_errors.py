@@ -57,8 +57,7 @@ def test_a_gguf_missing_a_tensor_names_it(tmp_path):
 @pytest.mark.parametrize(("family", "rope", "named"), [
     ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
      "'yarn'"),
-    ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-              "original_max_position_embeddings": 64}, "'longrope'"),
+    ("phi3", {"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
 ])
 def test_an_unsupported_rope_scaling_names_it(tmp_path, family, rope, named):
     spec = SPECS[family]

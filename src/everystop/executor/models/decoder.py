@@ -33,7 +33,13 @@ from everystop.executor.layers.mlp import ACTIVATIONS, SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.layers.quant import DENSE, FORMATS
-from everystop.executor.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from everystop.executor.layers.rotary import (
+    LONGROPE,
+    LongRope,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
 
@@ -263,6 +269,10 @@ class DecoderForCausalLM(nn.Module):
         self.local_inv_freq: torch.Tensor | None = None
         if args.local_rope_theta is not None:
             self.local_inv_freq = rope_inv_freq(args.head_dim, args.local_rope_theta, None)
+        scaling = args.rope_scaling or {}
+        self.longrope = (LongRope.from_scaling(args.head_dim, args.rope_theta, scaling,
+                                               args.max_position_embeddings)
+                         if scaling.get("rope_type", scaling.get("type")) in LONGROPE else None)
 
     def set_rope(self, device: torch.device | str,
                  freq_factors: torch.Tensor | None = None) -> None:
@@ -287,6 +297,9 @@ class DecoderForCausalLM(nn.Module):
             # As the reference: the scale rounded to the activation dtype first.
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self.longrope is not None:
+            cos, sin = self.longrope.tables(positions, _token_seq_lens(meta, len(positions)),
+                                            cos, sin)
         local = (None if self.local_inv_freq is None else
                  rope_cos_sin(positions, self.local_inv_freq))
         if self._runs_decoder_stack(x, kv_caches, meta):
@@ -422,3 +435,13 @@ def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:
             out[p + name + ".weight"] = [p + name + ".weight"]
     return out
 
+
+
+def _token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """Each token's sequence length after this step (0 for padding rows past the last
+    sequence's tokens)."""
+    qlens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    lens = torch.repeat_interleave(meta.seq_lens, qlens)
+    if lens.shape[0] < num_tokens:
+        lens = torch.cat([lens, lens.new_zeros(num_tokens - lens.shape[0])])
+    return lens

@@ -27,7 +27,7 @@ GGUF_TOP_NAMES: Mapping[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight"}
 # The rope scalings our rope (layers/rotary.py) computes.
-ROPE_SCALINGS = ("default", "linear", "llama3")
+ROPE_SCALINGS = ("default", "linear", "llama3", "longrope", "su")
 
 
 class GGUFMeta:
@@ -99,6 +99,13 @@ def rope_scaling_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] 
     if kind not in ROPE_SCALINGS:
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: "
                              f"{', '.join(ROPE_SCALINGS)})")
+    if kind in ("longrope", "su"):  # Phi-3 keeps its pretraining length beside the factors
+        original = (rope.get("original_max_position_embeddings")
+                    or config.get("original_max_position_embeddings"))
+        if not original or "long_factor" not in rope or "short_factor" not in rope:
+            raise ModelLoadError("longrope rope_scaling needs long_factor, short_factor and "
+                                 "original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(original)
     return theta, None if kind == "default" else rope
 
 

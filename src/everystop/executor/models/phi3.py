@@ -1,6 +1,7 @@
 """Phi-3 / Phi-3.5: the Llama decoder whose checkpoints already hold the fused projections
 (`qkv_proj`, `gate_up_proj`: the decoder's own names), a sliding window on every layer where
-the config sets one. LongRoPE ("longrope"/"su") scaling and partial rotary are refused."""
+the config sets one, LongRoPE scaling (layers/rotary.py). Partial rotary is refused, and so is
+LongRoPE in a GGUF file (its factors as rope_factors_* tensors are not read)."""
 
 from __future__ import annotations
 
@@ -46,4 +47,4 @@ FAMILY = Family(name="phi3", hf_architectures=("Phi3ForCausalLM",),
                 hf_args=_hf_args, gguf_args=_gguf_args, hf_sources=_phi3_sources,
                 gguf_layer_names={"attn_qkv": "self_attn.qkv_proj",
                                   "ffn_up": "mlp.gate_up_proj"},
-                notes="fused qkv and gate_up checkpoints")
+                notes="fused qkv and gate_up checkpoints, LongRoPE")
