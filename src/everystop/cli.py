@@ -13,6 +13,7 @@ SUBCOMMANDS = [
     ("bench", "everystop.bench.cli"),
     ("simulate", "everystop.sim.cli"),
     ("report", "everystop.telemetry.report"),
+    ("models", "everystop.executor.models.cli"),
 ]
 
 

@@ -306,6 +306,14 @@ def _from_gguf(path: str) -> Any:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if not getattr(hf, "chat_template", None):
+        # transformers' GGUF conversion keeps the file's template for some architectures only
+        # (Qwen's, not Gemma's or Phi-3's): the file's own is the model's.
+        from everystop.executor.models.gguf_file import GGUFFile  # numpy only, no torch
+
+        template = GGUFFile(path).fields.get("tokenizer.chat_template")
+        if isinstance(template, str) and template:
+            hf.chat_template = template
     try:
         tmp = f"{cache}.{os.getpid()}.tmp"
         hf.save_pretrained(tmp)

@@ -19,20 +19,20 @@ from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import CHUNKED_GEMV_ROWS, SMALL_ROWS
 from everystop.executor.layers.quant import quantize
-from everystop.executor.models.llama import Backends, LlamaArgs, LlamaForCausalLM
+from everystop.executor.models.decoder import Backends, DecoderArgs, DecoderForCausalLM
 from everystop.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 # head_dim 64 takes the attention kernel's fixed-size path on both vector widths; 3 layers
 # with 6 heads over 2 kv heads (GQA).
-ARGS = LlamaArgs(vocab_size=320, hidden_size=96, intermediate_size=160, num_layers=3,
-                 num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5)
+ARGS = DecoderArgs(vocab_size=320, hidden_size=96, intermediate_size=160, num_layers=3,
+                   num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5)
 BLOCK = 4
 
 
-def _model(backends: Backends, dtype: torch.dtype) -> LlamaForCausalLM:
+def _model(backends: Backends, dtype: torch.dtype) -> DecoderForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ARGS, backends=backends)
+    model = DecoderForCausalLM(ARGS, backends=backends)
     for name, p in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             torch.nn.init.uniform_(p, 0.5, 1.5)
@@ -87,7 +87,7 @@ def test_stack_with_block_weights_is_bit_identical_to_the_layers(isa, fmt, int8_
     _assert_bit_identical(models[0], models[1], torch.float32, torch.bfloat16)
 
 
-def _assert_bit_identical(stacked: LlamaForCausalLM, layered: LlamaForCausalLM,
+def _assert_bit_identical(stacked: DecoderForCausalLM, layered: DecoderForCausalLM,
                           dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     assert stacked._stack_weights() is not None
     # fp32 weights leave the GEMV after 8 rows (for the fp32 GEMM); 16-bit weights (with the

@@ -10,7 +10,7 @@ import torch
 from everystop.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from everystop.engine.llm_engine import LLMEngine
 from everystop.executor.executor import LocalExecutor
-from everystop.executor.models.loader import hf_sliding_window
+from everystop.executor.models.registry import family_for_hf
 from everystop.sampling_params import SamplingParams
 from tests.core.toy_executor import ToyExecutor, reference_output
 from tests.engine.toy_engine import CharTokenizer
@@ -18,19 +18,27 @@ from tests.engine.toy_engine import CharTokenizer
 transformers = pytest.importorskip("transformers")
 
 
+MISTRAL, QWEN2 = ["MistralForCausalLM"], ["Qwen2ForCausalLM"]
+
+
 @pytest.mark.parametrize(("config", "window"), [
-    ({"sliding_window": 64}, 64),  # Mistral
-    ({"sliding_window": None}, None),
-    ({}, None),  # Llama
-    ({"sliding_window": 4096, "use_sliding_window": False}, None),  # Qwen2's default
-    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, None),
-    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}, 4096),
-    ({"sliding_window": 512,  # Gemma 3: five local layers, then a global one
-      "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, None),
-    ({"sliding_window": 512, "layer_types": ["sliding_attention"] * 2}, 512),
+    ({"architectures": MISTRAL, "sliding_window": 64}, 64),
+    ({"architectures": MISTRAL, "sliding_window": None}, None),
+    ({"architectures": ["LlamaForCausalLM"]}, None),
+    ({"architectures": QWEN2, "sliding_window": 4096, "use_sliding_window": False}, None),
+    ({"architectures": QWEN2, "sliding_window": 4096, "use_sliding_window": True,
+      "max_window_layers": 28}, None),
+    ({"architectures": QWEN2, "sliding_window": 4096, "use_sliding_window": True,
+      "max_window_layers": 0}, 4096),
+    ({"architectures": MISTRAL, "sliding_window": 512,  # a local layer, then a global one
+      "layer_types": ["sliding_attention", "full_attention"]}, None),
+    ({"architectures": MISTRAL, "sliding_window": 512,
+      "layer_types": ["sliding_attention"] * 2}, 512),
 ])
 def test_the_window_every_layer_honours(config: dict, window: int | None) -> None:
-    assert hf_sliding_window(config) == window
+    full = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, **config)
+    assert family_for_hf(full, "test").hf_args(full).sliding_window == window
 
 
 def _tiny_model_dir(tmp_path, family: str) -> str:

@@ -237,12 +237,12 @@ def test_one_all_reduce_per_row_parallel_layer():
     from everystop.executor.inputs import build_inputs
     from everystop.executor.kv_pool import KVPool
     from everystop.executor.layers.parallel import ParallelContext
-    from everystop.executor.models.llama import LlamaArgs, LlamaForCausalLM
+    from everystop.executor.models.decoder import DecoderArgs, DecoderForCausalLM
 
-    args = LlamaArgs(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8)
+    args = DecoderArgs(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=8)
     group = _CountingGroup()
-    model = LlamaForCausalLM(args, ParallelContext(0, 2, group, group))
+    model = DecoderForCausalLM(args, ParallelContext(0, 2, group, group))
     for p in model.parameters():
         torch.nn.init.normal_(p, 0.0, 0.1)
     assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (4 * 8, 32)  # [q2; k1; v1]

@@ -24,7 +24,7 @@ from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.models.llama import Backends, KVCache, LlamaForCausalLM
+from everystop.executor.models.decoder import Backends, DecoderForCausalLM, KVCache
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.onednn_caches import bound_onednn_caches
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
@@ -100,12 +100,12 @@ def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype,
 
 # Loaded weights by (path, dtype, device, backends). Inference never writes to them, so engines
 # in one process (tests, benchmarks comparing modes) share one copy instead of reloading.
-_MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], LlamaForCausalLM] = OrderedDict()
+_MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], DecoderForCausalLM] = OrderedDict()
 _MAX_SHARED_MODELS = 2
 
 
 def _shared_model(path: str | None, dtype: str, device: str,
-                  backends: Backends, quantization: str = "auto") -> LlamaForCausalLM:
+                  backends: Backends, quantization: str = "auto") -> DecoderForCausalLM:
     key = (path, dtype, device, backends, quantization)
     model = _MODELS.get(key)
     if model is None:
@@ -149,7 +149,7 @@ class ModelRunner:
                         kernels.isa if kernels else "off (plain torch)", self.backends.attention,
                         gemm, "; batch-invariant" if model_config.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
-        self.model: LlamaForCausalLM = (
+        self.model: DecoderForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
             if parallel.world_size == 1 else
@@ -159,7 +159,7 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                               f"length {args.max_position_embeddings}")
-        self.sliding_window = args.sliding_window  # the KV cache manager's (see LlamaArgs)
+        self.sliding_window = args.sliding_window  # the KV cache manager's (DecoderArgs)
         # The CUDA pool sizing profiles a prefill of sequences this long; capped below.
         self.max_model_len = max_model_len or args.max_position_embeddings
         self.kv_dtype = kv_cache_dtype(cache_config, self.dtype, self.backends)

@@ -14,7 +14,16 @@ A step's tokens are packed back to back, sequence after sequence (no padding)::
     block_tables: [num_seqs, max_blocks] physical block ids (padding entries are never read)
 
 Token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to positions
-0..that position (causal, its cached prefix included).
+0..that position (causal, its cached prefix included); with a sliding window W, to positions
+p-W+1..p only::
+
+    positions  0 ........ p-W+1 ....... p
+    blocks     [ wholly before ][ in the window ]
+               never read: the KV manager may free them
+
+NOTE (contract with the KV cache manager): under a window, block-table entries of logical
+blocks lying wholly before p-W+1 (for the sequence's first query of the step) are never
+dereferenced by any implementation, so they may hold freed or reused block ids.
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int = 0, softcap: float = 0.0
+                              ) -> torch.Tensor:
     """Straightforward per-sequence attention: the correctness reference for faster kernels.
 
     It gathers each sequence's K/V slots into a temporary, which is the cost the fast kernels
@@ -101,16 +111,23 @@ def paged_attention_reference(q: torch.Tensor, key_cache: torch.Tensor,
         q_start, q_end = qsl[i], qsl[i + 1]
         qlen = q_end - q_start
         n_blocks = (seq_len + block_size - 1) // block_size
-        blocks = meta.block_tables[i, :n_blocks]
+        # Under a window only the blocks from the first query's window on are read.
+        first = max(0, seq_len - qlen - window + 1) // block_size if window else 0
+        blocks = meta.block_tables[i, first:n_blocks]
         slots = (blocks[:, None] * block_size
-                 + torch.arange(block_size, device=q.device)[None, :]).reshape(-1)[:seq_len]
+                 + torch.arange(block_size, device=q.device)[None, :]).reshape(-1)
+        slots = slots[:seq_len - first * block_size]
         k = k_flat.index_select(0, slots).repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_flat.index_select(0, slots).repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()
         scores = torch.einsum("qhd,khd->hqk", qi, k.float()) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
+        k_pos = torch.arange(first * block_size, seq_len, device=q.device)
         mask = k_pos[None, :] > q_pos[:, None]
+        if window:
+            mask |= k_pos[None, :] <= q_pos[:, None] - window
         scores.masked_fill_(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
@@ -136,16 +153,19 @@ def select_backend(q: torch.Tensor, key_cache: torch.Tensor, kernels: CpuKernels
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None,
-                    backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto", window: int = 0, softcap: float = 0.0
+                    ) -> torch.Tensor:
     """Attention for a packed batch through the block tables (see select_backend); returns
-    q's dtype."""
+    q's dtype. `window` > 0: a sliding window (see the module's NOTE); `softcap` > 0: scores
+    become softcap * tanh(scores / softcap) before the mask."""
     chosen = select_backend(q, key_cache, kernels, backend)
     if chosen == "kernel":
         assert kernels is not None
         return kernels.paged_attention(q, key_cache, value_cache, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens, scale)
+                                       meta.query_start_loc, meta.seq_lens, scale, window,
+                                       softcap)
     if chosen == "torch":
         return paged_attention_torch(q, key_cache, value_cache, meta.block_tables,
                                      meta.seq_lens, meta.query_start_loc_list,
-                                     meta.seq_lens_list, scale)
-    return paged_attention_reference(q, key_cache, value_cache, meta, scale)
+                                     meta.seq_lens_list, scale, window, softcap)
+    return paged_attention_reference(q, key_cache, value_cache, meta, scale, window, softcap)

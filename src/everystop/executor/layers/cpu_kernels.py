@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,6 +69,7 @@ _OPS = ("paged_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "ro
 _OPS += ("linear_q_small", "linear_q_tiled", "linear_q_tiled_bf16", "dequantize")
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 _OPS += ("round_int8_blocks",)
+_OPS += ("paged_attention_ext", "decoder_stack_ext")  # the families' differences as parameters
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -198,17 +200,22 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-        """Attention through the block tables; returns q's dtype."""
+                        scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """Attention through the block tables; returns q's dtype. `window` > 0: a sliding
+        window (blocks wholly before it are never read); `softcap` > 0: capped scores."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 q.shape[0], block_tables, query_start_loc, seq_lens)
         # q is small next to the caches, so it is handed over in fp32 and the output cast
         # back: one kernel instantiation per cache dtype instead of one per (q, cache) pair.
-        out = self.ops.paged_attention(
-            q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
-            block_tables.long().contiguous(), query_start_loc.long().contiguous(),
-            seq_lens.long().contiguous(), float(scale), ROWS_PER_ITEM)
+        tensors = (q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+                   block_tables.long().contiguous(), query_start_loc.long().contiguous(),
+                   seq_lens.long().contiguous())
+        if window > 0 or softcap > 0:
+            out = self.ops.paged_attention_ext(*tensors, float(scale), ROWS_PER_ITEM,
+                                               int(window), float(softcap))
+        else:
+            out = self.ops.paged_attention(*tensors, float(scale), ROWS_PER_ITEM)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -252,14 +259,25 @@ class CpuKernels:
                       cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, final_norm: torch.Tensor, eps: float,
-                      scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                      scale: float, num_heads: int, num_kv_heads: int,
+                      qkv_biases: Sequence[torch.Tensor] = (),
+                      qk_norms: Sequence[torch.Tensor] = (), windows: Sequence[int] = (),
+                      softcap: float = 0.0) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
-        `formats`: per layer the four linears' format codes (0 dense, else block format)."""
+        `formats`: per layer the four linears' format codes (0 dense, else block format).
+        The families' differences, each empty where unused: `qkv_biases` one per layer,
+        `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
+        if qkv_biases or qk_norms or windows or softcap:
+            return self.ops.decoder_stack_ext(
+                x, weights, formats, key_caches, value_caches, cos, sin, slot_mapping,
+                block_tables, query_start_loc, seq_lens, final_norm, eps, scale, num_heads,
+                num_kv_heads, ROWS_PER_ITEM, self.int8_decode_dot, list(qkv_biases),
+                list(qk_norms), list(windows), float(softcap))
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,

@@ -7,6 +7,7 @@ second half; GGUF checkpoints are un-permuted into this layout by the loader.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,8 +19,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] (float32, CPU) for the given rope scaling.
 
-    Supported scaling types: none/"default", "linear", "llama3". `freq_factors` (GGUF's
-    `rope_freqs.weight`) divides the frequencies, which is how llama.cpp stores llama3 scaling.
+    Supported scaling types: none/"default", "linear", "llama3", and "longrope" (its short
+    factors here; `longrope_tables` for the rest). `freq_factors` (GGUF's `rope_freqs.weight`)
+    divides the frequencies, which is how llama.cpp stores llama3 scaling.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                              device="cpu") / head_dim))
@@ -33,7 +35,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind in LONGROPE:
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32,
+                                       device="cpu")
     raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+LONGROPE = ("longrope", "su")  # Phi-3's LongRoPE ("su" in older configs)
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE: a sequence longer than `original_max` rotates all its new tokens with the
+    long factors' frequencies, a shorter one with the short factors' (as the reference
+    decides per forward of one sequence); both tables are scaled by `attention_factor`.
+    NOTE: a sequence crossing `original_max` while it decodes keeps its short-factor cache
+    (the reference recomputes the whole sequence there: docs/models.md)."""
+
+    long_inv_freq: torch.Tensor
+    attention_factor: float
+    original_max: int
+
+    @staticmethod
+    def from_scaling(head_dim: int, theta: float, scaling: dict[str, Any],
+                     max_position_embeddings: int) -> LongRope:
+        original = int(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or max_position_embeddings / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = (1.0 if factor <= 1.0 else
+                         math.sqrt(1 + math.log(factor) / math.log(original)))
+        # NOTE: on the CPU explicitly: the model is built under torch.device("meta").
+        steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        long = 1.0 / (theta ** steps) / torch.tensor(scaling["long_factor"],
+                                                     dtype=torch.float32, device="cpu")
+        return LongRope(long, float(attention), original)
+
+    def tables(self, positions: torch.Tensor, token_seq_lens: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short tables `cos`, `sin` with the rows of long sequences' tokens replaced by
+        the long ones, all scaled."""
+        long_cos, long_sin = rope_cos_sin(positions, self.long_inv_freq.to(positions.device))
+        use_long = (token_seq_lens > self.original_max)[:, None]
+        return (torch.where(use_long, long_cos, cos) * self.attention_factor,
+                torch.where(use_long, long_sin, sin) * self.attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

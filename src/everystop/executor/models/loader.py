@@ -1,6 +1,7 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json plus
-*.safetensors) onto the requested device, each projection/embedding weight held as the
-`quantization` policy says (see `_held_weight`) and everything else in the requested dtype.
+"""Load a model of any registered family (models/registry.py) from a GGUF file or a Hugging
+Face directory (config.json plus *.safetensors) onto the requested device, each
+projection/embedding weight held as the `quantization` policy says (see `_held_weight`) and
+everything else in the requested dtype.
 
 Every failure a user can cause (bad path, unreadable file, unsupported architecture, missing
 tensor) surfaces as a `ModelLoadError` with a one-line message.
@@ -28,18 +29,19 @@ from everystop.executor.layers.quant import (
     quantize,
     relative_error,
 )
-from everystop.executor.models.llama import (
+from everystop.executor.models.decoder import (
     TORCH_ONLY,
     Backends,
-    LlamaArgs,
-    LlamaForCausalLM,
-    hf_sources,
+    DecoderArgs,
+    DecoderForCausalLM,
 )
+from everystop.executor.models.errors import ModelLoadError
+from everystop.executor.models.family import Family, GGUFMeta
+from everystop.executor.models.gguf_experts import ExpertSlices
+from everystop.executor.models.moe_decoder import MoeArgs
+from everystop.executor.models.registry import family_for_gguf, family_for_hf
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-HF_MODEL_TYPES = ("llama", "mistral")
-GGUF_ARCHITECTURES = ("llama",)  # llama.cpp exports Mistral as "llama" too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Held dense in 16 bits whatever the file stores, next to activations in the model dtype.
 HELD_16BIT = {"bf16": torch.bfloat16, "f16": torch.float16}
@@ -53,13 +55,6 @@ _PRECISION = ("q4_0", "q4_1", "q8_0")  # worst first
 
 logger = logging.getLogger(__name__)
 _Rows = TypeVar("_Rows", np.ndarray, torch.Tensor)
-
-
-class ModelLoadError(Exception):
-    """The model could not be loaded; the message is one line, fit for a CLI or a log."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
 
 
 def default_model_path() -> str:
@@ -94,7 +89,7 @@ def resolve_model_path(path: str | None) -> str:
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
                parallel: ParallelContext = SINGLE, backends: Backends = TORCH_ONLY,
-               quantization: str = "auto") -> LlamaForCausalLM:
+               quantization: str = "auto") -> DecoderForCausalLM:
     """Load weights from `path` (GGUF file or HF directory; None = default model).
 
     Under tensor parallelism (`parallel.world_size > 1`) only rank `parallel.rank`'s shard of
@@ -114,20 +109,23 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         logger.warning("weights converted to %s: quantized weights are held on one CPU "
                        "process only", dtype)
     if os.path.isdir(path):
-        args, get, freq_factors = _open_hf_dir(path)
+        family, args, get, freq_factors = _open_hf_dir(path)
     else:
-        args, get, freq_factors = _open_gguf(path, keep_blocks=hold)
+        family, args, get, freq_factors = _open_gguf(path, keep_blocks=hold)
     torch_dtype = DTYPES[dtype]
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(args, parallel, backends)
+            model = family.model_class(args, parallel, backends)
     except ValueError as e:  # heads that cannot be split over this many ranks
         raise ModelLoadError(f"{path}: {e}") from None
+    _log_family(family, model)
+    # Gemma's (1 + w) norms: llama.cpp folds the 1 into a GGUF's weights; a checkpoint not.
+    norm_offset = family.hf_norm_offset if os.path.isdir(path) else 0.0
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     held: set[str] = set()
     errors: list[tuple[str, str, float]] = []
-    for name, sources in hf_sources(args).items():
+    for name, sources in family.hf_sources(args).items():
         try:
             parts = [get(src) for src in sources]
         except KeyError as e:
@@ -145,6 +143,8 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
             continue
         dense = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         full = dense[0] if len(dense) == 1 else torch.cat(dense, dim=0)
+        if norm_offset and name.endswith("norm.weight"):
+            full = full.float() + norm_offset
         shard = owner.shard_weight(full) if hasattr(owner, "shard_weight") else full
         if tuple(shard.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(full.shape)}, "
@@ -160,6 +160,17 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
                     worst[2], worst[0], worst[1])
     model.set_rope(device, freq_factors)
     return model.eval().requires_grad_(False)
+
+
+def _log_family(family: Family, model: DecoderForCausalLM) -> None:
+    windows = sorted(set(model.args.layer_windows) - {0})
+    logger.info("model family %s%s%s", family.name,
+                f" ({family.notes})" if family.notes else "",
+                f"; sliding windows {windows}" if windows else "")
+    kernels = model.backends.kernels
+    if model.backends.decoder_stack and kernels is not None and not model.stack_ready:
+        logger.info("decode passes run layer by layer on the CPU kernels: the one-call "
+                    "decoder stack does not cover %s", ", ".join(model.args.stack_blockers()))
 
 
 def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,
@@ -246,27 +257,8 @@ def _full_shape(owner: Any, param: torch.Tensor) -> tuple[int, ...]:
 
 # --- GGUF ----------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-
-
-def _gguf_hf_name(name: str) -> str | None:
-    if name in _GGUF_TOP_NAMES:
-        return _GGUF_TOP_NAMES[name]
-    parts = name.split(".")  # blk.{i}.{kind}.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
 def _open_gguf(path: str, keep_blocks: bool = False
-               ) -> tuple[LlamaArgs, Callable[[str], Any], torch.Tensor | None]:
+               ) -> tuple[Family, DecoderArgs, Callable[[str], Any], torch.Tensor | None]:
     """The model's hyper-parameters, a getter of tensors by Hugging Face name, the rope
     frequency factors. With `keep_blocks` the getter returns Q8_0/Q4_0/Q4_1 tensors as their
     blocks (`QuantizedTensor`, no dequantize round trip), other quantized types requantized to
@@ -279,12 +271,13 @@ def _open_gguf(path: str, keep_blocks: bool = False
     except Exception as e:  # numpy/struct errors on a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
-                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    family = family_for_gguf(arch, path, meta)
     tensors = {t.name: t for t in reader.tensors}
-    args = _gguf_args(meta, arch, tensors, path)
-    by_hf_name = {_gguf_hf_name(n): t for n, t in tensors.items()}
+    try:
+        args = family.gguf_args(GGUFMeta(meta, arch, tensors, path))
+    except ValueError as e:  # inconsistent hyper-parameters (DecoderArgs' checks)
+        raise ModelLoadError(f"{path}: {e}") from None
+    by_hf_name = {family.gguf_hf_name(n): t for n, t in tensors.items()}
 
     def get(hf_name: str) -> torch.Tensor | QuantizedTensor:
         if hf_name not in by_hf_name:
@@ -295,8 +288,9 @@ def _open_gguf(path: str, keep_blocks: bool = False
         # llama.cpp interleaves each Q/K head's rotary pairs on export; undo it to get back the
         # half-split layout our rope (and Hugging Face's) expects. (A row permutation: block
         # rows permute like any others.)
-        heads = (args.num_heads if hf_name.endswith("q_proj.weight") else
-                 args.num_kv_heads if hf_name.endswith("k_proj.weight") else 0)
+        heads = 0 if not family.gguf_permuted_qk else (
+            args.num_heads if hf_name.endswith("q_proj.weight") else
+            args.num_kv_heads if hf_name.endswith("k_proj.weight") else 0)
         if heads and isinstance(w, QuantizedTensor):
             return QuantizedTensor(w.fmt, _unpermute_rope(w.data, heads), w.cols)
         return _unpermute_rope(w, heads) if heads else w
@@ -304,13 +298,17 @@ def _open_gguf(path: str, keep_blocks: bool = False
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = torch.from_numpy(_dequantize(tensors["rope_freqs.weight"]).reshape(-1))
-    return args, get, freq_factors
+    if isinstance(args, MoeArgs):  # llama.cpp stacks the experts; checkpoints name each
+        return family, args, ExpertSlices(get, args.num_experts), freq_factors
+    return family, args, get, freq_factors
 
 
 def _read_gguf_tensor(tensor: Any, keep_blocks: bool) -> torch.Tensor | QuantizedTensor:
     kind = tensor.tensor_type.name
-    rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])  # GGUF lists dims innermost first
-    if keep_blocks and len(tensor.shape) == 2:
+    # GGUF lists dims innermost first; stacked experts [E, rows, cols] are read as [E * rows,
+    # cols] (models/gguf_experts.py cuts them per expert).
+    cols, rows = int(tensor.shape[0]), int(np.prod([int(d) for d in tensor.shape[1:]]))
+    if keep_blocks and len(tensor.shape) in (2, 3):
         if kind in _GGUF_NATIVE:  # a private copy of the file's blocks, byte for byte
             data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             return QuantizedTensor(_GGUF_NATIVE[kind], data.reshape(rows, -1), cols)
@@ -320,40 +318,12 @@ def _read_gguf_tensor(tensor: Any, keep_blocks: bool) -> torch.Tensor | Quantize
             raw = np.array(tensor.data).view(np.int16).reshape(rows, cols)
             return torch.from_numpy(raw).view(torch.bfloat16)
         if kind not in ("F32", "F64") and cols % BLOCK == 0:
-            exact = torch.from_numpy(_dequantize(tensor))
+            exact = torch.from_numpy(_dequantize(tensor).reshape(rows, cols))
             q = quantize(exact, _GGUF_NEAREST.get(kind, "q8_0"))
             logger.info("%s: %s requantized to %s at load (relative error %.4f)", tensor.name,
                         kind, q.fmt, relative_error(q.dequantize(), exact))
             return q
     return torch.from_numpy(_dequantize(tensor))  # already a private copy
-
-
-def _gguf_args(meta: dict[str, Any], arch: str, tensors: dict[str, Any], path: str) -> LlamaArgs:
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
-    vocab = int(meta.get(f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
-    scaling = None
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    return LlamaArgs(
-        vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")),
-        num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in tensors,
-        max_position_embeddings=int(key("context_length", 4096)),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -378,59 +348,21 @@ def _unpermute_rope(w: _Rows, n_heads: int) -> _Rows:
 
 # --- Hugging Face directory ----------------------------------------------------------------
 
-def _open_hf_dir(path: str) -> tuple[LlamaArgs, Callable[[str], torch.Tensor], None]:
+def _open_hf_dir(path: str
+                 ) -> tuple[Family, DecoderArgs, Callable[[str], torch.Tensor], None]:
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path}/config.json: {e}") from None
-    archs = config.get("architectures") or []
-    if not (set(archs) & set(HF_ARCHITECTURES)
-            or (not archs and config.get("model_type") in HF_MODEL_TYPES)):
-        found = ", ".join(archs) or config.get("model_type")
-        raise ModelLoadError(f"{path}: unsupported architecture {found!r} "
-                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
-    args = _hf_args(config)
-    return args, _safetensors_getter(path), None
-
-
-def _hf_args(config: dict[str, Any]) -> LlamaArgs:
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    max_pos = int(config.get("max_position_embeddings", 4096))
-    if config.get("sliding_window"):
-        # We do not implement sliding-window attention: cap the context where it is exact.
-        max_pos = min(max_pos, int(config["sliding_window"]))
-    eos = config.get("eos_token_id")
-    return LlamaArgs(
-        vocab_size=config["vocab_size"], hidden_size=hidden,
-        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or hidden // heads,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=theta,
-        rope_scaling=None if kind == "default" else rope,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, sliding_window=hf_sliding_window(config),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos)
-
-
-def hf_sliding_window(config: dict[str, Any]) -> int | None:
-    """The window every layer of a config.json's model attends within, or None where any
-    layer attends to the whole context (no window; Qwen2's use_sliding_window false, or its
-    first max_window_layers layers; a global layer among `layer_types`, as Gemma 3
-    interleaves)."""
-    window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
-        return None
-    if config.get("use_sliding_window") and config.get("max_window_layers"):
-        return None
-    if any(kind != "sliding_attention" for kind in config.get("layer_types") or ()):
-        return None
-    return int(window)
+    family = family_for_hf(config, path)
+    try:
+        args = family.hf_args(config)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    except ValueError as e:  # inconsistent hyper-parameters (DecoderArgs' checks)
+        raise ModelLoadError(f"{path}: {e}") from None
+    return family, args, _safetensors_getter(path), None
 
 
 def _safetensors_getter(path: str) -> Callable[[str], torch.Tensor]:

@@ -14,7 +14,12 @@
 //   h = add_rms_norm_(residual, a, post_norm)
 //   x = silu_mul(h @ gate_up.T) @ down.T
 // and at the end norm(x + residual) with the final norm weight.
+//
+// decoder_stack_ext takes the families' differences as parameters, each as the layers apply
+// it (models/decoder.py): a [q; k; v] bias added after the projection, an RMSNorm over each
+// q and k head before rope, a sliding window and a score soft-cap in the attention.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/ArrayRef.h>
 #include <torch/library.h>
@@ -40,6 +45,12 @@ at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cac
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                   double scale, int64_t rows_per_item);
+at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache,
+                                      const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc,
+                                      const at::Tensor& seq_lens, double scale,
+                                      int64_t rows_per_item, int64_t window, double softcap);
 }  // namespace ES_NS
 
 namespace {
@@ -55,14 +66,17 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool i
                   : ES_NS::direct_linear_q_small_fp32(x, w, fmt, x.size(1));
 }
 
-at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef formats,
-                         at::TensorList key_caches,
-                         at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                         const at::Tensor& final_norm, double eps, double scale,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t rows_per_item,
-                         bool int8_dot) {
+// qkv_biases: none or one per layer; qk_norms: none or (q_norm, k_norm) per layer; windows:
+// none or one per layer (0: no window); softcap 0: none.
+at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
+                             at::IntArrayRef formats, at::TensorList key_caches,
+                             at::TensorList value_caches, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& slot_mapping,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, const at::Tensor& final_norm,
+                             double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t rows_per_item, bool int8_dot, at::TensorList qkv_biases,
+                             at::TensorList qk_norms, at::IntArrayRef windows, double softcap) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -70,6 +84,12 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   TORCH_CHECK(static_cast<int64_t>(formats.size()) == kLinearsPerLayer * num_layers,
               "decoder_stack: one weight format per linear expected");
   TORCH_CHECK(x0.dim() == 2 && x0.is_contiguous(), "decoder_stack: x must be [tokens, hidden]");
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
+              "decoder_stack: no qkv bias or one per layer expected");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * num_layers,
+              "decoder_stack: no q/k norms or two per layer expected");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == num_layers,
+              "decoder_stack: no windows or one per layer expected");
   const int64_t tokens = x0.size(0);
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
@@ -86,14 +106,24 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
     at::Tensor qkv = project(h, w[1], fmt[0], int8_dot);
+    if (!qkv_biases.empty()) qkv = qkv.add(qkv_biases[l]);
+    if (!qk_norms.empty()) {
+      const int64_t kv_size = num_kv_heads * head_dim;
+      at::Tensor qn = ES_NS::direct_rms_norm(qkv.narrow(1, 0, q_size).reshape({-1, head_dim}),
+                                             qk_norms[2 * l], eps);
+      at::Tensor kn = ES_NS::direct_rms_norm(
+          qkv.narrow(1, q_size, kv_size).reshape({-1, head_dim}), qk_norms[2 * l + 1], eps);
+      qkv = at::cat({qn.view({tokens, q_size}), kn.view({tokens, kv_size}),
+                     qkv.narrow(1, q_size + kv_size, kv_size)}, 1);
+    }
     ES_NS::direct_rope_write_kv_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                  num_heads, num_kv_heads);
     // As CpuKernels.paged_attention: q handed over in fp32, the output cast back.
     at::Tensor q = qkv.narrow(1, 0, q_size).to(at::kFloat).contiguous()
                        .view({tokens, num_heads, head_dim});
-    at::Tensor attn = ES_NS::direct_paged_attention(q, key_cache, value_cache, block_tables,
-                                                    query_start_loc, seq_lens, scale,
-                                                    rows_per_item);
+    at::Tensor attn = ES_NS::direct_paged_attention_ext(
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, rows_per_item,
+        windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
     at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
@@ -104,6 +134,20 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   return ES_NS::direct_add_rms_norm_(residual, x, final_norm, eps);
 }
 
+at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef formats,
+                         at::TensorList key_caches,
+                         at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& final_norm, double eps, double scale,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t rows_per_item,
+                         bool int8_dot) {
+  return decoder_stack_ext(x0, weights, formats, key_caches, value_caches, cos, sin,
+                           slot_mapping, block_tables, query_start_loc, seq_lens, final_norm,
+                           eps, scale, num_heads, num_kv_heads, rows_per_item, int8_dot, {}, {},
+                           {}, 0.0);
+}
+
 }  // namespace
 
 ES_LIBRARY_FRAGMENT(m) {
@@ -111,6 +155,15 @@ ES_LIBRARY_FRAGMENT(m) {
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, float eps, float scale, "
         "int num_heads, int num_kv_heads, int rows_per_item, bool int8_decode_dot) -> Tensor");
+  m.def("decoder_stack_ext(Tensor x, Tensor[] weights, int[] formats, Tensor(a!)[] key_caches, "
+        "Tensor(b!)[] value_caches, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, "
+        "float eps, float scale, int num_heads, int num_kv_heads, int rows_per_item, "
+        "bool int8_decode_dot, Tensor[] qkv_biases, Tensor[] qk_norms, int[] windows, "
+        "float softcap) -> Tensor");
 }
 
-ES_LIBRARY_IMPL(m) { m.impl("decoder_stack", &decoder_stack); }
+ES_LIBRARY_IMPL(m) {
+  m.impl("decoder_stack", &decoder_stack);
+  m.impl("decoder_stack_ext", &decoder_stack_ext);
+}

@@ -60,11 +60,16 @@ inline void prefetch_block(const cache_t* k_cache, const cache_t* v_cache, int64
 // A work item covers every head of its tokens, so it walks each K/V block front to back: a
 // block's slots hold all kv heads side by side ([block_size, kv_heads, head_dim]), and reading
 // only one head's slice of each slot would touch a quarter or less of every few cache lines.
+//
+// `window` > 0: a query at position p sees keys p-window+1..p only, and the blocks wholly
+// before the item's first query's window are never read (their table entries may be freed);
+// `softcap` > 0: scores become softcap * tanh(score / softcap) before the mask.
 template <typename cache_t, bool kInPlace, int kNV>
 void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
                   const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
                   int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t head_dim, int64_t block_size, float scale) {
+                  int64_t head_dim, int64_t block_size, float scale, int64_t window = 0,
+                  float softcap = 0.f) {
   constexpr bool in_place = kInPlace;
   using src_t = typename std::conditional<kInPlace, cache_t, float>::type;
   const int64_t group = num_heads / num_kv_heads;
@@ -82,7 +87,7 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
   std::vector<vf> kbuf(in_place ? 0 : T * num_kv_heads * nv);
   std::vector<vf> vbuf(in_place ? 0 : T * num_kv_heads * nv);
   std::vector<float> m(rows, -INFINITY), l(rows, 0.f);
-  std::vector<int64_t> last_pos(rows), head_off(rows);
+  std::vector<int64_t> last_pos(rows), head_off(rows), first_seen(rows, 0);
   const int64_t first_pos = seq_len - qlen;  // position of the sequence's first query token
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_token0 + w.q_begin + r / num_heads;
@@ -92,12 +97,14 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
       qbuf[r * nv + j] = loadv_n(src + j * kW, std::min(kW, D - j * kW)) * scale;
     last_pos[r] = first_pos + w.q_begin + r / num_heads;
     head_off[r] = (h / group) * src_head;
+    if (window > 0) first_seen[r] = std::max<int64_t>(0, last_pos[r] - window + 1);
   }
   const int64_t ctx = first_pos + w.q_begin + w.q_count;  // keys the tile's last row sees
   const int64_t n_blocks = (ctx + T - 1) / T;
   vi lane;
   for (int64_t i = 0; i < kW; ++i) lane[i] = static_cast<int32_t>(i);
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  // Row 0 (the item's first token) has the earliest window: no row reads a block before it.
+  for (int64_t b = first_seen[0] / T; b < n_blocks; ++b) {
     const int64_t pos0 = b * T;
     const int64_t n_tok = std::min(T, ctx - pos0);
     const int64_t base = block_table[b] * T * slot_elems;
@@ -125,7 +132,8 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
       const int64_t tile = std::min(kMaxTile, n_tok - t0);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t visible = std::min(tile, last_pos[r] - pos0 - t0 + 1);
-        if (visible <= 0) continue;
+        const int64_t hidden_below = first_seen[r] - pos0 - t0;  // lanes before the window
+        if (visible <= 0 || hidden_below >= visible) continue;
         const vf* qr = qbuf.data() + r * nv;
         const src_t* kr = kb + t0 * src_slot + head_off[r];
         const src_t* vr = vb + t0 * src_slot + head_off[r];
@@ -141,7 +149,13 @@ void run_item_src(const WorkItem& w, const float* q, float* out, const cache_t* 
           dots[t] = dot;
         }
         vf sc = reduce_lanes(dots);
-        sc = lane < (int)visible ? sc : vf{} - INFINITY;
+        if (softcap > 0.f) {
+          float s_arr[ES_W];
+          std::memcpy(s_arr, &sc, sizeof(s_arr));
+          for (int64_t i = 0; i < kW; ++i) s_arr[i] = softcap * std::tanh(s_arr[i] / softcap);
+          std::memcpy(&sc, s_arr, sizeof(s_arr));
+        }
+        sc = (lane < (int)visible) & (lane >= (int)hidden_below) ? sc : vf{} - INFINITY;
         const float m_new = std::max(m[r], hmax(sc));
         const float corr = m[r] == -INFINITY ? 0.f : exp_v(vf{} + (m[r] - m_new))[0];
         const vf e = exp_v(sc - m_new);
@@ -553,8 +567,20 @@ template <typename cache_t, int kNV>
 void run_item(const WorkItem& w, const float* q, float* out, const cache_t* k_cache,
               const cache_t* v_cache, const int64_t* block_table, int64_t q_token0,
               int64_t seq_len, int64_t qlen, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, int64_t block_size, float scale) {
+              int64_t head_dim, int64_t block_size, float scale, int64_t window,
+              float softcap) {
   const int64_t D = head_dim;
+  if (window > 0 || softcap > 0.f) {  // only the one-pass kernel masks windows and caps
+    if (D % kW == 0 && std::is_same<cache_t, float>::value)
+      run_item_src<cache_t, true, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
+                                       seq_len, qlen, num_heads, num_kv_heads, D, block_size,
+                                       scale, window, softcap);
+    else
+      run_item_src<cache_t, false, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
+                                        seq_len, qlen, num_heads, num_kv_heads, D, block_size,
+                                        scale, window, softcap);
+    return;
+  }
   if constexpr (kNV > 0) {
     if (w.kv_group >= 0) {
       run_item_prefill<cache_t, kNV>(w, q, out, k_cache, v_cache, block_table, q_token0,
@@ -591,7 +617,7 @@ template <typename cache_t>
 void run_all(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
              const at::Tensor& value_cache, const at::Tensor& block_tables,
              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-             int64_t rows_per_item) {
+             int64_t rows_per_item, int64_t window, double softcap) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), D = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -606,7 +632,8 @@ void run_all(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
   // prompt's three 512-token chunks, bf16 cache, per layer: AVX-512 21.8 -> 13.9 ms; with
   // AVX2's 16 registers every register block tried was slower than the grouped kernel
   // (26.7 ms vs 34-67), so AVX2 and generic builds keep it.
-  const bool tiled_prefill = kW == 16 && (D == 4 * kW || D == 8 * kW || D == 16 * kW);
+  const bool tiled_prefill = kW == 16 && (D == 4 * kW || D == 8 * kW || D == 16 * kW) &&
+                             window == 0 && softcap == 0.0;
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t qlen = qsl[i + 1] - qsl[i];
@@ -645,17 +672,20 @@ void run_all(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
     const WorkItem& w = items[j];
     const int64_t i = w.seq;
     item_fn(w, qp, op, kp, vp, bt + i * max_blocks, qsl[i], lens[i], qsl[i + 1] - qsl[i],
-            num_heads, num_kv_heads, D, block_size, static_cast<float>(scale));
+            num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), window,
+            static_cast<float>(softcap));
   }
 }
 
 // q: [num_tokens, num_heads, head_dim] fp32; caches: [num_blocks, block_size, kv_heads, head_dim]
 // fp32/bf16/fp16; block_tables [num_seqs, max_blocks], query_start_loc, seq_lens: int64.
 // Returns fp32 [num_tokens, num_heads, head_dim].
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t rows_per_item) {
+// window > 0: a sliding window; softcap > 0: capped scores (see run_item_src).
+at::Tensor paged_attention_ext(const at::Tensor& q, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                               double scale, int64_t rows_per_item, int64_t window,
+                               double softcap) {
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3,
               "q must be contiguous fp32 [tokens, heads, dim]");
@@ -669,19 +699,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "int64 metadata expected");
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc size");
   TORCH_CHECK(rows_per_item >= 1, "rows_per_item must be positive");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must not be negative");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (key_cache.scalar_type()) {
     case at::kFloat:
       run_all<float>(q, out, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                     scale, rows_per_item);
+                     scale, rows_per_item, window,
+                     softcap);
       break;
     case at::kBFloat16:
       run_all<c10::BFloat16>(q, out, key_cache, value_cache, block_tables, query_start_loc,
-                             seq_lens, scale, rows_per_item);
+                             seq_lens, scale, rows_per_item, window,
+                     softcap);
       break;
     case at::kHalf:
       run_all<c10::Half>(q, out, key_cache, value_cache, block_tables, query_start_loc,
-                         seq_lens, scale, rows_per_item);
+                         seq_lens, scale, rows_per_item, window,
+                     softcap);
       break;
     default:
       TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
@@ -689,14 +723,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           double scale, int64_t rows_per_item) {
+  return paged_attention_ext(q, key_cache, value_cache, block_tables, query_start_loc,
+                             seq_lens, scale, rows_per_item, 0, 0.0);
+}
+
 }  // namespace
 
 ES_LIBRARY(m) {
   m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int rows_per_item) -> Tensor");
+  m.def("paged_attention_ext(Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+        "int rows_per_item, int window, float softcap) -> Tensor");
 }
 
-ES_LIBRARY_IMPL(m) { m.impl("paged_attention", &paged_attention); }
+ES_LIBRARY_IMPL(m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_ext", &paged_attention_ext);
+}
 
 // With external linkage for the decoder stack (see the note at the end of fused_ops.cpp).
 namespace ES_NS {
@@ -706,5 +754,14 @@ at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cac
                                   double scale, int64_t rows_per_item) {
   return paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                          scale, rows_per_item);
+}
+at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache,
+                                      const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc,
+                                      const at::Tensor& seq_lens, double scale,
+                                      int64_t rows_per_item, int64_t window, double softcap) {
+  return paged_attention_ext(q, key_cache, value_cache, block_tables, query_start_loc,
+                             seq_lens, scale, rows_per_item, window, softcap);
 }
 }  // namespace ES_NS

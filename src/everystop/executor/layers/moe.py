@@ -1,0 +1,131 @@
+"""Sparse mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router picks each
+token's top-k experts, the rows routed to an expert are gathered and run through that expert
+alone, and only the experts some row chose are read at all.
+
+Every expert is a SwiGLU. The experts' weights are stacked expert-major into two matrices held
+as loaded (dense, 16-bit or GGUF blocks; see HeldWeight), so expert e is a contiguous row range
+that goes through the same linear kernels as a dense layer::
+
+    gate_up  [E * 2I, H]   rows [e*2I, e*2I + I): gate of e   [e*2I + I, (e+1)*2I): up of e
+    down     [E * H,  I]   rows [e*H, (e+1)*H): down of e
+
+Under tensor parallelism each rank keeps its share of every expert's intermediate size (the
+gate/up rows and down columns of a SwiGLU's shard), and the block's output is one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from everystop.executor.layers.cpu_kernels import CpuKernels
+from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
+from everystop.executor.layers.parallel import SINGLE, ParallelContext
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int64 [T, k]) as Mixtral and Qwen3-MoE define them:
+    softmax over all experts in fp32, the k largest probabilities, then, with `renormalize`
+    (Mixtral always, Qwen3-MoE under norm_topk_prob), those k divided by their sum.
+
+    NOTE: the order matters: softmax before top-k keeps, without renormalizing, each weight's
+    share of the whole distribution; renormalized it equals a softmax over the k logits."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def silu_mul(gate_up: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (equal halves) along the last dim."""
+    if kernels is not None and kernels.handles(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Router(nn.Module):
+    """The gate: one logit per expert, [E, H] held in the model dtype (small, never blocks)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts in two stacked matrices (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
+                 ctx: ParallelContext = SINGLE, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size,
+                                                 [intermediate_size] * (2 * num_experts), ctx,
+                                                 kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate_size, num_experts * hidden_size, ctx,
+                                           kernels=kernels)
+        # This rank's share of one expert's gate_up rows.
+        self.local_gate_up = 2 * self.gate_up_proj.out_sizes[0]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU of x [n, H] (this rank's partial sum under tensor parallelism),
+        reading expert e's rows of the stacked weights only."""
+        gu, down = self.gate_up_proj, self.down_proj
+        rows = self.local_gate_up
+        h = linear(x, gu.weight[e * rows:(e + 1) * rows], self.kernels, gu.weight_format,
+                   gu.weight_cols)
+        h = silu_mul(h, self.kernels)
+        w = down.weight[e * self.hidden_size:(e + 1) * self.hidden_size]
+        return linear(h, w, self.kernels, down.weight_format, down.weight_cols)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """sum_j weights[t, j] * expert(ids[t, j])(x[t]) for every row t, in fp32 [T, H].
+
+        Rows are grouped by expert (a stable sort of the T*k choices), so each chosen expert
+        runs once on all its rows; the sums add experts in ascending order."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        slot_weights = weights.reshape(-1, 1)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start:start + n]
+            start += n
+            rows = slots // top_k
+            y = self.expert(e, x[rows])
+            out.index_add_(0, rows, y.float() * slot_weights[slots])
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router then experts; a drop-in for the decoder layer's SwiGLU (`mlp`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, ctx: ParallelContext = SINGLE,
+                 kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"experts per token ({top_k}) must be in 1..{num_experts}")
+        self.ctx = ctx
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = Experts(hidden_size, intermediate_size, num_experts, ctx, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        return self.ctx.all_reduce(out if out.dtype == x.dtype else out.to(x.dtype))

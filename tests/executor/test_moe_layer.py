@@ -1,0 +1,152 @@
+"""The sparse MoE block (layers/moe.py) against transformers' own Mixtral and Qwen3-MoE blocks
+on the same weights, dense and held as GGUF blocks, with and without the CPU kernels; and the
+proof that only the chosen experts are read: the unchosen experts' weights poisoned with NaN
+leave the output bit for bit unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from everystop.executor.layers.moe import SparseMoeBlock, route
+from everystop.executor.layers.quant import quantize
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+
+HIDDEN, EXPERT_FFN = 64, 96
+
+
+def _hf_block(family: str, num_experts: int, top_k: int, norm_topk_prob: bool = True):
+    """A transformers MoE block with random weights (large enough that routing is decisive)."""
+    if family == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=HIDDEN, intermediate_size=EXPERT_FFN,
+                                            num_local_experts=num_experts,
+                                            num_experts_per_tok=top_k)
+        block = MixtralSparseMoeBlock(config)
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN,
+                                             moe_intermediate_size=EXPERT_FFN,
+                                             num_experts=num_experts, num_experts_per_tok=top_k,
+                                             norm_topk_prob=norm_topk_prob)
+        block = Qwen3MoeSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return block.eval()
+
+
+CASES = [("mixtral", 8, 2, True), ("qwen3_moe", 16, 4, True), ("qwen3_moe", 16, 4, False)]
+
+
+def _ours(hf, family: str, top_k: int, renormalize: bool, kernels: CpuKernels | None,
+          fmt: str = "fp32") -> SparseMoeBlock:
+    """Our block holding hf's weights as `fmt` ("fp32", "f16", "q8_0", "q4_0"); hf's expert
+    weights are set to the values ours holds, so both compute with the same numbers."""
+    experts = hf.experts
+    num_experts = experts.gate_up_proj.shape[0]
+    ours = SparseMoeBlock(HIDDEN, EXPERT_FFN, num_experts, top_k, renormalize, kernels=kernels)
+    ours.gate.weight.data = hf.gate.weight.detach().clone()
+    for mine, theirs in ((ours.experts.gate_up_proj, experts.gate_up_proj),
+                         (ours.experts.down_proj, experts.down_proj)):
+        w = theirs.detach().reshape(-1, theirs.shape[-1])  # expert-major, as ours stacks them
+        if fmt in ("q8_0", "q4_0"):
+            held = quantize(w, fmt)
+            mine.hold(held)
+            exact = held.dequantize()
+        else:
+            held = w.half() if fmt == "f16" else w.clone()
+            mine.hold(held)
+            exact = held.float()
+        with torch.no_grad():
+            theirs.copy_(exact.view(theirs.shape))
+    return ours
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = load_cpu_kernels("auto")
+    if loaded is None:
+        pytest.skip("no CPU kernel build on this machine")
+    return loaded
+
+
+@pytest.mark.parametrize("family,num_experts,top_k,norm", CASES)
+def test_routing_equals_transformers_router(family, num_experts, top_k, norm):
+    hf = _hf_block(family, num_experts, top_k, norm)
+    x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(3))
+    logits, their_weights, their_ids = hf.gate(x)
+    weights, ids = route(logits, top_k, renormalize=norm)
+    assert torch.equal(ids, their_ids)
+    torch.testing.assert_close(weights, their_weights.float(), rtol=0, atol=0)
+    assert torch.allclose(weights.sum(-1), torch.ones(50)) == norm
+
+
+@pytest.mark.parametrize("family,num_experts,top_k,norm", CASES)
+@pytest.mark.parametrize("fmt", ["fp32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_block_equals_transformers_block(family, num_experts, top_k, norm, fmt, use_kernels,
+                                         request):
+    ks = request.getfixturevalue("kernels") if use_kernels else None
+    hf = _hf_block(family, num_experts, top_k, norm)
+    ours = _ours(hf, family, top_k, norm, ks, fmt)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 3, 40):  # decode-sized (GEMV) and prefill-sized (GEMM) expert batches
+        x = torch.randn(rows, HIDDEN, generator=g)
+        with torch.no_grad():
+            expected = hf(x.unsqueeze(0))[0]
+            got = ours(x)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def poison_unchosen(ours: SparseMoeBlock, chosen: set[int]) -> int:
+    """Fill every unchosen expert's rows with NaN (dense) or 0xFF bytes (blocks: NaN scales).
+    Returns how many experts were poisoned."""
+    poisoned = 0
+    experts = ours.experts
+    for e in range(experts.num_experts):
+        if e in chosen:
+            continue
+        poisoned += 1
+        for module, rows in ((experts.gate_up_proj, experts.local_gate_up),
+                             (experts.down_proj, experts.hidden_size)):
+            w = module.weight.data[e * rows:(e + 1) * rows]
+            w.fill_(255 if w.dtype == torch.uint8 else float("nan"))
+    return poisoned
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
+@pytest.mark.parametrize("use_kernels", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 12])
+def test_unchosen_experts_are_never_read(fmt, use_kernels, rows, request):
+    ks = request.getfixturevalue("kernels") if use_kernels else None
+    hf = _hf_block("qwen3_moe", 32, 2, True)
+    ours = _ours(hf, "qwen3_moe", 2, True, ks, fmt)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        clean = ours(x)
+        _, ids = route(ours.gate(x), 2, True)
+        assert poison_unchosen(ours, set(ids.flatten().tolist())) > 0
+        poisoned = ours(x)
+    assert not clean.isnan().any()
+    assert torch.equal(poisoned, clean)
+
+
+def test_poison_is_seen_when_a_chosen_expert_is_poisoned():
+    """The poison test's own check: poisoning an expert a row chose does reach the output."""
+    hf = _hf_block("mixtral", 8, 2)
+    ours = _ours(hf, "mixtral", 2, True, None)
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, ids = route(ours.gate(x), 2, True)
+        poison_unchosen(ours, set(range(8)) - {int(ids[0, 0])})
+        out = ours(x)
+    assert out[0].isnan().all()
+
+
+def test_top_k_is_checked():
+    with pytest.raises(ValueError, match="experts per token"):
+        SparseMoeBlock(HIDDEN, EXPERT_FFN, 4, 5, True)

@@ -1,0 +1,31 @@
+"""`everystop models` lists every registered family with the names it accepts and its decode
+path."""
+
+from __future__ import annotations
+
+from everystop.cli import main
+from everystop.executor.models.registry import FAMILIES
+
+
+def _sections(out: str) -> dict[str, str]:
+    """Family name -> its indented lines."""
+    sections: dict[str, str] = {}
+    for line in out.splitlines():
+        if line and not line.startswith(" "):
+            current = line
+            sections[current] = ""
+        else:
+            sections[current] += line + "\n"
+    return sections
+
+
+def test_lists_every_family_and_its_names(capsys) -> None:
+    assert main(["models"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    assert list(sections) == [f.name for f in FAMILIES]
+    for family in FAMILIES:
+        for name in (*family.hf_architectures, *family.gguf_architectures):
+            assert name in sections[family.name]
+    assert "decode: decoder stack" in sections["qwen2"] and "q/k/v bias" in sections["qwen2"]
+    assert "paged attention (window)" in sections["mistral"]
+    assert "layer by layer" in sections["gemma3"] and "sandwich norms" in sections["gemma3"]
