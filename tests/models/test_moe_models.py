@@ -81,7 +81,7 @@ def pair(request, tmp_path_factory):
         path = root / f"model-{source}.gguf"
         held = write_moe_gguf(model.config, checkpoint, path, source)
         reference = _reference_with(held, hf_dir, root / "as_held")
-    runner = ModelRunner(ModelConfig(model=str(path)),
+    runner = ModelRunner(ModelConfig(model=str(path), dtype="float32"),
                          CacheConfig(num_gpu_blocks_override=8 * PER_SEQ, swap_space_gib=0.0,
                                      kv_cache_dtype="float32"), 512)
     return runner, reference
@@ -168,7 +168,7 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path):
     every layer; the same step again gives bit-identical logits."""
     path = tmp_path / "own.gguf"  # a copy: the runner's loaded model is ours alone to poison
     shutil.copy(q8_gguf, path)
-    runner = ModelRunner(ModelConfig(model=str(path)),
+    runner = ModelRunner(ModelConfig(model=str(path), dtype="float32"),
                          CacheConfig(num_gpu_blocks_override=4 * PER_SEQ, swap_space_gib=0.0,
                                      kv_cache_dtype="float32"), 512)
     prompts = _prompts()[1:3]
