@@ -295,7 +295,7 @@ class StructuredOutputConfig:
     max_regex_chars: int = 16 << 10
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64  # compiled grammars kept (LRU, keyed by the spec's hash)
-    max_concurrent_compiles: int = 2  # compiles running at once; more are refused as busy
+    max_concurrent_compiles: int = 4  # compiles running at once; more are refused as busy
 
     def __post_init__(self) -> None:
         _positive(self, "max_spec_bytes", "max_schema_depth", "max_enum_values",

@@ -1,6 +1,7 @@
 """Request preparation's limits through the app: structured-output specs and tool schemas over
 a size limit, token-id lists over max_token_ids (400s naming the limit), and the preparation
-pool's own bounds (503 prep_timeout_s, 503 prep_queue_full)."""
+pool's own bounds (503 prep_timeout_s, 503 prep_queue_full) and the grammar compiler's (400
+grammar_compile_timeout_s, 503 grammar_compiler_busy)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
+from everystop.config import StructuredOutputConfig
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.app import build_app
 from everystop.server.errors import APIError
 from everystop.server.limits import RequestLimits
 from everystop.server.offload import INLINE_SIZE, PrepLimits, PrepPool
+from tests.engine.test_grammar_compiler import GatedCompiler
 from tests.engine.toy_engine import make_toy_engine
 from tests.server.fakes import ChatCharTokenizer
 
@@ -128,3 +131,25 @@ def test_a_job_past_its_time_limit_is_a_503_and_stays_counted_until_it_ends() ->
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_slow_compile_is_a_400_naming_the_time_limit_and_a_full_compiler_a_503() -> None:
+    engine = make_toy_engine()
+    compiler = GatedCompiler(StructuredOutputConfig(grammar_compile_timeout_s=0.05,
+                                                    max_concurrent_compiles=1))
+    engine.structured.compiler = compiler
+    front = AsyncEngine(engine)
+    try:
+        with TestClient(build_app(front, "toy")) as c:
+            body = {"prompt": "hi", "max_tokens": 2}
+            slow = c.post("/v1/completions", json={**body, "guided_regex": "slow"})
+            error = _error(slow)
+            assert (error["code"], error["param"]) == ("grammar_compile_timeout_s",
+                                                       "guided_regex")
+            busy = c.post("/v1/completions", json={**body, "guided_regex": "other"})
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+            assert busy.json()["error"]["code"] == "grammar_compiler_busy"
+            assert c.get("/health").status_code == 200
+    finally:
+        compiler.gate.set()
+        front.shutdown()
