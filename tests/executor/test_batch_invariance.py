@@ -102,9 +102,21 @@ def test_batch_invariant_refused_where_it_cannot_hold(options: dict[str, object]
         ModelConfig(batch_invariant=True, **options)  # type: ignore[arg-type]
 
 
+def test_flag_sets_the_mode() -> None:
+    import argparse
+
+    from everystop.engine.args import add_engine_args, engine_config_from_args
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_config_from_args(parser.parse_args(["--batch-invariant"])).model.batch_invariant
+    assert not engine_config_from_args(parser.parse_args([])).model.batch_invariant
+
+
 def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str) -> None:
     """48 greedy requests equal their alone outputs whatever the batch mix, under a KV pool
-    that forces preemptions (recompute, swap, either), over three seeds."""
+    that forces preemptions (recompute, swap, either), over three seeds. In bfloat16, where
+    the default kernels' batch dependence is large enough to change 2-3 of the 48 requests
+    per seed on this model."""
     from everystop import LLM
     from everystop.executor.models.loader import default_model_path
 
@@ -112,7 +124,7 @@ def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str)
     prompts = [[gen.randrange(2, 500) for _ in range(gen.randrange(4, 120))] for _ in range(48)]
     params = [SamplingParams(temperature=0.0, max_tokens=gen.randrange(4, 16), ignore_eos=True)
               for _ in prompts]
-    common = dict(tokenizer=default_model_path(), batch_invariant=True,
+    common = dict(tokenizer=default_model_path(), batch_invariant=True, dtype="bfloat16",
                   enable_prefix_caching=False, block_size=16)
     llm = LLM(tiny_llama, max_num_seqs=1, **common)
     alone = [llm.generate([p], [s], use_tqdm=False)[0].token_ids
