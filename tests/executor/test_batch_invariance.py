@@ -12,7 +12,7 @@ import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ScheduledSequence
-from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import linear
 from everystop.executor.layers.quant import FORMATS, quantize
 from everystop.executor.model_runner import ModelRunner
@@ -24,10 +24,13 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="no CPU kernel build on 
 ROW_COUNTS = (1, 2, 3, 5, 8, 9, 33, 40, 100)
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "bfloat16-x", "q8_0", "q4_1"])
-def test_linear_row_sums_alike_at_every_row_count(weights: str) -> None:
+def test_linear_row_sums_alike_at_every_row_count(weights: str, isa: str) -> None:
     """Each row of x @ W.T is bit-equal computed alone and inside any larger batch (100
-    output columns: a remainder no column group divides)."""
+    output columns: a remainder no column group divides), in every build this CPU runs."""
+    kernels = load_cpu_kernels(isa, batch_invariant=True)
+    assert kernels is not None
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(100, 96, generator=gen)
     x = torch.randn(max(ROW_COUNTS), 96, generator=gen)
@@ -38,9 +41,9 @@ def test_linear_row_sums_alike_at_every_row_count(weights: str) -> None:
     elif weights.startswith("bfloat16"):
         w = w.bfloat16()
         x = x.bfloat16() if weights.endswith("-x") else x
-    alone = torch.cat([linear(x[i:i + 1], w, KERNELS, fmt, k) for i in range(len(x))])
+    alone = torch.cat([linear(x[i:i + 1], w, kernels, fmt, k) for i in range(len(x))])
     for rows in ROW_COUNTS:
-        assert torch.equal(linear(x[:rows], w, KERNELS, fmt, k), alone[:rows]), rows
+        assert torch.equal(linear(x[:rows], w, kernels, fmt, k), alone[:rows]), rows
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
