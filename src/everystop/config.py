@@ -224,8 +224,8 @@ class ModelConfig:
     int8_decode_dot: bool = False
     # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
     # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
-    # count, attention with one query token per work item. Needs the CPU kernels; costs
-    # prefill throughput (see the README's flag table).
+    # count, attention with one query token per work item. Needs the CPU kernels. Off by
+    # default: a 512-token prefill pass takes ~1.4x as long (decode passes ~1.0x; README).
     batch_invariant: bool = False
     # Entries in each of oneDNN's two caches of compiled GEMMs (one per batch shape, ~0.4 MiB
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
