@@ -410,6 +410,8 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
     vocab = tokenizer.vocab_size
+    if params.bad_words:
+        params.tokenize_bad_words(tokenizer.encode)
     params.check_vocab(vocab)  # ids reach tensor indices: checked here, never in a pass
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)
