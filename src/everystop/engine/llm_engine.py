@@ -389,16 +389,20 @@ class LLMEngine:
             self.finish_listeners.remove(on_finish)
 
 
-def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Detokenizer]:
-    """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
-    would tie the engine, and its KV pool, into a reference cycle.)"""
+def _detokenizer_factory(tokenizer: EngineTokenizer
+                         ) -> Callable[[SamplingParams], Detokenizer]:
+    """New incremental detokenizers for this tokenizer, with a request's options. (Not a bound
+    method of the engine: that would tie the engine, and its KV pool, into a reference
+    cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own
     if factory is not None:
-        return factory
+        return factory  # type: ignore[no-any-return]
 
-    def new() -> Detokenizer:
+    def new(params: SamplingParams) -> Detokenizer:
         from everystop.tokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(tokenizer)
+        return IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
     return new
 
 
