@@ -396,7 +396,7 @@ def _detokenizer_factory(tokenizer: EngineTokenizer
     cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own
     if factory is not None:
-        return factory  # type: ignore[no-any-return]
+        return factory
 
     def new(params: SamplingParams) -> Detokenizer:
         from everystop.tokenizer import IncrementalDetokenizer
