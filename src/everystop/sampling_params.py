@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,6 +72,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Only tokens that keep the text inside this language can be sampled (a token mask).
     structured_output: StructuredOutput | None = None
+    # Only these token ids can be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate. The engine tokenizes them into bad_words_token_ids: a one-token
+    # word is banned outright, a longer one bans its last token right after its other tokens.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Detokenizer options: drop special tokens from the text; put spaces between them.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,12 +113,35 @@ class SamplingParams:
         # A new dict: the caller's is never changed, and JSON's string keys become ids.
         self.logit_bias = {_token_id("logit_bias", t): _bias(b)
                            for t, b in dict(self.logit_bias or {}).items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_token_id("allowed_token_ids", t)
+                                      for t in self.allowed_token_ids]
+            if not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids must not be empty",
+                                          "allowed_token_ids")
+        self.bad_words = [w for w in self.bad_words if w]
+        self.bad_words_token_ids = [[_token_id("bad_words", t) for t in ids]
+                                    for ids in self.bad_words_token_ids if ids]
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Fill bad_words_token_ids from bad_words, each word as written and with a leading
+        space (how it appears mid-sentence), as vLLM does."""
+        seen = {tuple(ids) for ids in self.bad_words_token_ids}
+        for word in self.bad_words:
+            for form in (word, " " + word.lstrip(" ")):
+                ids = tuple(encode(form))
+                if ids and ids not in seen:
+                    seen.add(ids)
+                    self.bad_words_token_ids.append(list(ids))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise SamplingParamsError if a token id or count here does not fit a vocabulary of
         `vocab_size` tokens (what the engine calls when it makes a request for its model)."""
+        bad_word_ids = [t for ids in self.bad_words_token_ids for t in ids]
         for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias", self.logit_bias)):
+                          ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words", bad_word_ids)):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise SamplingParamsError(f"{name}: token id {bad} is outside the vocabulary "

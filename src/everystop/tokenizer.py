@@ -22,7 +22,7 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endofte
 
 class EngineTokenizer(Protocol):
     """What the engine needs of a tokenizer (`Tokenizer` below, or a test double). A tokenizer
-    may also offer `make_detokenizer()` and `apply_chat_template(...)`."""
+    may also offer `make_detokenizer(params)` and `apply_chat_template(...)`."""
 
     @property
     def eos_token_id(self) -> int | None: ...
@@ -76,6 +76,11 @@ class Tokenizer:
     def hf_tokenizer(self) -> Any:
         """The transformers tokenizer underneath (the grammar engine reads its vocabulary)."""
         return self._tok
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The special tokens' ids (BOS, EOS, chat markers such as <|im_end|>)."""
+        return frozenset(self._tok.all_special_ids)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -367,9 +372,15 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: EngineTokenizer, prompt_ids_tail: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # vLLM's spaces_between_special_tokens: special tokens kept in the text stand apart
+        # from their neighbours by a space.
+        special = getattr(tokenizer, "special_token_ids", frozenset())
+        self._special: frozenset[int] = frozenset() if skip_special_tokens or \
+            not spaces_between_special_tokens else frozenset(special)
         self._ids: list[int] = list(prompt_ids_tail)[-6:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -397,4 +408,13 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+        ids = self._ids[start:end]
+        if not self._special.intersection(ids):
+            return self._tok.decode(ids, skip_special_tokens=self._skip)
+        parts: list[list[int]] = []
+        for t in ids:  # runs of ordinary tokens, and each special token alone
+            if t in self._special or not parts or parts[-1][-1] in self._special:
+                parts.append([t])
+            else:
+                parts[-1].append(t)
+        return " ".join(self._tok.decode(p, skip_special_tokens=False) for p in parts)

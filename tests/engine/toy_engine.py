@@ -30,7 +30,7 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)  # no special tokens to skip
 
-    def make_detokenizer(self) -> CharDetokenizer:
+    def make_detokenizer(self, params: object = None) -> CharDetokenizer:
         return CharDetokenizer()
 
 

@@ -218,3 +218,51 @@ def test_token_bitmask_leaves_only_allowed_tokens_and_spares_other_rows() -> Non
     # Logprobs still describe the model's own distribution, before the mask.
     ref = torch.log_softmax(logits[0], -1)[best].item()
     assert greedy.logprobs[0] is not None and greedy.logprobs[0].logprob == pytest.approx(ref)
+
+
+def test_allowed_token_ids_mask_everything_else_beside_an_innocent_row() -> None:
+    logits = _logits(2, seed=7)
+    allowed = [5, 17, 900]
+    params = [SamplingParams(temperature=1.5, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0)]
+    sampler = Sampler("cpu", seed=3)
+    for _ in range(20):
+        out = sampler(logits, params, [0, 0], [_seq(), _seq()])
+        assert out.token_ids[0] in allowed
+        assert out.token_ids[1] == logits[1].argmax().item()
+    greedy = sampler(logits[:1], [SamplingParams(temperature=0.0, allowed_token_ids=allowed)],
+                     [0])
+    assert greedy.token_ids == [max(allowed, key=lambda t: logits[0, t].item())]
+
+
+def test_bad_words_ban_single_tokens_and_the_last_token_after_a_matching_prefix() -> None:
+    logits = torch.zeros(2, 8)
+    logits[:, 4] = 5.0  # the best token: the end of the two-token word [2, 4]
+    logits[:, 6] = 4.0  # the next best: a one-token bad word
+    logits[:, 1] = 3.0
+    words = [[2, 4], [6]]
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=words),
+              SamplingParams(temperature=0.0)]
+    sampler = Sampler("cpu")
+    after_prefix, elsewhere = _seq(), _seq()
+    after_prefix.output_token_ids, elsewhere.output_token_ids = [3, 2], [2, 3]
+    assert sampler(logits, params, [2, 2], [after_prefix, elsewhere]).token_ids == [1, 4]
+    assert sampler(logits[:1], params[:1], [2], [elsewhere]).token_ids == [4]
+    assert sampler(logits[:1], params[:1], [0], [_seq()]).token_ids == [4]
+
+
+def test_bad_words_tokenize_each_word_bare_and_after_a_space() -> None:
+    params = SamplingParams(bad_words=["ab", " c"])
+    params.tokenize_bad_words(lambda text: [ord(ch) for ch in text])
+    assert params.bad_words_token_ids == [[97, 98], [32, 97, 98], [32, 99]]
+
+
+@pytest.mark.parametrize(("field", "value"), [("allowed_token_ids", [3, V]),
+                                              ("bad_words_token_ids", [[1, V + 4]])])
+def test_token_ids_outside_the_vocabulary_are_refused_at_intake(field: str, value: Any) -> None:
+    params = SamplingParams(**{field: value})
+    with pytest.raises(SamplingParamsError) as err:
+        params.check_vocab(V)
+    assert err.value.param == ("bad_words" if field == "bad_words_token_ids" else field)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(allowed_token_ids=[])

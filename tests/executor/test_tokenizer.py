@@ -121,3 +121,19 @@ def test_special_tokens_wrap_a_long_text_as_one_encode_wraps_it(tok):
     assert wrapped._can_split() and wrapped._special_wrap == ([start], [end])
     assert wrapped.encode(text, add_special_tokens=True) == list(
         hf.encode(text, add_special_tokens=True))
+
+
+def test_special_tokens_are_skipped_or_kept_spaced_apart_as_asked() -> None:
+    tok = load_tokenizer()
+    end = tok.encode("<|im_end|>")
+    assert len(end) == 1 and end[0] in tok.special_token_ids
+    ids = tok.encode("Hi") + end + tok.encode("there")
+
+    def stream(**options: bool) -> str:
+        detok = IncrementalDetokenizer(tok, **options)
+        return "".join(detok.push([t]) for t in ids) + detok.flush()
+
+    assert stream() == "Hithere"
+    assert stream(skip_special_tokens=False) == "Hi <|im_end|> there"
+    assert stream(skip_special_tokens=False, spaces_between_special_tokens=False) == \
+        "Hi<|im_end|>there"

@@ -81,7 +81,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": 1e-9}, "repetition_penalty"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # allowed only with echo (score the prompt)
+    ({"allowed_token_ids": [5, VOCAB]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": "word"}, "bad_words"),
     ({"max_tokens": 2**40}, "max_tokens"),
     ({"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ({"n": 0}, "n"),

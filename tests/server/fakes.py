@@ -11,6 +11,13 @@ from tests.engine.toy_engine import CharTokenizer
 
 
 class ChatCharTokenizer(CharTokenizer):
+    """The char tokenizer with a chat template and a BOS (id 1, added when asked)."""
+
+    bos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.bos_token_id] * add_special_tokens + super().encode(text)
+
     def apply_chat_template(self, conversation: list[dict[str, str]],
                             add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,

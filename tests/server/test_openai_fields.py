@@ -25,7 +25,8 @@ PATHS = {"C": "/v1/completions", "CC": "/v1/chat/completions"}
 SAMPLING = {"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos",
             "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "structured_outputs",
+            "structured_outputs", "allowed_token_ids", "bad_words", "skip_special_tokens",
+            "spaces_between_special_tokens",
             "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -167,6 +168,29 @@ def _max_tokens(s: ServerProcess, ep: str, v: Any) -> None:
     field = "max_completion_tokens" if ep == "CC" else "max_tokens"
     out = ok(s, ep, {**base(ep, "toy", max_tokens=5), field: v})
     assert out["usage"]["completion_tokens"] == v and text_of(out, ep) == toy_text(ep, "fields", v)
+    if ep == "C":  # 0 with echo: the prompt scored, nothing generated
+        for stream in (False, True):
+            _score_prompt_only(s, stream)
+        r = post(s, ep, {**base(ep, "toy"), "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def _score_prompt_only(s: ServerProcess, stream: bool) -> None:
+    body = {**base("C", "toy"), "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    if not stream:
+        out = ok(s, "C", body)
+        choice = out["choices"][0]
+        assert out["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        assert choice["text"] == "fields" and lp["tokens"] == list("fields")
+        assert lp["token_logprobs"] == [None] + [-0.5] * 5
+        return
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", s.url + PATHS["C"], json=body, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "fields"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
 
 
 def _n(s: ServerProcess, ep: str, v: Any) -> None:
@@ -297,7 +321,35 @@ def _continue_final_message(s: ServerProcess, ep: str, v: Any) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
+def _include_stop_str(s: ServerProcess, ep: str, v: Any) -> None:
+    full = toy_text(ep, "fields", 6)
+    by_string = ok(s, ep, {**base(ep, "toy"), "stop": full[3:5], "include_stop_str_in_output": v})
+    by_id = ok(s, ep, {**base(ep, "toy"), "stop_token_ids": [ord(full[3])],
+                       "include_stop_str_in_output": v})
+    assert (text_of(by_string, ep), text_of(by_id, ep)) == (full[:5], full[:4])
+    assert by_string["choices"][0]["finish_reason"] == "stop"
+
+
+def _tokens_as_ids(s: ServerProcess, ep: str, v: Any) -> None:
+    body = {**base(ep, "toy"), "return_tokens_as_token_ids": v,
+            "logprobs": 1 if ep == "C" else True}
+    out = ok(s, ep, body)
+    lp = out["choices"][0]["logprobs"]
+    tokens = lp["tokens"] if ep == "C" else [e["token"] for e in lp["content"]]
+    assert tokens == [f"token_id:{ord(c)}" for c in toy_text(ep, "fields", 6)]
+
+
+def _add_special_tokens(s: ServerProcess, ep: str, v: Any) -> None:
+    out = ok(s, ep, {**base(ep, "toy"), "add_special_tokens": v})
+    with_bos = [1] + [ord(c) for c in "fields"]  # the toy tokenizer's BOS is id 1
+    assert out["usage"]["prompt_tokens"] == 7
+    assert text_of(out, ep) == "".join(chr(t) for t in reference_output(with_bos, 6)) \
+        != toy_text(ep, "fields", 6)
+
+
 TOY_EFFECTS: dict[str, Effect] = {
+    "include_stop_str_in_output": _include_stop_str,
+    "return_tokens_as_token_ids": _tokens_as_ids, "add_special_tokens": _add_special_tokens,
     "truncate_prompt_tokens": _truncate, "chat_template_kwargs": _template_kwargs,
     "add_generation_prompt": _add_generation_prompt,
     "continue_final_message": _continue_final_message,
@@ -454,7 +506,39 @@ def _parallel_tool_calls(s: ServerProcess, ep: str, v: Any) -> None:
     assert len({c["id"] for c in calls[0]}) == 2 and len(calls[1]) == 1
 
 
+SPECIAL = re.compile(r"<\|[a-z_]+\|>")  # SmolLM2's special tokens: <|im_end|>, <|im_start|>
+
+
+def _special_tokens(s: ServerProcess, ep: str, v: Any) -> None:
+    """Past EOS (ignore_eos) the model writes its turn markers: skipped by default."""
+    def text(**extra: Any) -> str:
+        return text_of(_gen(s, ep, ANSWER, 16, ignore_eos=True, **extra), ep)
+
+    plain, spaced = text(), text(skip_special_tokens=False)
+    joined = text(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert not SPECIAL.search(plain) and SPECIAL.search(joined)
+    assert SPECIAL.sub("", joined) == plain and spaced != joined
+    assert spaced.replace(" ", "") == joined.replace(" ", "")
+
+
+def _allowed_token_ids(s: ServerProcess, ep: str, v: Any) -> None:
+    lp: Any = 1 if ep == "C" else True
+    out = _gen(s, ep, STORY, 8, temperature=1.0, seed=3, allowed_token_ids=v, logprobs=lp,
+               return_tokens_as_token_ids=True)
+    entries = out["choices"][0]["logprobs"]
+    tokens = entries["tokens"] if ep == "C" else [e["token"] for e in entries["content"]]
+    assert len(tokens) == 8 and {int(t.split(":")[1]) for t in tokens} <= set(v)
+
+
+def _bad_words(s: ServerProcess, ep: str, v: Any) -> None:
+    prompt = "The capital of France is" if ep == "C" else "What is the capital of France?"
+    assert v[0] in text_of(_gen(s, ep, prompt), ep)
+    assert v[0] not in text_of(_gen(s, ep, prompt, bad_words=v), ep)
+
+
 SAMPLING_EFFECTS: dict[str, Effect] = {
+    "skip_special_tokens": _special_tokens, "spaces_between_special_tokens": _special_tokens,
+    "allowed_token_ids": _allowed_token_ids, "bad_words": _bad_words,
     "parallel_tool_calls": _parallel_tool_calls,
     "tools": _tools, "tool_choice": _tool_choice,
     "response_format": _constrained("response_format", _json_with_int_n),

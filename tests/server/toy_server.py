@@ -13,6 +13,7 @@ from everystop.server.admin import install_admin_routes
 from everystop.server.admission import AdmissionConfig
 from everystop.server.app import build_app
 from everystop.server.cli import add_server_args, connection_limits, request_limits, run_server
+from everystop.server.metrics import ServerMetrics
 from tests.server.fakes import ChatCharTokenizer, SlowToyExecutor
 
 MODEL_NAME = "toy"
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> int:
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s,
                                               min_samples=1),
                     limits=request_limits(args), open_metrics=args.open_metrics,
+                    metrics=ServerMetrics(metric_names=args.metrics_names),
                     extensions=[install_admin_routes])
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level, connections=connection_limits(args))

@@ -92,7 +92,9 @@ class PassBuilder:
         rid = req.request_id
         entry = ScheduledSequence(rid, tokens, start, block_ids, end == num_prompt + num_output,
                                   params, num_output, in_prompt)
-        if params.penalizes or (params.prompt_logprobs is not None and in_prompt):
+        # Penalties and multi-token bad words read the tokens generated so far.
+        if params.penalizes or params.bad_words_token_ids or (
+                params.prompt_logprobs is not None and in_prompt):
             entry.prompt_token_ids, entry.output_token_ids = prompt, output
         if params.min_tokens > num_output:
             entry.eos_token_id = None if params.ignore_eos else req.eos_token_id

@@ -389,16 +389,20 @@ class LLMEngine:
             self.finish_listeners.remove(on_finish)
 
 
-def _detokenizer_factory(tokenizer: EngineTokenizer) -> Callable[[], Detokenizer]:
-    """New incremental detokenizers for this tokenizer. (Not a bound method of the engine: that
-    would tie the engine, and its KV pool, into a reference cycle.)"""
+def _detokenizer_factory(tokenizer: EngineTokenizer
+                         ) -> Callable[[SamplingParams], Detokenizer]:
+    """New incremental detokenizers for this tokenizer, with a request's options. (Not a bound
+    method of the engine: that would tie the engine, and its KV pool, into a reference
+    cycle.)"""
     factory = getattr(tokenizer, "make_detokenizer", None)  # test doubles bring their own
     if factory is not None:
         return factory
 
-    def new() -> Detokenizer:
+    def new(params: SamplingParams) -> Detokenizer:
         from everystop.tokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(tokenizer)
+        return IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
     return new
 
 
@@ -410,6 +414,8 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
     vocab = tokenizer.vocab_size
+    if params.bad_words:
+        params.tokenize_bad_words(tokenizer.encode)
     params.check_vocab(vocab)  # ids reach tensor indices: checked here, never in a pass
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)

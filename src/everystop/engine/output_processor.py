@@ -33,7 +33,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, detokenizer_factory: Callable[[], Detokenizer],
+    def __init__(self, detokenizer_factory: Callable[[SamplingParams], Detokenizer],
                  clock: Callable[[], float]) -> None:
         self._new_detok = detokenizer_factory
         self._clock = clock
@@ -42,7 +42,8 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         params = req.sampling_params
         hold = max((len(s) for s in params.stop), default=1) - 1
-        self._states[req.request_id] = _RequestState(req, self._new_detok(), params, stop_hold=hold)
+        self._states[req.request_id] = _RequestState(req, self._new_detok(params), params,
+                                                    stop_hold=hold)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
@@ -60,8 +61,11 @@ class OutputProcessor:
             state.logprobs.extend(upd.new_logprobs)
             if upd.prompt_logprobs is not None:
                 state.prompt_logprobs = upd.prompt_logprobs
-            # An EOS or stop token ends the text without appearing in it.
-            text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None
+            # An EOS or stop token ends the text without appearing in it, unless the request
+            # asks for its stop string (vLLM's include_stop_str_in_output; a special token,
+            # EOS, is then still dropped by the detokenizer's skip_special_tokens).
+            keep_stop = state.params.include_stop_str_in_output
+            text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None and not keep_stop
                         else upd.new_token_ids)
             if upd.stop_token_id is not None and upd.stop_token_id in state.params.stop_token_ids:
                 state.stop_reason = upd.stop_token_id  # EOS leaves it None, as vLLM does

@@ -1,5 +1,6 @@
 """Per-request controls applied to a batch's logits before sampling: logit_bias, min_tokens,
-then the presence/frequency (OpenAI) and repetition (HF/vLLM) penalties; structured output's
+allowed_token_ids and bad_words (vLLM's), then the presence/frequency (OpenAI) and repetition
+(HF/vLLM) penalties; structured output's
 token bitmasks; and min_p, applied after temperature.
 
 Vectorized over rows: each control gathers its rows' small index/value lists into tensors once
@@ -26,7 +27,9 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams],
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
     min_rows = [i for i, p in enumerate(params) if output_indices[i] < p.min_tokens]
     pen_rows = [i for i, p in enumerate(params) if p.penalizes] if seqs is not None else []
-    if not (bias_rows or min_rows or pen_rows):
+    allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    bad_rows = [i for i, p in enumerate(params) if p.bad_words_token_ids]
+    if not (bias_rows or min_rows or pen_rows or allow_rows or bad_rows):
         return logits
     out = logits.clone()
     if bias_rows:
@@ -39,6 +42,16 @@ def apply_controls(logits: torch.Tensor, params: Sequence[SamplingParams],
         stops = [list(params[i].stop_token_ids) + _eos(seqs, i) for i in min_rows]
         rows, ids = _index(out, stops, min_rows)
         out[rows, ids] = float("-inf")
+    if allow_rows:
+        allowed = torch.zeros((len(allow_rows), out.shape[1]), dtype=torch.bool,
+                              device=out.device)
+        allowed[_index(out, [list(params[i].allowed_token_ids or []) for i in allow_rows],
+                       list(range(len(allow_rows))))] = True
+        out[allow_rows] = out[allow_rows].masked_fill(~allowed, float("-inf"))
+    if bad_rows:
+        banned = [_banned(params[i].bad_words_token_ids, seqs[i] if seqs else None)
+                  for i in bad_rows]
+        out[_index(out, banned, bad_rows)] = float("-inf")
     if pen_rows:
         assert seqs is not None
         _penalize(out, [params[i] for i in pen_rows], [seqs[i] for i in pen_rows], pen_rows)
@@ -86,6 +99,18 @@ def _penalize(out: torch.Tensor, params: list[SamplingParams], seqs: list[Schedu
     seen[_index(sub, [s.prompt_token_ids or [] for s in seqs], local)] = True
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
     out[rows] = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+
+
+def _banned(words: list[list[int]], seq: ScheduledSequence | None) -> list[int]:
+    """The tokens bad words forbid next: a one-token word's token always; a longer word's last
+    token when the output so far ends with its other tokens."""
+    output = (seq.output_token_ids if seq is not None else None) or []
+    banned = []
+    for ids in words:
+        head = ids[:-1]
+        if not head or (len(output) >= len(head) and output[-len(head):] == head):
+            banned.append(ids[-1])
+    return banned
 
 
 def _eos(seqs: Sequence[ScheduledSequence] | None, i: int) -> list[int]:

@@ -24,6 +24,7 @@ from everystop.server.admission import AdmissionConfig
 from everystop.server.connections import ConnectionLimits, guarded_protocol
 from everystop.server.heap_trim import start_heap_trimming
 from everystop.server.limits import RequestLimits
+from everystop.server.metrics_names import METRIC_NAMES
 from everystop.server.runtime_stats import freeze_startup_heap
 
 logger = logging.getLogger("everystop.server")
@@ -105,6 +106,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heap-trim-interval", type=float, default=30.0,
                    help="seconds between returns of the C heap's free pages to the kernel "
                         "(glibc malloc_trim; see server/heap_trim.py); 0 = never")
+    g.add_argument("--metrics-names", choices=METRIC_NAMES, default="everystop",
+                   help="/metrics series names: ours (everystop:*), vLLM's (vllm:*) for the "
+                   "series vLLM has, or both")
     g.add_argument("--open-metrics", action="store_true",
                    help="serve /metrics without --api-key (a scraper on a private network)")
     lim = parser.add_argument_group("request limits (answered 413/400 naming the limit)")
@@ -174,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     names = ([args.served_model_name] if args.served_model_name
              else served_model_names(engine.model_path or config.model.model))
     name = names[0]
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(metric_names=args.metrics_names)
 
     def observability(app: Any, front: Any) -> None:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,

@@ -11,13 +11,18 @@ from everystop.server.tools import parse_tool_calls
 
 
 class _Tokens:
-    """Token id -> text, for logprob entries (cached: the same ids recur constantly)."""
+    """Token id -> text, for logprob entries (cached: the same ids recur constantly); with
+    `as_ids` (vLLM's return_tokens_as_token_ids) "token_id:N", which survives tokens that are
+    not whole characters."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
+        self.as_ids = False
 
     def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         s = self._cache.get(token_id)
         if s is None:
             s = self._tok.decode([token_id])

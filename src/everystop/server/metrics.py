@@ -32,6 +32,7 @@ from everystop.core.request import Request
 from everystop.engine.async_engine import AsyncEngine
 from everystop.server.heap_trim import HEAP_TRIMMER
 from everystop.server.live_window import LiveWindow
+from everystop.server.metrics_names import MetricNames, renamed
 from everystop.server.runtime_stats import (
     gc_pause_metrics,
     install_gc_pause_recorder,
@@ -73,12 +74,14 @@ class ServerMetrics:
         max_tenants: tenants that keep their own label value.
     """
 
-    def __init__(self, max_tenants: int = 20, model_name: str = "unknown") -> None:
+    def __init__(self, max_tenants: int = 20, model_name: str = "unknown",
+                 metric_names: MetricNames = "everystop") -> None:
         self.registry = CollectorRegistry()  # where every collector registers
         install_gc_pause_recorder()
         self.model_name = model_name
         self._exposed = CollectorRegistry(auto_describe=False)
-        self._exposed.register(_WithModelName(self.registry, lambda: self.model_name))
+        self._exposed.register(_WithModelName(self.registry, lambda: self.model_name,
+                                              metric_names))
         self.tenant_label = TenantLabels(max_tenants)
         # The live page's recent samples, fed by the same events as the histograms.
         self.window = LiveWindow()
@@ -206,18 +209,22 @@ class ServerMetrics:
 
 
 class _WithModelName(Collector):
-    """Everything on `inner`, each sample labelled with the served model's name."""
+    """Everything on `inner`, each sample labelled with the served model's name, under the
+    names `names` asks for (server/metrics_names.py)."""
 
-    def __init__(self, inner: CollectorRegistry, model_name: Any) -> None:
+    def __init__(self, inner: CollectorRegistry, model_name: Any,
+                 names: MetricNames = "everystop") -> None:
         self.inner = inner
         self.model_name = model_name
+        self.names = names
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
         name = self.model_name()
-        for family in self.inner.collect():  # fresh objects on every collect: safe to edit
+        # Fresh objects on every collect: safe to edit.
+        for family in renamed(self.inner.collect(), self.names):
             family.samples = [s._replace(labels={"model_name": name, **s.labels})
                               for s in family.samples]
             yield family

@@ -106,6 +106,15 @@ class _GenerationRequest(StrictModel):
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: keep only the prompt's last N tokens.
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's output shaping: keep the matched stop string (or stop token's text) in the text;
+    # the detokenizer's options; logprob tokens as "token_id:N".
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    # vLLM's token restrictions: sample only these ids; never generate these words.
+    allowed_token_ids: list[NonNegInt] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = None
     # Bookkeeping keys inside `messages` accepted and ignored (fields.MESSAGE_BOOKKEEPING).
     _ignored: list[str] = PrivateAttr(default_factory=list)
 
@@ -164,8 +173,23 @@ class _GenerationRequest(StrictModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with echo: score the prompt only (lm-eval's and vLLM's idiom).
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # vLLM's: tokenize a text prompt with the tokenizer's special tokens (e.g. BOS).
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (score the prompt)")
+        return self
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, no generated token."""
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field normalised to a list of prompts (text or token ids)."""

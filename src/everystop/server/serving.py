@@ -65,6 +65,7 @@ class _Choice:
     out: RequestOutput | None = None
     last_token_at: float | None = None
     echo: str | None = None  # the prompt's text, when /v1/completions echoes it
+    score_only: bool = False  # max_tokens 0 with echo: what was sampled is not returned
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for
 
 
@@ -85,6 +86,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
+    if max_tokens == 0:  # score the prompt only: the one token sampled is not returned
+        max_tokens = 1
     opts: dict[str, Any] = dict(
         max_tokens=max_tokens or max(16, body.min_tokens or 0),  # room for min_tokens
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -98,7 +101,12 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         logit_bias=dict(body.logit_bias or {}),
         # Echo with logprobs scores the prompt too (lm-eval's loglikelihood).
         prompt_logprobs=_num_prompt_logprobs(body, num_logprobs),
-        structured_output=constraint[1] if constraint else None)
+        structured_output=constraint[1] if constraint else None,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        allowed_token_ids=None if body.allowed_token_ids is None else
+        list(body.allowed_token_ids), bad_words=list(body.bad_words or []))
     try:
         return SamplingParams(**opts)
     except SamplingParamsError as exc:
@@ -122,6 +130,7 @@ async def generate(ctx: ServingContext, http: HTTPRequest, body: _GenerationRequ
         raise bad_request(f"n must be <= {ctx.max_n}", "n")
     if ctx.engine.draining:
         raise APIError(503, "the server is shutting down", code="draining")
+    fmt.token_text.as_ids = body.return_tokens_as_token_ids
     tenant = tenant_of(http, body)
     # Chat without a limit: up to the context window, as OpenAI does.
     to_context = (default_max_tokens_to_len and body.max_tokens is None
@@ -149,8 +158,10 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
         for j in range(body.n):
             params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j)
             source = prompt if j == 0 else choices[-1].req.prompt_token_ids
+            if j == 0 and isinstance(prompt, str) and getattr(body, "add_special_tokens", False):
+                source = ctx.engine.tokenizer.encode(prompt, add_special_tokens=True)
             if j == 0 and body.truncate_prompt_tokens is not None:
-                source = _truncated(ctx, prompt, body.truncate_prompt_tokens)
+                source = _truncated(ctx, source, body.truncate_prompt_tokens)
             try:
                 req = make_request(ctx.engine, source, params, priority=body.priority,
                                    tenant=tenant, max_tokens_to_context=to_context)
@@ -172,6 +183,7 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
                 echo = prompt if isinstance(prompt, str) else \
                     ctx.engine.tokenizer.decode(list(prompt))
             choices.append(_Choice(len(choices), req, prompt_index, echo=echo,
+                                   score_only=bool(getattr(body, "scores_prompt_only", False)),
                                    prompt_logprobs=getattr(body, "prompt_logprobs", None)
                                    is not None))
     return choices
@@ -274,8 +286,14 @@ async def _merged(engine: AsyncEngine, choices: list[_Choice]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _absorb(ctx: ServingContext, c: _Choice, out: RequestOutput) -> None:
-    """Accumulate one output into its choice and observe inter-token latency."""
+def _absorb(ctx: ServingContext, c: _Choice, out: RequestOutput) -> RequestOutput:
+    """Accumulate one output into its choice and observe inter-token latency; returns the
+    output as the response shows it."""
+    if c.score_only:  # the prompt alone answers: the sampled token is dropped
+        out = dataclasses.replace(out, new_token_ids=[], new_text="", token_ids=[], text="",
+                                  new_logprobs=[], logprobs=[],
+                                  finish_reason="length" if out.finish_reason in
+                                  ("stop", "length") else out.finish_reason)
     c.out = out
     c.text += out.new_text
     c.logprobs.extend(out.new_logprobs)
@@ -285,6 +303,7 @@ def _absorb(ctx: ServingContext, c: _Choice, out: RequestOutput) -> None:
             ctx.metrics.observe_itl(c.req.priority, c.req.tenant, now - c.last_token_at,
                                     len(out.new_token_ids))
         c.last_token_at = now
+    return out
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
@@ -313,7 +332,7 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
     try:
         async for c, out in _merged(ctx.engine, choices):
             offset = len(c.text) + _echo_offset(c)
-            _absorb(ctx, c, out)
+            out = _absorb(ctx, c, out)
             if out.finish_reason == "error":  # an engine fault ended this choice
                 yield sse(_engine_error(out).body())
                 continue

@@ -1,0 +1,79 @@
+"""`--metrics-names`: vLLM's Grafana dashboard finds every series it queries, under vLLM's
+names and with the `model_name` label it filters on; the default keeps ours alone."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import ServerProcess, start_toy_server
+
+pytestmark = pytest.mark.server
+
+# The series queried by vLLM's published dashboard, examples/online_serving/prometheus_grafana/
+# grafana.json in vllm-project/vllm (commit 004f771f), read from its panels' "expr" fields.
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+# Newer vLLM names the dashboards and alerts use beside those.
+NEWER_SERIES = ["vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_bucket",
+                "vllm:request_inference_time_seconds_sum", "vllm:num_preemptions_total",
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                "vllm:iteration_tokens_total_bucket"]
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ", re.M)
+
+
+def series(server: ServerProcess) -> dict[str, list[str]]:
+    """Sample name -> its label sets, from one scrape after one finished request."""
+    body = {"model": "toy", "prompt": "metrics", "max_tokens": 4}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found: dict[str, list[str]] = {}
+    for name, labels in SAMPLE.findall(text):
+        found.setdefault(name, []).append(labels)
+    return found
+
+
+@pytest.fixture(scope="module", params=["everystop", "vllm", "both"])
+def named(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[str, dict[str, list[str]]]]:
+    tmp: Path = tmp_path_factory.mktemp("names")
+    server = start_toy_server(tmp, "--metrics-names", request.param)
+    try:
+        yield request.param, series(server)
+    finally:
+        server.stop()
+
+
+def test_vllm_dashboard_series_are_exported_under_vllm_names(
+        named: tuple[str, dict[str, list[str]]]) -> None:
+    mode, found = named
+    ours = {n for n in found if n.startswith("everystop:")}
+    theirs = {n for n in found if n.startswith("vllm:")}
+    if mode == "everystop":
+        assert not theirs and "everystop:prompt_tokens_total" in ours
+        return
+    missing = [n for n in DASHBOARD_SERIES + NEWER_SERIES if n not in found]
+    assert not missing, missing
+    for name in DASHBOARD_SERIES:
+        assert all('model_name="toy"' in labels for labels in found[name]), name
+    assert any('finished_reason="length"' in x for x in found["vllm:request_success_total"])
+    # vllm: the series vLLM has only under its names; the rest keep ours. both: twice.
+    assert ("everystop:prompt_tokens_total" in ours) == (mode == "both")
+    assert "everystop:event_loop_lag_seconds_count" in ours
+    if mode == "both":
+        assert found["vllm:prompt_tokens_total"] == found["everystop:prompt_tokens_total"]
