@@ -55,7 +55,8 @@ def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, c
     (Harness.step) and more here; every request not aborted must produce what it produces
     alone. `proposer` (with the speculative options in `speculation`): decode rows carry its
     proposals."""
-    h = make_harness(**speculation,num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_blocks,
+    h = make_harness(**speculation, num_blocks=num_blocks, block_size=block_size,
+                     num_cpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_seqs + extra_budget,
                      chunk_size=chunk_size, preemption_mode=mode, prefix_caching=prefix_caching,

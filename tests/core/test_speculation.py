@@ -123,7 +123,7 @@ def test_a_pass_gives_one_to_k_plus_one_tokens_and_frees_rejected_blocks() -> No
     h.step()  # the prompt
     while h.scheduler.has_unfinished:
         before = len(h.outputs["a"])
-        sched, updates = h.step()
+        sched, _ = h.step()
         (row,) = sched.scheduled
         got = len(h.outputs["a"]) - before
         assert 1 <= got <= row.num_draft_tokens + 1

@@ -56,9 +56,9 @@ from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
 from everystop.core.speculation import Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
-from everystop.core.verification import add_proposals, apply_verified
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
+from everystop.core.verification import add_proposals, apply_verified
 
 
 class LazyDecodes(Protocol):
