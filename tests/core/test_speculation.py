@@ -74,7 +74,7 @@ def test_ngram_without_a_match_or_below_min_n_proposes_nothing() -> None:
 def test_only_plain_greedy_requests_speculate() -> None:
     assert speculates(SamplingParams(temperature=0))
     for changed in (dict(temperature=0.7), dict(logprobs=1), dict(presence_penalty=0.5),
-                    dict(logit_bias={3: 1.0}), dict(min_tokens=2)):
+                    dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(stop=["."])):
         assert not speculates(SamplingParams(**{"temperature": 0, **changed})), changed
 
 
@@ -86,6 +86,27 @@ def test_options_out_of_range_are_refused_by_name() -> None:
                       (dict(ngram_max=17), "ngram_max")):
         with pytest.raises(ConfigError, match=name):
             SchedulerConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_the_flags_reach_the_config_and_bad_values_are_refused_by_name() -> None:
+    import argparse
+
+    from everystop.engine.args import add_engine_args, engine_config_from_args
+
+    parser = add_engine_args(argparse.ArgumentParser())
+
+    def sched(*argv: str) -> SchedulerConfig:
+        return engine_config_from_args(parser.parse_args(list(argv))).scheduler
+
+    assert sched().speculative == "off"
+    cfg = sched("--speculative", "ngram", "--num-speculative-tokens", "6", "--ngram-min", "2",
+                "--ngram-max", "5")
+    assert (cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max) == (
+        "ngram", 6, 2, 5)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        sched("--speculative", "ngram", "--num-speculative-tokens", "0")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative", "eagle"])
 
 
 # -- verification in the scheduler -----------------------------------------------------------

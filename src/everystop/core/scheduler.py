@@ -347,6 +347,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, step: PassBuilder) -> None:
         now, out = step.now, step.out
+        entry = step.decodes.get(victim.request_id)
+        if entry is not None and entry.num_draft_tokens:  # the proposals' blocks go first
+            self.kv.trim(victim, victim.num_computed_tokens + 1)
         step.drop(victim.request_id)
         self._leave_running(victim)
         num_blocks = self.kv.num_held_blocks(victim.request_id)

@@ -6,9 +6,11 @@ last token plus the k proposals as 1+k rows, the executor returns the model's gr
 each row, and the proposals are kept while they equal those tokens (core/verification.py).
 
 Which requests speculate: greedy ones (temperature 0) whose next token depends only on the
-model's argmax. NOTE: requests with logprobs, penalties, logit_bias, structured output or
-min_tokens decode one token per pass, as do all sampled (temperature > 0) ones, until
-verification learns their rules.
+model's argmax. NOTE: requests with logprobs, penalties, logit_bias, structured output,
+min_tokens or stop strings decode one token per pass, as do all sampled (temperature > 0)
+ones, until verification learns their rules (a stop string is found in the text by the
+engine, after the scheduler has appended a pass's tokens: it would keep the accepted tokens
+past it).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ class NgramProposer:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's next tokens may be verified k at a time in this version: greedy,
-    and nothing that reads or changes the distribution row by row."""
+    and nothing that reads or changes the distribution row by row, no stop string."""
     return (params.greedy and params.logprobs is None and not params.penalizes
             and not params.logit_bias and params.structured_output is None
-            and params.min_tokens == 0)
+            and params.min_tokens == 0 and not params.stop)
 
 
 def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:
