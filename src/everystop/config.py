@@ -52,6 +52,12 @@ class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent with another."""
 
 
+# Bounds of the speculative-decoding options (SchedulerConfig): a pass verifies at most this many
+# proposals per sequence, found by matching at most this many trailing tokens.
+MAX_SPECULATIVE_TOKENS = 32
+MAX_NGRAM = 16
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Admission limits and batching policy: what one forward pass may contain."""
@@ -104,6 +110,16 @@ class SchedulerConfig:
     # The most a TTFT-aged step may stretch its TPOT target (1 = never): every step, and so
     # every TPOT, stays within this multiple of the target (short of the rule-4 floor).
     tpot_max_stretch: float = 4.0
+    # Speculative decoding (core/speculation.py): "ngram" proposes up to
+    # num_speculative_tokens tokens per decoding sequence by prompt lookup (the last
+    # ngram_max .. ngram_min tokens found earlier in its tokens) and one pass verifies them.
+    # NOTE: only greedy requests without logprobs, penalties, logit_bias, structured output,
+    # min_tokens or stop strings speculate; the others decode one token per pass. Off in
+    # static scheduling.
+    speculative: Literal["off", "ngram"] = "off"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
@@ -138,6 +154,17 @@ class SchedulerConfig:
             raise ConfigError("ttft_target_ms takes a number of ms >= 0 (0 = off) or 'auto'")
         if not self.tpot_max_stretch >= 1:
             raise ConfigError(f"tpot_max_stretch must be >= 1, got {self.tpot_max_stretch!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError(f"speculative must be 'off' or 'ngram', not {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be 1 .. {MAX_SPECULATIVE_TOKENS}, "
+                              f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
+            raise ConfigError(f"ngram_min and ngram_max need 1 <= ngram_min <= ngram_max <= "
+                              f"{MAX_NGRAM}, got {self.ngram_min!r} and {self.ngram_max!r}")
 
     def replace(self, **changes: object) -> SchedulerConfig:
         """A validated copy with some fields changed (hot reload goes through here)."""

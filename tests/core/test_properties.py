@@ -50,17 +50,21 @@ def test_invariants_hold_under_a_sliding_window(window, scheduling, **workload) 
 
 def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, chunk_size,
                  mode, prefix_caching, aborts, sliding_window=None,
-                 scheduling="continuous") -> None:
+                 scheduling="continuous", proposer=None, **speculation) -> None:
     """Run the requests through the toy executor, checking the invariants after every step
     (Harness.step) and more here; every request not aborted must produce what it produces
-    alone."""
-    h = make_harness(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_blocks,
+    alone. `proposer` (with the speculative options in `speculation`): decode rows carry its
+    proposals."""
+    h = make_harness(**speculation, num_blocks=num_blocks, block_size=block_size,
+                     num_cpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_seqs + extra_budget,
                      chunk_size=chunk_size, preemption_mode=mode, prefix_caching=prefix_caching,
                      recompute_threshold_tokens=4, watermark=0.05,
                      sliding_window=sliding_window, scheduling=scheduling,
                      max_batch_size=max_num_seqs, static_batch_timeout_s=0.05)
+    if proposer is not None:
+        h.scheduler.proposer = proposer
     kv = h.scheduler.kv
     pool = kv.pool
     null = kv.null_block.block_id if kv.null_block is not None else None

@@ -9,6 +9,10 @@ broken swap shows up as a different output from the request run alone.
 With a sliding window W it is a windowed model: a query at position p reads only positions
 p-W+1 .. p (so the blocks before those may be released and reused by others), and the next
 token sees the positions outside the last query's window as MASKED.
+
+A speculating row (num_draft_tokens = k) gets the model's token after each of its last 1+k
+positions, each from the context up to that position (`verify=False`: an executor that does
+not verify, the last position's token only).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def next_token(context: list[int], vocab: int = 1000) -> int:
 class ToyExecutor:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  cost_fn: Callable[[StepShape], float] | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, verify: bool = True) -> None:
         # With cost_fn, each pass reports that many seconds as its execute time (a machine
         # whose step cost is known exactly).
         self.cost_fn = cost_fn
@@ -48,6 +52,7 @@ class ToyExecutor:
         self.cpu: list[list[tuple[int, int] | None]] = [[None] * block_size
                                                          for _ in range(num_cpu_blocks)]
         self.num_steps = 0
+        self.verify = verify
 
     def check_health(self) -> None:
         pass
@@ -83,6 +88,10 @@ class ToyExecutor:
                 context.append(cell[0])
             if e.sample:
                 out.sampled_token_ids[e.request_id] = next_token(masked(context, window))
+            if e.num_draft_tokens and self.verify:
+                out.verified_token_ids[e.request_id] = [
+                    next_token(masked(context[:pos + 1], window))
+                    for pos in range(e.seq_len - 1 - e.num_draft_tokens, e.seq_len)]
         return out
 
 

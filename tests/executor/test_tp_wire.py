@@ -25,14 +25,15 @@ def test_plan_round_trip_keeps_every_field() -> None:
                             SamplingParams(max_tokens=9, temperature=0.5, seed=4, stop=["x"]),
                             output_index=2, is_prefill=True, padding=True,
                             prompt_token_ids=[1, 2], output_token_ids=[3], eos_token_id=2,
-                            token_bitmask=[7])
+                            token_bitmask=[7], num_draft_tokens=1)
     sched = SchedulerOutput(scheduled=[seq, dataclasses.replace(seq, request_id="r2")],
                             blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4)],
                             finished_request_ids=["f"], preempted_request_ids=["p"],
                             swapped_in_request_ids=["s"],
                             num_decode_tokens=1, num_prefill_tokens=5, num_padding_tokens=1,
                             predicted_time_s=0.05, tpot_target_s=0.1, prefill_budget_tokens=64,
-                            tpot_stretch=1.5, num_lazy_decodes=2, lazy_context_tokens=30)
+                            tpot_stretch=1.5, num_lazy_decodes=2, lazy_context_tokens=30,
+                            num_draft_tokens=2)
     _all_set(seq)
     _all_set(sched)
     got = decode_plan(pickle.loads(pickle.dumps(encode_plan(sched))))

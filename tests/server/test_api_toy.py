@@ -235,7 +235,9 @@ def test_metrics_are_prometheus_text_with_vllm_style_names(toy_server: ServerPro
                  "everystop:request_generation_tokens", "everystop:request_prefill_time_seconds",
                  "everystop:request_decode_time_seconds", "everystop:iteration_tokens_total",
                  "everystop:request_inference_time_seconds", "everystop:prefix_cache_hits_total",
-                 "everystop:prefix_cache_queries_total"):
+                 "everystop:prefix_cache_queries_total",
+                 "everystop:spec_decode_num_draft_tokens_total",
+                 "everystop:spec_decode_num_accepted_tokens_total"):
         assert (f"# TYPE {name} " in r.text
                 or f"# TYPE {name.removesuffix('_total')} " in r.text), name
     # every series names the model (vLLM's dashboards filter on model_name)

@@ -26,14 +26,18 @@ def with_rows(sched: SchedulerOutput, rows: Iterable[ScheduledSequence], *,
     """The pass `sched` with only `rows` (and no swap copies); `preempted` join its
     preempted_request_ids. The token counts are recomputed for the rows kept."""
     rows = list(rows)
-    # Decode-shaped rows as PassBuilder counts them: one token, the last one, or padding.
-    decodes = [e for e in rows if e.padding or (e.sample and e.num_tokens == 1)]
+    # Decode-shaped rows as PassBuilder counts them: one token, the last one (plus proposals on
+    # a speculating row, counted apart), or padding.
+    decodes = [e for e in rows
+               if e.padding or (e.sample and e.num_tokens - e.num_draft_tokens == 1)]
+    num_draft = sum(e.num_draft_tokens for e in decodes)
     return dataclasses.replace(
         sched, scheduled=rows, blocks_to_swap_out=[], blocks_to_swap_in=[],
         swapped_in_request_ids=[],
         preempted_request_ids=list(dict.fromkeys([*sched.preempted_request_ids, *preempted])),
         num_decode_tokens=len(decodes), num_padding_tokens=sum(e.padding for e in decodes),
-        num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes))
+        num_draft_tokens=num_draft,
+        num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes) - num_draft)
 
 
 def recompute_now(sched: Scheduler, req: Request) -> None:

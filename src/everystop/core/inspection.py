@@ -70,4 +70,6 @@ def scheduler_stats(sched: Scheduler) -> SchedulerStats:
         step_cost=sched.step_cost.coefficients.to_dict(),
         step_predicted_s=sched.step_cost.last_predicted_s,
         step_measured_s=sched.step_cost.last_measured_s,
-        auto_tpot_target_s=sched.auto_tpot_target_s)
+        auto_tpot_target_s=sched.auto_tpot_target_s,
+        spec_decode_num_draft_tokens=sched.num_draft_tokens,
+        spec_decode_num_accepted_tokens=sched.num_accepted_tokens)

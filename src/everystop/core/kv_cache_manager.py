@@ -334,6 +334,20 @@ class KVCacheManager:
         self._req_block_ids.pop(rid, None)  # made again when asked for (see block_ids)
         self.pool.free_blocks(gone[::-1])
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the blocks past those num_tokens tokens need (speculative decoding: blocks
+        grown for proposals the model rejected). They hold no registered, shared or released
+        entry: those all lie within the computed tokens."""
+        rid = req.request_id
+        blocks = self.req_blocks.get(rid)
+        keep = self.blocks_needed(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        gone = blocks[keep:]
+        del blocks[keep:]
+        self._req_block_ids.pop(rid, None)  # made again when asked for (see block_ids)
+        self.pool.free_blocks(gone[::-1])
+
     def free(self, req: Request) -> None:
         """Return the request's device blocks now (tail first, so shared prefixes stay cached
         longest). Also forgets its host copy, if it had one."""

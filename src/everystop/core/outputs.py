@@ -25,6 +25,10 @@ class ScheduledSequence:
     into the slots given by `block_ids` (slot = block_ids[pos // block_size] * block_size +
     pos % block_size) and attending causally to every earlier position of the sequence through
     the same table. When `sample` is true it samples one next token from the last position.
+
+    A speculating decode row (num_draft_tokens = k > 0) runs its last token plus k proposed
+    tokens, and the executor returns the model's greedy token at each of its 1+k positions
+    (ModelOutput.verified_token_ids): the proposals are checked against them afterwards.
     """
 
     request_id: str
@@ -51,6 +55,9 @@ class ScheduledSequence:
     # Structured output: the tokens this row may sample, a packed bitmask (bit t of 32-bit
     # word t // 32 set = token t allowed) filled by the engine before the pass; None: any.
     token_bitmask: Any = None
+    # Speculative decoding: the trailing tokens of `token_ids` that are proposals, not yet
+    # part of the request (0: a plain row).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -91,10 +98,13 @@ class SchedulerOutput:
     # read (positions + 1, summed). Always 0 in the engine.
     num_lazy_decodes: int = 0
     lazy_context_tokens: int = 0
+    # Proposed tokens the speculating decode rows verify (each such row also counts one decode
+    # token, its last real one).
+    num_draft_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
+        return self.num_decode_tokens + self.num_prefill_tokens + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +124,10 @@ class ModelOutput:
     """What the executor produced: one sampled token per sequence that had `sample` set."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Speculating rows (ScheduledSequence.num_draft_tokens = k): the model's greedy token after
+    # each of the row's last 1+k positions. A row missing here (an executor that does not
+    # verify) counts as every proposal rejected, its sampled_token_ids entry the next token.
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     execute_time_s: float = 0.0
     # Prefill rows of requests with prompt_logprobs: one entry per scheduled position p whose
@@ -221,6 +235,10 @@ class SchedulerStats:
     # admitted requests that looked up, and the tokens their cached blocks covered.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Speculative decoding: tokens proposed and verified so far, and those the model accepted
+    # (vLLM's spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens).
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -31,6 +31,8 @@ class PassBuilder:
     # Decode rows a caller keeps in bulk (Scheduler.lazy), budgeted but not in `decodes`.
     num_lazy: int = 0
     lazy_context: int = 0
+    # Proposed tokens riding on speculating decode rows (see add_drafts).
+    num_draft: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +116,17 @@ class PassBuilder:
         if self.stretched:  # a size granted to a row that is emitted as a decode: dropped
             self.stretched.pop(rid, None)
 
+    def add_drafts(self, entry: ScheduledSequence, drafts: list[int], block_ids: list[int],
+                   tier: int) -> None:
+        """Turn a decode row into a speculating one: its last token plus `drafts` to verify
+        (`block_ids`: its table, grown for them). The drafts are budgeted as prefill tokens
+        are: they run as extra query rows of the sequence."""
+        entry.token_ids = entry.token_ids + drafts
+        entry.block_ids = block_ids
+        entry.num_draft_tokens = len(drafts)
+        self.num_draft += len(drafts)
+        self.budget.add(len(drafts), entry.start_pos + 1, decode=False, tier=tier)
+
     def emit_padding(self, req: Request, block_ids: list[int]) -> None:
         """A finished static-batch member recomputed at its last position (no sample)."""
         pos = req.num_computed_tokens - 1
@@ -131,7 +144,11 @@ class PassBuilder:
             entry = rows.pop(request_id, None)
             if entry is not None:
                 self.num_padding -= entry.padding  # never a padding row (its id has "#padding")
-                self.budget.remove(entry.num_tokens, entry.start_pos, decode=decode)
+                drafts = entry.num_draft_tokens
+                if drafts:
+                    self.num_draft -= drafts
+                    self.budget.remove(drafts, entry.start_pos + 1, decode=False)
+                self.budget.remove(entry.num_tokens - drafts, entry.start_pos, decode=decode)
 
     def finish(self) -> SchedulerOutput:
         out, budget = self.out, self.budget
@@ -139,6 +156,7 @@ class PassBuilder:
         out.num_decode_tokens = len(self.decodes) + self.num_lazy
         out.num_lazy_decodes, out.lazy_context_tokens = self.num_lazy, self.lazy_context
         out.num_padding_tokens = self.num_padding
+        out.num_draft_tokens = self.num_draft
         out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())
         out.predicted_time_s = budget.predicted_s
         out.tpot_target_s = budget.effective_target_s

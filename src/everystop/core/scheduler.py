@@ -54,9 +54,11 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
+from everystop.core.speculation import Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
+from everystop.core.verification import add_proposals, apply_verified
 
 
 class LazyDecodes(Protocol):
@@ -113,6 +115,15 @@ class Scheduler:
         # first rows of `running` through passes the scheduler runs (LazyDecodes). None in the
         # engine.
         self.lazy: LazyDecodes | None = None
+        # Speculative decoding (core/verification.py): the proposer, and the proposals
+        # verified and accepted so far.
+        self.proposer: Proposer | None = self._make_proposer(config)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    @staticmethod
+    def _make_proposer(config: SchedulerConfig) -> Proposer | None:
+        return make_proposer(config.speculative, config.ngram_min, config.ngram_max)
 
     # -- intake ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -142,6 +153,7 @@ class Scheduler:
     def update_config(self, config: SchedulerConfig) -> None:
         """Hot reload: takes effect at the next schedule()."""
         self.config = config
+        self.proposer = self._make_proposer(config)
         for queue in (self.waiting, self.preempted, self.swapped):
             queue.reorder(config.aging_interval_s)
 
@@ -205,6 +217,7 @@ class Scheduler:
             blocks = held.get(req.request_id)
             if (blocks is not None and computed < len(blocks) * bs) or self._grow(req, 1, step):
                 emit(req, 1, ids(req.request_id))
+        self._speculate(step)
         # 2. Then the rest of the prompt of sequences already admitted, in admission order.
         decodes = step.decodes
         for req in prefilling:
@@ -213,6 +226,13 @@ class Scheduler:
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
                 self._emit(step, req, n)
+
+    def _speculate(self, step: PassBuilder) -> None:
+        """1b. Proposals on the decode rows, after all of them and before any prefill. Not in
+        the static baseline, nor while a caller holds decode rows in bulk (the simulator)."""
+        if (self.proposer is not None and self.lazy is None and step.decodes
+                and self.config.scheduling == "continuous"):
+            add_proposals(self, step, model_len_limit(self.config, self.kv))
 
     def _give_back_lazy(self, step: PassBuilder) -> None:
         """The lazy rows become ordinary rows of this pass (up to date, and emitted first if
@@ -327,6 +347,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, step: PassBuilder) -> None:
         now, out = step.now, step.out
+        entry = step.decodes.get(victim.request_id)
+        if entry is not None and entry.num_draft_tokens:  # the proposals' blocks go first
+            self.kv.trim(victim, victim.num_computed_tokens + 1)
         step.drop(victim.request_id)
         self._leave_running(victim)
         num_blocks = self.kv.num_held_blocks(victim.request_id)
@@ -400,6 +423,12 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue  # aborted while the pass ran
+            if entry.num_draft_tokens:
+                update = apply_verified(self, entry, req, result.verified_token_ids.get(rid),
+                                        max_len)
+                if update is not None:
+                    updates.append(update)
+                continue
             computed = req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
             if caching and computed // bs > registered.get(rid, 0):
                 cache_blocks(req)

@@ -38,7 +38,8 @@ class StepShape:
         context = out.lazy_context_tokens
         for e in out.scheduled:  # sum(e.seq_len ...) without a property call per row
             context += e.start_pos + len(e.token_ids)
-        return cls(out.num_prefill_tokens, out.num_decode_tokens, context)
+        # A verified proposal runs as a prefill token does (one more query row of a sequence).
+        return cls(out.num_prefill_tokens + out.num_draft_tokens, out.num_decode_tokens, context)
 
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, float(self.num_prefill_tokens), float(self.num_decode_rows),

@@ -160,6 +160,18 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tpot-max-stretch", dest="tpot_max_stretch", type=float, default=None,
                    help="the most a TTFT-aged step may stretch its TPOT target (default 4; "
                    "1: never)")
+    g.add_argument("--speculative", choices=["off", "ngram"], default=None,
+                   help="speculative decoding: ngram proposes each decoding sequence's next "
+                   "tokens by prompt lookup and one pass verifies them (default off). Only "
+                   "greedy requests without logprobs, penalties, logit_bias, structured output, "
+                   "min_tokens or stop strings speculate; the others decode one token per pass")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most tokens proposed per sequence per pass (default 4, at most 32)")
+    g.add_argument("--ngram-min", type=int, default=None,
+                   help="shortest trailing n-gram the ngram proposer matches (default 1)")
+    g.add_argument("--ngram-max", type=int, default=None,
+                   help="longest trailing n-gram the ngram proposer matches, tried first "
+                   "(default 4, at most 16)")
 
 
 def _add_cache_args(g: argparse._ArgumentGroup) -> None:
@@ -194,7 +206,7 @@ ENGINE_OPTIONS = (
     "max_num_batched_tokens", "chunk_size", "enable_chunked_prefill", "scheduling",
     "max_batch_size", "static_padding", "max_model_len",
     "preemption_mode", "aging_interval_s", "max_queued_per_tenant", "max_queued_per_tier",
-    "tpot_max_stretch",
+    "tpot_max_stretch", "speculative", "num_speculative_tokens", "ngram_min", "ngram_max",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
     "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s")

@@ -102,6 +102,7 @@ def _merge(into: ModelOutput, out: ModelOutput) -> None:
     """Fold one re-run's results in. The time stays 0: the re-runs together are no pass the
     step-cost fit should learn from."""
     into.sampled_token_ids.update(out.sampled_token_ids)
+    into.verified_token_ids.update(out.verified_token_ids)
     into.logprobs.update(out.logprobs)
     into.prompt_logprobs.update(out.prompt_logprobs)
     into.failed.update(out.failed)

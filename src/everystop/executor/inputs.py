@@ -26,7 +26,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    # Row of the hidden states to sample for each sequence with `sample` set, in order.
+    # Rows of the hidden states to sample, in order: the last row of each sequence with
+    # `sample` set, or a speculating row's last 1+k rows (num_draft_tokens = k).
     sample_indices: torch.Tensor  # [N] int64
     sample_seq_indices: list[int]  # index into the scheduled list for each of those rows
 
@@ -68,6 +69,13 @@ def build_inputs(seqs: Sequence[ScheduledSequence], block_size: int,
 
     sample_seq = [i for i, s in enumerate(seqs) if s.sample]
     sample_rows = qsl[1:][sample_seq] - 1
+    if any(seqs[i].num_draft_tokens for i in sample_seq):  # verify rows: 1+k per such row
+        counts = np.fromiter((seqs[i].num_draft_tokens + 1 for i in sample_seq),
+                             dtype=np.int64, count=len(sample_seq))
+        ends = np.repeat(sample_rows + 1, counts)
+        sample_rows = ends - counts.repeat(counts) + (
+            np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+        sample_seq = np.repeat(sample_seq, counts).tolist()
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)

@@ -301,7 +301,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """Swap blocks, run the scheduled tokens, sample one token per `sample` sequence."""
+        """Swap blocks, run the scheduled tokens, sample one token per `sample` sequence (the
+        greedy token at each of a speculating row's 1+k positions)."""
         start = time.perf_counter()
         # NOTE: out before in: a device block swapped out this step may be the target of a
         # swap-in in the same step.
@@ -326,10 +327,15 @@ class ModelRunner:
             if sampled and logits is not None:
                 result = self.sampler(logits, [s.sampling_params for s in sampled],
                                       [s.output_index for s in sampled], sampled)
+                verified = output.verified_token_ids
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
                     output.sampled_token_ids[seq.request_id] = token
+                    if seq.num_draft_tokens:  # one of a speculating row's 1+k, in order
+                        verified.setdefault(seq.request_id, []).append(token)
                     if logprob is not None:
                         output.logprobs[seq.request_id] = logprob
+                for rid in output.failed:  # a part of a row's verification is none of it
+                    verified.pop(rid, None)
         self._sync()
         output.execute_time_s = time.perf_counter() - start
         return output

@@ -262,7 +262,11 @@ class _EngineCollector(Collector):
                 ("kv_swap_in_blocks", "KV blocks copied back from host swap",
                  stats.swap_in_blocks),
                 ("watchdog_aborts", "Sequences freed by the watchdog",
-                 self.front.num_watchdog_aborts)):
+                 self.front.num_watchdog_aborts),
+                ("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified",
+                 stats.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Speculative tokens the model accepted",
+                 stats.spec_decode_num_accepted_tokens)):
             yield CounterMetricFamily(f"everystop:{name}", doc, value=value)
         yield from _step_budget_metrics(stats)
         yield from _memory_metrics(self.front)

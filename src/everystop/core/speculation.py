@@ -1,0 +1,72 @@
+"""Speculative decoding's proposal side: guess a running sequence's next tokens cheaply, so one
+forward pass can verify several of them at once (the scheduler's pass, core/scheduler.py).
+
+A `Proposer` only guesses; correctness never depends on it. The scheduler runs the sequence's
+last token plus the k proposals as 1+k rows, the executor returns the model's greedy token at
+each row, and the proposals are kept while they equal those tokens (core/verification.py).
+
+Which requests speculate: greedy ones (temperature 0) whose next token depends only on the
+model's argmax. NOTE: requests with logprobs, penalties, logit_bias, structured output,
+min_tokens or stop strings decode one token per pass, as do all sampled (temperature > 0)
+ones, until verification learns their rules (a stop string is found in the text by the
+engine, after the scheduler has appended a pass's tokens: it would keep the accepted tokens
+past it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from everystop.sampling_params import SamplingParams
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for one running sequence."""
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens guessed to follow `token_ids` (prompt then output); [] for none."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in its own tokens (the longest
+    n from max_n down to min_n that matches) and propose the k tokens that followed the most
+    recent earlier occurrence. Strong where the output copies its input (quotes, code edits,
+    summaries with names), free otherwise."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        num = len(token_ids)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
+            tail = list(token_ids[num - n:])
+            first = tail[0]
+            # The most recent earlier start i (i + n <= num - 1: not the tail itself) whose n
+            # tokens equal the tail, searched right to left.
+            for i in range(num - n - 1, -1, -1):
+                if token_ids[i] == first and list(token_ids[i:i + n]) == tail:
+                    return list(token_ids[i + n:min(i + n + k, num)])
+        return []
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's next tokens may be verified k at a time in this version: greedy,
+    and nothing that reads or changes the distribution row by row, no stop string."""
+    return (params.greedy and params.logprobs is None and not params.penalizes
+            and not params.logit_bias and params.structured_output is None
+            and params.min_tokens == 0 and not params.stop)
+
+
+def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:
+    """The proposer a configuration names ('off': None)."""
+    if method == "off":
+        return None
+    if method == "ngram":
+        return NgramProposer(min_n, max_n)
+    raise ValueError(f"unknown speculative method {method!r}")

@@ -1,0 +1,110 @@
+"""Speculative decoding inside the scheduler's own pass: proposals ride on decode rows, and the
+model's greedy tokens decide how many are kept.
+
+A speculating sequence's row in the pass (k proposals d1..dk after its last token t)::
+
+    positions:  p       p+1   ...  p+k
+    tokens:     t       d1    ...  dk          (K/V written at all 1+k positions)
+    model says: g0      g1    ...  gk          (greedy next token after each position)
+
+    accepted: the longest a with d1..da == g0..g(a-1); new tokens: d1..da, then g(a)
+
+So each pass gives 1 to k+1 tokens, exactly those plain greedy decoding would have given.
+num_computed_tokens advances over t and the accepted proposals only (p+1+a); the K/V written
+for rejected positions lies past it, is never read (attention covers computed positions) and is
+overwritten as the sequence goes on, and the blocks that held only rejected positions go back
+to the pool. The prefix cache registers computed blocks only, so never a rejected token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from everystop.core.outputs import RequestUpdate, ScheduledSequence
+from everystop.core.pass_builder import PassBuilder
+from everystop.core.request import Request, RequestStatus
+from everystop.core.speculation import speculates
+
+if TYPE_CHECKING:
+    from everystop.core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
+    """Give each decode row of `step` whose request speculates up to k proposals, while the
+    token budget (after every plain decode, before any prefill) and the KV pool (above the
+    watermark: proposals never take room running sequences may need) allow."""
+    proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
+    assert proposer is not None
+    budget, kv, requests = step.budget, sched.kv, sched.requests
+    for rid, entry in list(step.decodes.items()):
+        if entry.padding or not speculates(entry.sampling_params):
+            continue
+        req = requests[rid]
+        # Room for every proposal accepted plus the model's next token within max_tokens and
+        # the model length (the stop checks would cut the excess, but it is wasted work).
+        k = min(k_max, budget.tokens_left,
+                entry.sampling_params.max_tokens - len(req.output_token_ids) - 1,
+                max_len - entry.start_pos - 2)
+        if k <= 0:
+            continue
+        drafts = proposer.propose(req.prompt_token_ids + req.output_token_ids, k)[:k]
+        if drafts and kv.allocate(req, 1 + len(drafts), reserve_watermark=True):
+            step.add_drafts(entry, drafts, kv.block_ids(rid), req.priority)
+
+
+def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,
+                   verified: list[int] | None, max_len: int) -> RequestUpdate | None:
+    """Apply a speculating row's result: keep the accepted proposals and the model's next
+    token, each checked for a stop in turn (nothing after a stop is kept), advance the
+    request over what its K/V now holds, and return the blocks past it.
+
+    `verified`: the model's greedy token at each of the row's 1+k positions. None (or the
+    wrong count) from an executor that does not verify: its one token follows the proposals,
+    not the sequence, so the row counts as not run (None: no update; it decodes again next
+    pass) and this scheduler stops speculating."""
+    drafts = entry.token_ids[1:]
+    if verified is None or len(verified) != len(drafts) + 1:
+        logger.warning("the executor returned no verification for %s's %d proposals: "
+                       "speculative decoding is off from now on", req.request_id, len(drafts))
+        sched.proposer = None
+        sched.kv.trim(req, req.num_computed_tokens)
+        return None
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+        accepted += 1
+    sched.num_draft_tokens += len(drafts)
+    sched.num_accepted_tokens += accepted
+    new_tokens = verified[:accepted + 1]  # == drafts[:accepted] + [verified[accepted]]
+    update = RequestUpdate(req.request_id, [])
+    status = None
+    params, output = req.sampling_params, req.output_token_ids
+    for token in new_tokens:
+        output.append(token)
+        update.new_token_ids.append(token)
+        if (not params.ignore_eos and token == req.eos_token_id) or (
+                token in params.stop_token_ids):
+            update.stop_token_id = token
+            status = RequestStatus.FINISHED_STOPPED
+        elif (len(output) >= params.max_tokens
+              or len(req.prompt_token_ids) + len(output) >= max_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            break
+    if req.first_token_time is None:
+        req.first_token_time = sched.clock()
+    # The row's K/V is valid through its last token and the accepted proposals; of those,
+    # the request holds what it kept (all of them unless it stopped on a proposal).
+    req.num_computed_tokens = min(entry.start_pos + 1 + accepted, req.num_tokens)
+    if status is not None:
+        sched._finish(req, status)
+        update.finish_reason = status.finish_reason
+        return update
+    kv = sched.kv
+    kv.cache_computed_blocks(req)
+    if kv.window is not None:
+        kv.release_behind_window(req, req.num_computed_tokens - sched.padding_lag)
+    kv.trim(req, req.num_computed_tokens)
+    return update
