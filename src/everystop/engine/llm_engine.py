@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, TypeVar
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.intake import model_len_limit, peak_blocks
 from everystop.core.kv_cache_manager import KVCacheManager
+from everystop.core.listeners import FinishListener, IterationListener
 from everystop.core.outputs import (
-    FinishListener,
-    IterationListener,
     IterationRecord,
     ModelOutput,
     RequestOutput,
@@ -82,7 +81,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, size the KV pool, measure preemption costs, build the scheduler."""
-        from everystop.executor.executor import create_executor
+        from everystop.executor.factory import create_executor
         from everystop.tokenizer import load_tokenizer
 
         executor = create_executor(config)

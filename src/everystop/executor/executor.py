@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from everystop.config import CacheConfig, EngineConfig, ModelConfig
+from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.preemption import PreemptionCostModel
 
@@ -164,11 +164,3 @@ class LocalExecutor(RunnerExecutor):
         self._adopt(ModelRunner(model_config, cache_config, max_model_len,
                                 max_num_batched_tokens))
 
-
-def create_executor(config: EngineConfig) -> ModelExecutor:
-    """The executor for this configuration: in-process, or one worker per tensor-parallel rank."""
-    if config.parallel.tensor_parallel_size > 1:
-        from everystop.executor.tp_executor import TensorParallelExecutor
-        return TensorParallelExecutor(config)
-    return LocalExecutor(config.model, config.cache, config.scheduler.max_model_len,
-                         config.scheduler.max_num_batched_tokens)
