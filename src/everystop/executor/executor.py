@@ -114,6 +114,13 @@ class RunnerExecutor:
         """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
         return self.runner.weight_bytes if self.runner else 0
 
+    def kv_pool_resident_bytes(self) -> int | None:
+        """Resident bytes of rank 0's KV pools in this process (the other ranks' pools are in
+        their own processes); None once shut down or where mincore cannot tell."""
+        from everystop.executor.residency import pool_resident_bytes  # imports torch
+
+        return pool_resident_bytes(self.runner.pool) if self.runner else None
+
     def preemption_cost_model(self) -> PreemptionCostModel:
         """Recompute vs swap costs measured on this model and device, once per machine: later
         start-ups read them from the cache (swap bandwidth and block bytes are rank 0's: the
