@@ -214,7 +214,7 @@ def test_the_simulator_and_the_ray_router_make_the_same_choices() -> None:
     load reports and the same sends and finishes give the same ranking and the same
     `RouteRequest` (the one `route_request` both build), for every policy."""
     from everystop.routing import POLICIES, make_router
-    from everystop.sim.fleet import simulate_fleet
+    from everystop.sim.fleet_run import simulate_fleet
     from everystop.sim.fleet_workload import fleet_traffic
     from everystop.sim.node import build_node
 

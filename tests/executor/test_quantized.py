@@ -213,9 +213,10 @@ def test_rounding_variant_holds_exactly_the_real_variants_values(fp32_model, fmt
 def test_metrics_expose_rss_and_weight_bytes():
     from types import SimpleNamespace
 
+    from everystop.engine.engine_state import EngineMemory
     from everystop.server.metrics import _memory_metrics
 
-    front = SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(weight_bytes=1234)))
+    front = SimpleNamespace(memory=lambda: EngineMemory(weight_bytes=1234))
     gauges = {m.name: m.samples[0].value for m in _memory_metrics(front)}  # type: ignore[arg-type]
     assert gauges["everystop:model_weight_bytes"] == 1234
     assert gauges["everystop:process_resident_memory_bytes"] > 10 << 20

@@ -22,6 +22,7 @@ def _attached(eng: object, name: str = "m") -> ServerMetrics:
     # What ServerMetrics reads of an AsyncEngine, served by the LLMEngine underneath.
     metrics.attach(SimpleNamespace(  # type: ignore[arg-type]
         add_listeners=eng.add_listeners, stats=eng.stats,  # type: ignore[attr-defined]
+        memory=eng.memory,  # type: ignore[attr-defined]
         cache_config=eng.config.cache, num_in_flight=0,  # type: ignore[attr-defined]
         draining=False, num_watchdog_aborts=0), model_name=name)
     return metrics

@@ -7,19 +7,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from types import SimpleNamespace
 
 import torch
 
 from everystop.executor.kv_pool import KVPool
+from everystop.executor.residency import pool_resident_bytes, resident_bytes
 from everystop.server.heap_trim import HeapTrimmer
-from everystop.server.metrics import _kv_pool_resident_bytes
 from everystop.server.runtime_stats import (
     _PAUSES,
     freeze_startup_heap,
     gc_pause_metrics,
     install_gc_pause_recorder,
-    resident_bytes,
 )
 
 MIB = 1 << 20
@@ -57,18 +55,16 @@ def test_pool_pages_count_as_resident_only_once_written() -> None:
     pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16,
                   num_device_blocks=2048, num_host_blocks=1536, dtype=torch.float32,
                   device=torch.device("cpu"))
-    engine = SimpleNamespace(executor=SimpleNamespace(runner=SimpleNamespace(pool=pool)))
     # 64 MiB device + 48 MiB host, untouched: at most a few pages (a huge page at an edge).
-    untouched = _kv_pool_resident_bytes(engine)
+    untouched = pool_resident_bytes(pool)
     assert untouched is not None and untouched <= 4 * MIB
     pool.device_pool[:, :, :1024] = 1.0  # half of every layer's blocks
-    half = _kv_pool_resident_bytes(engine)
+    half = pool_resident_bytes(pool)
     assert half is not None and 32 * MIB <= half - untouched <= 32 * MIB + 8 * MIB
     pool.host_pool.fill_(0.0)
-    assert _kv_pool_resident_bytes(engine) >= half + 48 * MIB - 8 * MIB  # type: ignore[operator]
+    assert pool_resident_bytes(pool) >= half + 48 * MIB - 8 * MIB  # type: ignore[operator]
     data = torch.ones(MIB // 4)  # 1 MiB, written: resident
     assert resident_bytes(data.data_ptr(), MIB) >= MIB  # type: ignore[operator]
-    assert _kv_pool_resident_bytes(SimpleNamespace(executor=None)) is None
 
 
 

@@ -9,7 +9,7 @@ from everystop.config import SchedulerConfig
 from everystop.routing import ReplicaLoad, RouteRequest, make_router, prefix_block_hashes
 from everystop.routing.policies import PrefixAffinityRouter
 from everystop.sim.cost_model import IterationShape
-from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import FleetRequest
 from everystop.sim.simulator import SimSetup
 

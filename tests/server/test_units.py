@@ -171,6 +171,7 @@ def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
     metrics = ServerMetrics()
     # What ServerMetrics reads of an AsyncEngine, served by the LLMEngine underneath.
     metrics.attach(SimpleNamespace(add_listeners=eng.add_listeners, stats=eng.stats,
+                                   memory=eng.memory, cache_config=eng.config.cache,
                                    num_in_flight=0, draining=False, num_watchdog_aborts=0))
     got = {(s.name, s.labels.get("term")): s.value
            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}

@@ -9,7 +9,8 @@ import pytest
 from everystop.core.scheduler import Scheduler
 from everystop.routing import make_router
 from everystop.sim.decode_stretch import DecodeStretch
-from everystop.sim.fleet import FleetResult, Replica, simulate_fleet
+from everystop.sim.fleet import FleetResult, Replica
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
 

@@ -7,8 +7,8 @@ import pytest
 
 from everystop.cli import main
 from everystop.routing import Router, make_router
-from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import SAMPLED_TOKEN, fleet_traffic, from_workload
 from everystop.sim.metrics import summarize
 from everystop.sim.node import build_node

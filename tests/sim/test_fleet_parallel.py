@@ -8,7 +8,8 @@ import pytest
 
 from everystop.routing import make_router
 from everystop.sim import fleet_parallel
-from everystop.sim.fleet import FleetResult, simulate_fleet
+from everystop.sim.fleet import FleetResult
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
 

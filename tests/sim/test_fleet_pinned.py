@@ -7,7 +7,8 @@ import hashlib
 import pytest
 
 from everystop.routing import make_router
-from everystop.sim.fleet import FleetResult, simulate_fleet
+from everystop.sim.fleet import FleetResult
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
 

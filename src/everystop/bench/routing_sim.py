@@ -17,7 +17,7 @@ from typing import Any
 from everystop.config import SchedulerConfig
 from everystop.routing import make_router
 from everystop.sim.cost_model import IterationShape
-from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import FleetRequest
 from everystop.sim.simulator import SimSetup
 from everystop.stats import percentile

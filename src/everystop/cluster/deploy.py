@@ -13,10 +13,14 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from everystop.config import EngineConfig
 from everystop.routing import DEFAULT_AFFINITY_MARGIN
+
+if TYPE_CHECKING:  # the front imports ray
+    from everystop.cluster.front import ClusterEngine
+    from everystop.engine.client import EngineClient
 
 logger = logging.getLogger("everystop.cluster")
 
@@ -97,7 +101,7 @@ def deploy(config: EngineConfig, opts: ClusterOptions) -> Any:
     return serve.run(deployment.bind(config), name=APP_NAME, route_prefix=None)
 
 
-def build_cluster_front(config: EngineConfig, opts: ClusterOptions) -> Any:
+def build_cluster_front(config: EngineConfig, opts: ClusterOptions) -> ClusterEngine:
     """Start Ray, deploy, and return the ingress's `ClusterEngine`."""
     from everystop.cluster.front import ClusterEngine
     from everystop.tokenizer import load_tokenizer
@@ -109,7 +113,7 @@ def build_cluster_front(config: EngineConfig, opts: ClusterOptions) -> Any:
     return ClusterEngine(handle, tokenizer, limits, num_replicas=opts.num_replicas)
 
 
-def install_cluster_routes(app: Any, front: Any) -> None:
+def install_cluster_routes(app: Any, front: ClusterEngine) -> None:
     """/health/replicas (each replica's state) and the cluster series on /metrics."""
     from fastapi.responses import JSONResponse
 
@@ -196,14 +200,15 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         names = ([args.served_model_name] if args.served_model_name
                  else served_model_names(config.model.model))
-        def admin(app: Any, front: Any) -> None:
+        def cluster_routes(app: Any, _: EngineClient) -> None:
+            install_cluster_routes(app, front)
             install_cluster_admin(app, front)
 
-        app = build_app(cast(Any, front), names[0], aliases=names, api_key=args.api_key,
+        app = build_app(front, names[0], aliases=names, api_key=args.api_key,
                         admin_key=args.admin_key, max_n=args.max_n, metrics=ServerMetrics(),
                         limits=request_limits(args), open_metrics=args.open_metrics,
                         admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
-                        extensions=[install_cluster_routes, admin])
+                        extensions=[cluster_routes])
         logger.info("serving %d replicas (policy %s) on http://%s:%d", opts.num_replicas,
                     opts.policy, args.host, args.port)
         return run_server(app, front, args.host, args.port, grace_s=args.grace_period,

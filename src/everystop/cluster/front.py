@@ -3,7 +3,7 @@
 
 A request's life here::
 
-    submit_routed:  router ranks replicas -> replica says Accepted | Refused
+    submit_async:   router ranks replicas -> replica says Accepted | Refused
                     Refused(queue_full): try the next replica; all refused -> QueueFull (429)
     stream:         outputs as the replica makes them
                     replica dies before any output: route again elsewhere (nothing was sent
@@ -31,9 +31,11 @@ from everystop.cluster.registry import live_routers
 from everystop.cluster.replica import Accepted, Refused
 from everystop.config import CacheConfig, SchedulerConfig
 from everystop.core.intake import QueueFull, RequestRejected
+from everystop.core.listeners import FinishListener, IterationListener
 from everystop.core.outputs import RequestOutput, SchedulerStats
 from everystop.core.request import Request
-from everystop.engine.async_engine import EngineDead, EngineDraining, EngineHealth
+from everystop.engine.async_engine import EngineDead, EngineDraining
+from everystop.engine.engine_state import EngineHealth, EngineMemory
 from everystop.engine.llm_engine import new_request
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
@@ -82,10 +84,7 @@ class ClusterEngine:
                            arrival_time=time.monotonic(),
                            max_tokens_to_context=max_tokens_to_context)
 
-    def submit(self, req: Request) -> None:
-        raise TypeError("a cluster front routes asynchronously: use `await submit_routed(req)`")
-
-    async def submit_routed(self, req: Request) -> None:
+    async def submit_async(self, req: Request) -> None:
         """Place `req` on a replica that accepts it. Raises QueueFull when every replica
         refused, RequestRejected, EngineDraining, EngineDead (no replica reachable)."""
         if self.draining:
@@ -247,6 +246,10 @@ class ClusterEngine:
     def stats(self) -> SchedulerStats:
         return sum_stats([r["stats"] for r in self.reports().values() if r.get("stats")])
 
+    def memory(self) -> EngineMemory:
+        """None of its own: the replicas' processes hold the model and the pools."""
+        return EngineMemory()
+
     def health(self) -> EngineHealth:
         """ok while any replica is ok; each replica's own state is in `replica_health()`."""
         if self.draining:
@@ -263,8 +266,8 @@ class ClusterEngine:
     def replica_health(self) -> dict[str, str]:
         return {rid: str(r.get("health", "starting")) for rid, r in self.reports().items()}
 
-    def add_listeners(self, on_iteration: Any = None,
-                      on_finish: Callable[[Request, RequestOutput], None] | None = None) -> None:
+    def add_listeners(self, on_iteration: IterationListener | None = None,
+                      on_finish: FinishListener | None = None) -> None:
         """Finish listeners run here as each request ends; iteration listeners belong to the
         replicas (their steps never cross the wire) and are ignored."""
         if on_finish is not None:

@@ -18,7 +18,7 @@ from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from everystop.core.scheduler import Scheduler
+    from everystop.core.scheduler_state import SchedulerState
 
 
 def with_rows(sched: SchedulerOutput, rows: Iterable[ScheduledSequence], *,
@@ -40,17 +40,17 @@ def with_rows(sched: SchedulerOutput, rows: Iterable[ScheduledSequence], *,
         num_prefill_tokens=sum(e.num_tokens for e in rows) - len(decodes) - num_draft)
 
 
-def recompute_now(sched: Scheduler, req: Request) -> None:
+def recompute_now(sched: SchedulerState, req: Request) -> None:
     """Preempt a running request by recompute, outside schedule(): its blocks are freed and
     it queues to run again from token 0 (counted as any preemption is)."""
-    sched._leave_running(req)
-    sched._recompute_later(req)
+    sched.leave_running(req)
+    sched.recompute_later(req)
     req.preemption_count += 1
     req.preemption_times.append(sched.clock())
     sched.num_preemptions["recompute"] += 1
 
 
-def recompute_swapped(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOutput:
+def recompute_swapped(sched: SchedulerState, failed: SchedulerOutput) -> SchedulerOutput:
     """After `failed` raised: the requests it swapped in are recompute-preempted, those it
     swapped out are queued for recompute instead of waiting on their host copy, and the pass
     that may run again is returned (without those rows, without swap copies): `failed`
@@ -68,6 +68,6 @@ def recompute_swapped(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOut
         req = requests.get(rid)
         if req is not None and req.status == RequestStatus.SWAPPED:
             sched.swapped.remove(req)
-            sched._recompute_later(req)
+            sched.recompute_later(req)
     return with_rows(failed, [e for e in failed.scheduled if e.request_id not in swapped_in],
                      preempted=swapped_in)

@@ -9,10 +9,10 @@ from everystop.core.outputs import SchedulerStats
 from everystop.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from everystop.core.scheduler import Scheduler
+    from everystop.core.scheduler_state import SchedulerState
 
 
-def check_scheduler_integrity(sched: Scheduler) -> None:
+def check_scheduler_integrity(sched: SchedulerState) -> None:
     """Raise AssertionError if the queues, the request table and the KV pool disagree."""
     groups = {RequestStatus.RUNNING: sched.running, RequestStatus.WAITING: list(sched.waiting),
               RequestStatus.PREEMPTED: list(sched.preempted),
@@ -44,15 +44,15 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     waiting_by_tenant: dict[str, int] = {}
     for r in sched.waiting:
         waiting_by_tenant[r.tenant] = waiting_by_tenant.get(r.tenant, 0) + 1
-    queued = sched._queued
+    queued = sched.queued_counts
     if queued.by_tenant != waiting_by_tenant or set(queued.tenant_drain) != set(waiting_by_tenant):
         raise AssertionError("the per-tenant queue counts disagree with the waiting queue")
-    if sched._padding and not sched.running:
+    if sched.padding_rows and not sched.running:
         raise AssertionError("static padding rows outlived their batch")
-    sched.kv.check_integrity(set(sched.requests) | {r.request_id for r in sched._padding})
+    sched.kv.check_integrity(set(sched.requests) | {r.request_id for r in sched.padding_rows})
 
 
-def scheduler_stats(sched: Scheduler) -> SchedulerStats:
+def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
     """The scheduler's queues, KV pool and counters now."""
     kv, pool = sched.kv, sched.kv.pool
     return SchedulerStats(

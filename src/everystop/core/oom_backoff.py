@@ -11,15 +11,13 @@ batch that really does not fit is retried at most log2(batch) times, then runs a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from everystop.core.failed_pass import recompute_now, recompute_swapped, with_rows
 from everystop.core.outputs import SchedulerOutput
 from everystop.core.preemption import victim_rank
 from everystop.core.request import RequestStatus
-
-if TYPE_CHECKING:
-    from everystop.core.scheduler import Scheduler
+from everystop.core.scheduler_state import SchedulerState
 
 
 @dataclass
@@ -48,7 +46,11 @@ class SeatCap:
                 self.limit = None
 
 
-def shrink_after_oom(sched: Scheduler, failed: SchedulerOutput) -> SchedulerOutput | None:
+class _OomState(SchedulerState, Protocol):
+    oom_seat_cap: SeatCap
+
+
+def shrink_after_oom(sched: _OomState, failed: SchedulerOutput) -> SchedulerOutput | None:
     """The pass to run again instead of `failed`, which ran out of memory, or None when it held
     one sequence (that one cannot run even alone; the caller fails it).
 

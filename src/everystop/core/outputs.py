@@ -7,14 +7,10 @@ returns a `ModelOutput`; `Scheduler.update_from_output()` applies that and retur
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from everystop.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from everystop.core.request import Request
 
 
 @dataclass(slots=True)  # slots: built and freed once per row per pass (the simulator's hot path)
@@ -264,7 +260,3 @@ class IterationRecord:
     # The fitted step-cost terms after this step (core/step_cost.py FEATURES -> s per unit).
     step_cost: dict[str, float] = field(default_factory=dict)
 
-
-# What an engine calls back on its own thread: after every step, and when a request finishes.
-IterationListener = Callable[[IterationRecord, SchedulerOutput], None]
-FinishListener = Callable[["Request", RequestOutput], None]

@@ -376,6 +376,33 @@ class Scheduler:
         victim.num_preemptions_recompute += 1
         self.preempted.push(victim)
 
+    # -- the steps its helper modules share (core/scheduler_state.py) ----------------------------
+    @property
+    def queued_counts(self) -> QueuedCounts:
+        return self._queued
+
+    @property
+    def padding_rows(self) -> list[Request]:
+        return self._padding
+
+    def grow(self, req: Request, n: int, step: PassBuilder) -> bool:
+        return self._grow(req, n, step)
+
+    def emit(self, step: PassBuilder, req: Request, n: int) -> None:
+        self._emit(step, req, n)
+
+    def start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
+        self._start_running(req, computed, step)
+
+    def leave_running(self, req: Request) -> None:
+        self._leave_running(req)
+
+    def recompute_later(self, victim: Request) -> None:
+        self._recompute_later(victim)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        self._finish(req, status)
+
     @property
     def padding_lag(self) -> int:
         """How far before its computed tokens a running row's next query may lie: one for a

@@ -13,17 +13,17 @@ from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from everystop.core.scheduler import Scheduler
+    from everystop.core.scheduler_state import SchedulerState
 
 
-def schedule_static(sched: Scheduler, step: PassBuilder) -> None:
+def schedule_static(sched: SchedulerState, step: PassBuilder) -> None:
     """Fill `step` for the static baseline: the running batch's next tokens, or a new batch."""
     cfg, now, kv = sched.config, step.now, sched.kv
     if sched.running:
         for req in list(sched.running):
-            if req.status == RequestStatus.RUNNING and sched._grow(req, 1, step):
-                sched._emit(step, req, 1)
-        for req in sched._padding:
+            if req.status == RequestStatus.RUNNING and sched.grow(req, 1, step):
+                sched.emit(step, req, 1)
+        for req in sched.padding_rows:
             step.emit_padding(req, kv.block_ids(req.request_id))
         return
     queued = len(sched.preempted) + len(sched.waiting)
@@ -40,5 +40,5 @@ def schedule_static(sched: Scheduler, step: PassBuilder) -> None:
             n = req.num_tokens - req.num_computed_tokens - len(computed) * kv.block_size
             if not kv.allocate(req, n, computed, reserve_watermark=True):
                 return
-            sched._start_running(queue.pop(), computed, step)
-            sched._emit(step, req, n)
+            sched.start_running(queue.pop(), computed, step)
+            sched.emit(step, req, n)

@@ -27,7 +27,7 @@ from everystop.core.request import Request, RequestStatus
 from everystop.core.speculation import speculates
 
 if TYPE_CHECKING:
-    from everystop.core.scheduler import Scheduler
+    from everystop.core.scheduler_state import SchedulerState as Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,
     # the request holds what it kept (all of them unless it stopped on a proposal).
     req.num_computed_tokens = min(entry.start_pos + 1 + accepted, req.num_tokens)
     if status is not None:
-        sched._finish(req, status)
+        sched.finish(req, status)
         update.finish_reason = status.finish_reason
         return update
     kv = sched.kv

@@ -19,12 +19,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from everystop.config import CacheConfig, SchedulerConfig, StructuredOutputConfig
 from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler, SchedulerStats
+from everystop.engine.engine_state import EngineHealth, EngineMemory
 from everystop.engine.llm_engine import FinishListener, IterationListener, LLMEngine
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
@@ -45,12 +46,6 @@ class EngineDead(RuntimeError):
 class EngineStalled(RuntimeError):
     """One engine iteration has run longer than the stall timeout: the engine is treated as
     dead (streams end with an error, /health answers 503) rather than left to hang."""
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    status: Literal["ok", "draining", "dead"]
-    error: str | None = None
 
 
 @dataclass
@@ -139,6 +134,10 @@ class AsyncEngine:
             self.engine.add_request(req)
             self._streams[req.request_id] = stream
         self._wake.set()
+
+    async def submit_async(self, req: Request) -> None:
+        """`submit`, as EngineClient has it (a cluster front awaits its replicas there)."""
+        self.submit(req)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted request as they are produced. Leaving the iteration early
@@ -323,6 +322,10 @@ class AsyncEngine:
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
+
+    def memory(self) -> EngineMemory:
+        """The model's and the KV pools' memory (plain reads, as `stats`)."""
+        return self.engine.memory()
 
     def health(self) -> EngineHealth:
         """Touches no engine lock, so it answers while the engine is saturated."""

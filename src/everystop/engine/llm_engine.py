@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, TypeVar
 from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from everystop.core.intake import model_len_limit, peak_blocks
 from everystop.core.kv_cache_manager import KVCacheManager
+from everystop.core.listeners import FinishListener, IterationListener
 from everystop.core.outputs import (
-    FinishListener,
-    IterationListener,
     IterationRecord,
     ModelOutput,
     RequestOutput,
@@ -31,6 +30,7 @@ from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
 from everystop.core.step_cost import SEED_PROMPT_TOKENS
+from everystop.engine.engine_state import EngineMemory
 from everystop.engine.fault_isolation import forward_error, isolate_faults
 from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
@@ -82,7 +82,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, size the KV pool, measure preemption costs, build the scheduler."""
-        from everystop.executor.executor import create_executor
+        from everystop.executor.factory import create_executor
         from everystop.tokenizer import load_tokenizer
 
         executor = create_executor(config)
@@ -348,6 +348,16 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """Queues, KV pool, counters and the step budget (fitted step cost, prefill budget)."""
         return self.scheduler.stats()
+
+    def memory(self) -> EngineMemory:
+        """The weights' bytes and the KV pools' resident bytes, for executors over a model in
+        this process (toy and simulated executors hold neither)."""
+        from everystop.executor.executor import RunnerExecutor
+
+        if not isinstance(self.executor, RunnerExecutor):
+            return EngineMemory()
+        return EngineMemory(weight_bytes=self.executor.weight_bytes,
+                            kv_pool_resident_bytes=self.executor.kv_pool_resident_bytes())
 
     def inspect(self, look: Callable[[Scheduler], T]) -> T:
         """Run a read-only look at the scheduler's live state (guardrails use it)."""

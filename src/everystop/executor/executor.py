@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from everystop.config import CacheConfig, EngineConfig, ModelConfig
+from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.preemption import PreemptionCostModel
 
@@ -114,6 +114,13 @@ class RunnerExecutor:
         """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
         return self.runner.weight_bytes if self.runner else 0
 
+    def kv_pool_resident_bytes(self) -> int | None:
+        """Resident bytes of rank 0's KV pools in this process (the other ranks' pools are in
+        their own processes); None once shut down or where mincore cannot tell."""
+        from everystop.executor.residency import pool_resident_bytes  # imports torch
+
+        return pool_resident_bytes(self.runner.pool) if self.runner else None
+
     def preemption_cost_model(self) -> PreemptionCostModel:
         """Recompute vs swap costs measured on this model and device, once per machine: later
         start-ups read them from the cache (swap bandwidth and block bytes are rank 0's: the
@@ -164,11 +171,3 @@ class LocalExecutor(RunnerExecutor):
         self._adopt(ModelRunner(model_config, cache_config, max_model_len,
                                 max_num_batched_tokens))
 
-
-def create_executor(config: EngineConfig) -> ModelExecutor:
-    """The executor for this configuration: in-process, or one worker per tensor-parallel rank."""
-    if config.parallel.tensor_parallel_size > 1:
-        from everystop.executor.tp_executor import TensorParallelExecutor
-        return TensorParallelExecutor(config)
-    return LocalExecutor(config.model, config.cache, config.scheduler.max_model_len,
-                         config.scheduler.max_num_batched_tokens)

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from everystop.config import CacheConfig, ConfigError, SchedulerConfig
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineAdmin
 from everystop.server.errors import APIError
 from everystop.server.limits import loads
 from everystop.telemetry.alerts import GuardrailConfig
@@ -105,9 +105,9 @@ def _check_bounds(name: str, value: Any) -> Any:
 
 
 class SchedulerConfigAdmin:
-    """Validates, applies and records scheduler-config versions for one AsyncEngine."""
+    """Validates, applies and records scheduler-config versions for one engine in this process."""
 
-    def __init__(self, async_engine: AsyncEngine, *, store: Store | None = None) -> None:
+    def __init__(self, async_engine: EngineAdmin, *, store: Store | None = None) -> None:
         self.async_engine = async_engine
         self.store = store
         self.version = 1
@@ -215,7 +215,7 @@ class SchedulerConfigAdmin:
         return [dataclasses.asdict(r) for r in rows]
 
 
-def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *,
+def install_admin_routes(app: FastAPI, async_engine: EngineAdmin, *,
                          store: Store | None = None,
                          telemetry: Telemetry | None = None) -> SchedulerConfigAdmin:
     """Add the /admin routes. With a store, the start-up config is recorded as version 1; with
@@ -246,7 +246,7 @@ def install_admin_routes(app: FastAPI, async_engine: AsyncEngine, *,
     return admin
 
 
-def install_telemetry(app: FastAPI, async_engine: AsyncEngine, *, db: str | None,
+def install_telemetry(app: FastAPI, async_engine: EngineAdmin, *, db: str | None,
                       registry: Any = None, guardrail_config: GuardrailConfig | None = None,
                       model_version: str = "unknown", max_queue: int = 10_000) -> Telemetry:
     """Attach telemetry (store when `db` is given, writer, recorder, guardrails and their

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineClient
 from everystop.server.access import AccessPolicy, install_access
 from everystop.server.admission import AdmissionConfig, AdmissionController
 from everystop.server.chat_prompt import render_chat
@@ -46,7 +46,7 @@ from everystop.server.responses_api import (
 from everystop.server.serving import ServingContext, generate
 from everystop.server.streaming import SSEResponse
 
-Extension = Callable[[FastAPI, AsyncEngine], Any]
+Extension = Callable[[FastAPI, EngineClient], Any]
 logger = logging.getLogger("everystop.server")
 
 
@@ -74,7 +74,7 @@ class RouteGuards:
                            code="model_not_found")
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, *,
+def build_app(async_engine: EngineClient, served_model_name: str, *,
               aliases: Iterable[str] = (), api_key: str | None = None,
               admin_key: str | None = None, admission: AdmissionConfig | None = None,
               metrics: ServerMetrics | None = None,
@@ -203,7 +203,7 @@ def add_model_routes(app: FastAPI, max_model_len: int, guards: RouteGuards) -> N
         return JSONResponse(model_info(model_id, max_model_len))
 
 
-def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteGuards) -> None:
+def add_tokenizer_routes(app: FastAPI, async_engine: EngineClient, guards: RouteGuards) -> None:
     """vLLM-style helpers over the served model's tokenizer."""
     tokenizer = async_engine.tokenizer
     max_model_len = async_engine.max_model_len
@@ -237,7 +237,7 @@ def add_tokenizer_routes(app: FastAPI, async_engine: AsyncEngine, guards: RouteG
         return JSONResponse({**info(), "model_max_length": max_model_len})
 
 
-def add_health_and_metrics_routes(app: FastAPI, async_engine: AsyncEngine,
+def add_health_and_metrics_routes(app: FastAPI, async_engine: EngineClient,
                                   metrics: ServerMetrics) -> None:
     """/health and /metrics (who may call them: server/access.py)."""
 

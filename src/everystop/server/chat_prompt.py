@@ -14,14 +14,14 @@ from typing import Any
 from jinja2 import TemplateError
 
 from everystop.config import StructuredOutputConfig
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineClient
 from everystop.engine.grammar_limits import SpecOverLimit, check_schema
 from everystop.server.errors import APIError, bad_request
 from everystop.server.offload import check_text_fits
 from everystop.server.protocol import ChatCompletionRequest
 
 
-def render_chat(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
+def render_chat(engine: EngineClient, body: ChatCompletionRequest) -> str:
     """The prompt of `body`'s conversation (and tools), or an APIError(400)."""
     template = getattr(engine.tokenizer, "apply_chat_template", None)
     if template is None:

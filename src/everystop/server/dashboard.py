@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from everystop import __version__
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineClient
 from everystop.server.metrics import ServerMetrics, prefix_hit_rate
 
 STATIC = Path(__file__).with_name("static")
@@ -56,7 +56,7 @@ class SlaJudge:
         return "ok"
 
 
-def _engine_state(front: AsyncEngine) -> dict[str, Any]:
+def _engine_state(front: EngineClient) -> dict[str, Any]:
     s = front.stats()
     return {"num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_swapped": s.num_swapped, "kv_usage": s.kv_usage,
@@ -99,7 +99,7 @@ def _judge_rows(window: dict[str, Any], guard: dict[str, Any] | None, judge: Sla
         stats["sla"] = judge.status(stats["queue_p99_s"], slas.get(tier), starving[tier])
 
 
-def install_dashboard(app: FastAPI, front: AsyncEngine, metrics: ServerMetrics) -> None:
+def install_dashboard(app: FastAPI, front: EngineClient, metrics: ServerMetrics) -> None:
     """Add the /dashboard routes to `app` (they read, at request time, its telemetry and
     scheduler admin, when installed)."""
     judge = SlaJudge(metrics.window.window_s)

@@ -29,15 +29,11 @@ from prometheus_client.registry import Collector
 
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput, SchedulerStats
 from everystop.core.request import Request
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineClient
 from everystop.server.heap_trim import HEAP_TRIMMER
 from everystop.server.live_window import LiveWindow
 from everystop.server.metrics_names import MetricNames, renamed
-from everystop.server.runtime_stats import (
-    gc_pause_metrics,
-    install_gc_pause_recorder,
-    resident_bytes,
-)
+from everystop.server.runtime_stats import gc_pause_metrics, install_gc_pause_recorder
 from everystop.server.tenants import clean_tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -135,7 +131,7 @@ class ServerMetrics:
         # Fed each loop-lag sample after the histogram (the guardrails' loop_lag alert).
         self.loop_lag_listeners: list[Callable[[float], None]] = []
 
-    def attach(self, async_engine: AsyncEngine, model_name: str | None = None) -> None:
+    def attach(self, async_engine: EngineClient, model_name: str | None = None) -> None:
         """Hook the engine's listeners and the scrape-time collector."""
         if model_name is not None:
             self.model_name = model_name
@@ -233,12 +229,11 @@ class _WithModelName(Collector):
 class _EngineCollector(Collector):
     """Scheduler state read at scrape time (plain attribute reads; no engine lock)."""
 
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, async_engine: EngineClient) -> None:
         self.front = async_engine
 
     def collect(self) -> Iterator[Any]:
         stats = self.front.stats()
-        cache_config = getattr(self.front, "cache_config", None)
         for name, doc, value in (
                 ("num_requests_running", "Sequences in the running batch", stats.num_running),
                 ("num_requests_waiting", "Queued or preempted requests", stats.num_waiting),
@@ -247,7 +242,7 @@ class _EngineCollector(Collector):
                 ("kv_cache_used_blocks", "KV blocks in use", stats.num_used_blocks),
                 ("kv_cache_total_blocks", "KV blocks in the pool", stats.num_total_blocks),
                 ("kv_cache_watermark_perc", "Fraction of KV blocks admissions leave free (0-1)",
-                 0.0 if cache_config is None else cache_config.watermark),
+                 self.front.cache_config.watermark),
                 ("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens since start",
                  prefix_hit_rate(stats)),
                 ("num_streams_open", "Requests with a live consumer", self.front.num_in_flight),
@@ -283,7 +278,7 @@ def prefix_hit_rate(stats: SchedulerStats) -> float:
         else 0.0
 
 
-def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
+def _memory_metrics(front: EngineClient) -> Iterator[Any]:
     """Process RSS (read at scrape time) and the model weights' bytes as held (quantized
     weights count their blocks; absent for executors without a model)."""
     rss = 0
@@ -295,39 +290,18 @@ def _memory_metrics(front: AsyncEngine) -> Iterator[Any]:
         pass
     yield GaugeMetricFamily("everystop:process_resident_memory_bytes",
                             "Resident set size of the server process", value=rss)
-    # A cluster's ingress front has no local engine (its replicas report their own).
-    engine = getattr(front, "engine", None)
-    weight_bytes = getattr(getattr(engine, "executor", None), "weight_bytes", None)
-    if isinstance(weight_bytes, int):
+    memory = front.memory()  # none of its own on a cluster's ingress: its replicas report theirs
+    if memory.weight_bytes is not None:
         yield GaugeMetricFamily("everystop:model_weight_bytes",
                                 "Bytes of the model weights as held in memory",
-                                value=weight_bytes)
-    pool_resident = _kv_pool_resident_bytes(engine)
-    if pool_resident is not None:
+                                value=memory.weight_bytes)
+    if memory.kv_pool_resident_bytes is not None:
         yield GaugeMetricFamily("everystop:kv_pool_resident_bytes",
                                 "Resident bytes of the KV pools in this process's memory (they "
                                 "are allocated untouched; pages arrive as blocks are first used)",
-                                value=pool_resident)
+                                value=memory.kv_pool_resident_bytes)
     yield from gc_pause_metrics()
     yield from HEAP_TRIMMER.metrics()
-
-
-def _kv_pool_resident_bytes(engine: Any) -> int | None:
-    """The device pool (when it lives in host memory) and the host swap pool, by mincore."""
-    # NOTE: reached through the local executor's runner, as weight_bytes is; TP workers' pools
-    # are in their own processes, and an engine without a model has none.
-    pool = getattr(getattr(getattr(engine, "executor", None), "runner", None), "pool", None)
-    if pool is None:
-        return None
-    total = 0
-    for tensor in (pool.device_pool, pool.host_pool):
-        if tensor.device.type != "cpu":
-            continue
-        resident = resident_bytes(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        if resident is None:
-            return None
-        total += resident
-    return total
 
 
 def _step_budget_metrics(stats: SchedulerStats) -> Iterator[Any]:

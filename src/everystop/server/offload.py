@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from everystop.core.request import Request
-from everystop.engine.async_engine import AsyncEngine
+from everystop.engine.client import EngineClient
 from everystop.sampling_params import SamplingParams
 from everystop.server.errors import APIError, bad_request
 
@@ -89,7 +89,7 @@ class PrepPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_text_fits(engine: AsyncEngine, num_chars: int) -> None:
+def check_text_fits(engine: EngineClient, num_chars: int) -> None:
     """A 400 (context_length_exceeded), without tokenizing, for a text too long to fit the
     context window whatever its tokens (a 10 MB prompt costs seconds of tokenizing only to be
     refused)."""
@@ -103,7 +103,7 @@ def check_text_fits(engine: AsyncEngine, num_chars: int) -> None:
                           code="context_length_exceeded")
 
 
-def check_ids_fit(engine: AsyncEngine, num_ids: int) -> None:
+def check_ids_fit(engine: EngineClient, num_ids: int) -> None:
     """A 400 (context_length_exceeded) for a token-id prompt longer than the context window,
     before any of its ids is looked at."""
     if num_ids > engine.max_model_len:
@@ -111,7 +111,7 @@ def check_ids_fit(engine: AsyncEngine, num_ids: int) -> None:
                           f"({engine.max_model_len})", "prompt", code="context_length_exceeded")
 
 
-def make_request(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
+def make_request(engine: EngineClient, prompt: str | list[int], params: SamplingParams,
                  **kwargs: Any) -> Request:
     """The engine's make_request (tokenizing, compiling a grammar), after the cheap length
     checks. ValueError for an empty prompt: nothing to condition on is the client's mistake,

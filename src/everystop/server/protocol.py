@@ -128,6 +128,10 @@ class _GenerationRequest(StrictModel):
     def ignored_fields(self) -> list[str]:
         return self._ignored
 
+    def note_ignored(self, names: list[str]) -> None:
+        """The request's fields accepted but not acted on (counted on /metrics)."""
+        self._ignored = names
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and (self.stream_options.include_usage
@@ -438,7 +442,7 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
         raise APIError(400, f"{'.'.join(loc) or 'body'}: {detail}", param=param,
                        code=code) from None
     if isinstance(req, _GenerationRequest):
-        req._ignored = ignored
+        req.note_ignored(ignored)
     return req
 
 

@@ -1,23 +1,16 @@
-"""What the interpreter and the kernel know about the server process that its own counters do
-not: how long garbage-collector pauses stop every thread (the event loop included), and how
-many pages of a buffer are resident.
+"""What the interpreter knows about the server process that its own counters do not: how long
+garbage-collector pauses stop every thread (the event loop included).
 
 GC pauses: a full (generation 2) collection walks every tracked object and holds the GIL while
 it does; with the model, tokenizer and web stack loaded (~226k objects) one took ~170 ms on an
 idle core, longer on a shared one, and /health waits for it like everything else.
 `freeze_startup_heap` moves everything alive at start-up out of the collector's reach (a full
 collection then took ~1 ms); `gc_pause_metrics` reports the pauses that remain.
-
-Resident pages: the KV pool is allocated uninitialised, so its pages become resident as blocks
-are first written; `resident_bytes` (mincore) tells that first touch apart from growth.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
-import os
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -87,38 +80,3 @@ def gc_pause_metrics() -> Iterator[Any]:
     yield GaugeMetricFamily("everystop:gc_frozen_objects",
                             "Objects moved out of the collector's reach at start-up",
                             value=gc.get_freeze_count())
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _load_mincore() -> Any:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    fn = getattr(libc, "mincore", None)
-    if fn is not None:
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-        fn.restype = ctypes.c_int
-    return fn
-
-
-_MINCORE = _load_mincore()
-
-
-def resident_bytes(address: int, nbytes: int) -> int | None:
-    """Bytes of the pages covering [address, address + nbytes) that are in memory (mincore);
-    None where mincore is unavailable or refuses the range."""
-    if _MINCORE is None or nbytes <= 0:
-        return None
-    start = address - address % _PAGE
-    pages = (address + nbytes - start + _PAGE - 1) // _PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    if _MINCORE(start, pages * _PAGE, vec) != 0:
-        return None
-    # The low bit of each byte says whether that page is resident (the others are reserved).
-    return bytes(vec).translate(_LOW_BIT).count(1) * _PAGE
-
-
-_LOW_BIT = bytes(b & 1 for b in range(256))

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from everystop.core.outputs import RequestOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import QueueFull, RequestRejected
-from everystop.engine.async_engine import AsyncEngine, EngineDead, EngineDraining
+from everystop.engine.async_engine import EngineDead, EngineDraining
+from everystop.engine.client import EngineClient
 from everystop.engine.grammar_compiler import GrammarCompilerBusy
 from everystop.engine.grammar_limits import SpecOverLimit
 from everystop.sampling_params import (
@@ -47,7 +48,7 @@ from everystop.server.tenants import clean_tenant
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     admission: AdmissionController
     metrics: ServerMetrics
@@ -223,13 +224,7 @@ async def _admit(ctx: ServingContext, choices: list[_Choice], tier: int) -> None
     submitted: list[Request] = []
     try:
         for c in choices:
-            # A cluster front (everystop.cluster) learns QueueFull only after a round trip to
-            # its replicas, so it submits asynchronously.
-            submit_routed = getattr(ctx.engine, "submit_routed", None)
-            if submit_routed is not None:
-                await submit_routed(c.req)
-            else:
-                ctx.engine.submit(c.req)
+            await ctx.engine.submit_async(c.req)
             submitted.append(c.req)
             ctx.admission.track(c.req)
     except BaseException as exc:
@@ -255,7 +250,7 @@ def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> Bas
     return exc
 
 
-async def _merged(engine: AsyncEngine, choices: list[_Choice]
+async def _merged(engine: EngineClient, choices: list[_Choice]
                   ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
     """All choices' outputs in arrival order. Leaving early aborts the unfinished ones."""
     if len(choices) == 1:

@@ -238,22 +238,13 @@ class Replica:
                             if u.finish_reason is not None]
 
 
-def simulate_fleet(requests: Iterable[FleetRequest], setup: SimSetup,
-                   latency_fn: Callable[[IterationShape], float], num_replicas: int,
-                   router: Router, *, stats_interval_s: float = 1.0,
-                   decode_stretches: bool = True, workers: int = 1) -> FleetResult:
-    """Route `requests` (in arrival order) over `num_replicas` simulated replicas.
-
-    `stats_interval_s`: how often the router gets fresh load reports; 0 = at every arrival.
-    `decode_stretches=False`: every pass through the scheduler (the same results, slower).
-    `workers` > 1: the replicas spread over that many processes (sim/fleet_parallel.py; the
-    same results)."""
+def simulate_fleet_serial(requests: Iterable[FleetRequest], setup: SimSetup,
+                          latency_fn: Callable[[IterationShape], float], num_replicas: int,
+                          router: Router, *, stats_interval_s: float = 1.0,
+                          decode_stretches: bool = True) -> FleetResult:
+    """`fleet_run.simulate_fleet` in this process: route `requests` (in arrival order) over
+    `num_replicas` simulated replicas."""
     _check_fleet_args(num_replicas, stats_interval_s)
-    if workers > 1 and num_replicas > 1:
-        from everystop.sim.fleet_parallel import simulate_fleet_parallel
-        return simulate_fleet_parallel(requests, setup, latency_fn, num_replicas, router,
-                                       stats_interval_s=stats_interval_s,
-                                       decode_stretches=decode_stretches, workers=workers)
     # The replicas' block tables are hundreds of thousands of objects that live as long as the
     # run, and requests, their hashes and their Finished records pile up as it goes: the cyclic
     # collector is kept off for the run (see _gc_frozen), the building of the block pools

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from everystop.routing import DEFAULT_AFFINITY_MARGIN, POLICIES, make_router
-from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic, from_workload
 from everystop.sim.node import Node
 from everystop.sim.plan import replica_price

@@ -1,4 +1,4 @@
-"""The fleet simulation on several processes: the same results as `fleet.simulate_fleet`, with
+"""The fleet simulation on several processes: the same results as `fleet_run.simulate_fleet`, with
 the replicas' work shared among processes (one per core).
 
 Replicas only meet at the router: a replica's passes depend on nothing but the requests routed
@@ -348,7 +348,7 @@ def simulate_fleet_parallel(requests: Iterable[FleetRequest], setup: SimSetup,
                             latency_fn: Callable[[IterationShape], float], num_replicas: int,
                             router: Router, *, stats_interval_s: float = 1.0,
                             decode_stretches: bool = True, workers: int = 2) -> FleetResult:
-    """`fleet.simulate_fleet`'s run, its replicas spread over `workers` processes."""
+    """`fleet_run.simulate_fleet`'s run, its replicas spread over `workers` processes."""
     _check_fleet_args(num_replicas, stats_interval_s)
     if workers < 2:
         raise ValueError(f"workers must be >= 2 for a parallel run, not {workers}")

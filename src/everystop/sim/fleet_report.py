@@ -25,9 +25,9 @@ from pathlib import Path
 
 from everystop.results import cpu_info, write_result
 from everystop.routing import POLICIES, make_router
-from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_report_md import ROOT, render
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node
 from everystop.sim.plan import DESIGN_TRAFFIC, SLO, Planner, replica_price

@@ -39,8 +39,9 @@ from pathlib import Path
 
 from everystop.results import write_result
 from everystop.routing import make_router
-from everystop.sim.fleet import Replica, simulate_fleet
+from everystop.sim.fleet import Replica
 from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import FleetRequest, fleet_traffic
 from everystop.sim.node import build_node
 from everystop.sim.plan import DESIGN_TRAFFIC
@@ -53,7 +54,7 @@ SINGLE_REPLICA_RPS = 9.25  # `everystop simulate plan` at 1 s p99 TTFT / 50 ms p
 _BASELINE_DRIVER = """
 import json, sys, time
 from everystop.routing import make_router
-from everystop.sim.fleet import simulate_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import build_node

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from everystop.routing import make_router
-from everystop.sim.fleet import simulate_fleet
 from everystop.sim.fleet_metrics import summarize_fleet
+from everystop.sim.fleet_run import simulate_fleet
 from everystop.sim.fleet_workload import fleet_traffic
 from everystop.sim.node import Node
 

@@ -11,14 +11,13 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from everystop.stats import percentile
 from everystop.telemetry.rows import AlertRow, ConfigRow, IterationRow, SequenceRow
-from everystop.telemetry.store import Store, is_postgres_dsn, open_store
+from everystop.telemetry.store import Store, fetch_range, is_postgres_dsn, open_store
 
 METRICS = (("queue_wait", "queue_wait_ms"), ("ttft", "ttft_ms"), ("tpot", "tpot_p50_ms"))
-R = TypeVar("R")
 
 
 def _group_summary(rows: list[SequenceRow]) -> dict[str, Any]:
@@ -46,16 +45,6 @@ def _by(rows: Iterable[SequenceRow], key: str) -> dict[Any, list[SequenceRow]]:
     for r in rows:
         groups.setdefault(getattr(r, key), []).append(r)
     return dict(sorted(groups.items()))
-
-
-def fetch_range(store: Store, row_type: type[R], since: float | None,
-                until: float | None) -> list[R]:
-    """Rows of a type whose first time field lies in [since, until] (epoch seconds)."""
-    rows = store.fetch(row_type, since=since)
-    if until is None:
-        return rows
-    field = row_type.time_fields[0]  # type: ignore[attr-defined]
-    return [r for r in rows if getattr(r, field) <= until]
 
 
 def build_report(store: Store, *, since: float | None = None, until: float | None = None,

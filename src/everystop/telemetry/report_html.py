@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from everystop.stats import percentile
-from everystop.telemetry.report import fetch_range
 from everystop.telemetry.rows import AlertRow, SequenceRow
-from everystop.telemetry.store import Store
+from everystop.telemetry.store import Store, fetch_range
 
 TIER_NAMES = {0: "premium", 1: "standard", 2: "best-effort"}
 NUM_BUCKETS = 30

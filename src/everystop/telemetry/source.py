@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from everystop.config import CacheConfig, SchedulerConfig
-    from everystop.core.outputs import FinishListener, IterationListener
+    from everystop.core.listeners import FinishListener, IterationListener
     from everystop.core.scheduler import Scheduler
 
 T = TypeVar("T")

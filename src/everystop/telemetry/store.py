@@ -229,3 +229,13 @@ def open_store(target: str, *, migrate: bool = True) -> Store:
     if is_postgres_dsn(target):
         return PostgresStore(target, migrate=migrate)
     return SqliteStore(target, migrate=migrate)
+
+
+def fetch_range(store: Store, row_type: type[R], since: float | None,
+                until: float | None) -> list[R]:
+    """Rows of a type whose first time field lies in [since, until] (epoch seconds)."""
+    rows = store.fetch(row_type, since=since)
+    if until is None:
+        return rows
+    field = row_type.time_fields[0]  # type: ignore[attr-defined]
+    return [r for r in rows if getattr(r, field) <= until]

@@ -1,0 +1,99 @@
+"""The engine as the HTTP server and its metrics see it: one `AsyncEngine` in this process, or
+a cluster's front (everystop.cluster) over Ray Serve replicas. Both implement `EngineClient`;
+a single engine also implements `EngineAdmin`, the live-tuning and inspection surface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol, TypeVar
+
+from everystop.config import CacheConfig, SchedulerConfig
+from everystop.core.listeners import FinishListener, IterationListener
+from everystop.core.outputs import RequestOutput, SchedulerStats
+from everystop.core.request import Request
+from everystop.core.scheduler import Scheduler
+from everystop.engine.engine_state import EngineHealth, EngineMemory
+from everystop.sampling_params import SamplingParams
+from everystop.tokenizer import EngineTokenizer
+
+T = TypeVar("T")
+
+
+class EngineClient(Protocol):
+    """Requests in, outputs streamed out, and the state the server reports."""
+
+    draining: bool
+    num_watchdog_aborts: int
+
+    @property
+    def tokenizer(self) -> EngineTokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
+
+    @property
+    def cache_config(self) -> CacheConfig: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *,
+                     request_id: str | None = None, priority: int = 1, tenant: str = "default",
+                     max_tokens_to_context: bool = False) -> Request:
+        """Tokenize and build a Request (off the engine thread)."""
+        ...
+
+    async def submit_async(self, req: Request) -> None:
+        """Admit `req` for streaming. Raises RequestRejected, QueueFull, EngineDraining,
+        EngineDead. A cluster front learns QueueFull only from its replicas, hence async."""
+        ...
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted request; leaving the iteration early aborts it."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    def memory(self) -> EngineMemory: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def add_listeners(self, on_iteration: IterationListener | None = None,
+                      on_finish: FinishListener | None = None) -> None:
+        """Called back on the engine's thread (a cluster front: finishes only; its replicas'
+        steps never cross the wire)."""
+        ...
+
+    async def drain(self, grace_s: float) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineAdmin(EngineClient, Protocol):
+    """One engine in this process: its scheduler tuned and inspected live, its steps observed."""
+
+    def check_cache_config(self, cache: CacheConfig) -> None: ...
+
+    def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def is_live(self, request_id: str) -> bool: ...
+
+    def inspect(self, look: Callable[[Scheduler], T]) -> T: ...
+
+    def remove_listeners(self, on_iteration: IterationListener | None = None,
+                         on_finish: FinishListener | None = None) -> None: ...
