@@ -84,6 +84,7 @@ def prompts(count: int) -> list[list[int]]:
 def make_runner(config: dict[str, str], num_seqs: int, per_seq: int,
                 num_threads: int | None = None) -> ModelRunner:
     fields = dict(config)
+    fields.setdefault("dtype", "float32")  # fp32 activations unless a variant names its own
     rounded_to = fields.pop("rounded_to", None)
     runner = ModelRunner(ModelConfig(**fields, num_threads=num_threads),  # type: ignore[arg-type]
                          CacheConfig(num_gpu_blocks_override=num_seqs * per_seq,

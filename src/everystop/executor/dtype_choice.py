@@ -39,8 +39,11 @@ def weights_are_blocks(path: str | None, quantization: str) -> bool:
         return False
     from everystop.executor.models.gguf_file import GGUFFile
 
-    kinds = Counter(t.tensor_type.name in _FLOAT_GGML_TYPES
-                    for t in GGUFFile(path).tensors if len(t.shape) == 2)
+    try:
+        tensors = GGUFFile(path).tensors
+    except (OSError, ValueError):  # not a readable GGUF: the loader reports it by name
+        return False
+    kinds = Counter(t.tensor_type.name in _FLOAT_GGML_TYPES for t in tensors if len(t.shape) == 2)
     return kinds[False] > kinds[True]
 
 

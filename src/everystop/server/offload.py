@@ -51,7 +51,7 @@ class PrepPool:
 
     def __init__(self, limits: PrepLimits | None = None) -> None:
         self.limits = limits or PrepLimits()
-        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="everystop-prep")
+        self._pool: ThreadPoolExecutor | None = None  # started at first use
         self.num_pending = 0  # read and written on the event loop only
         self.num_timeouts = 0
 
@@ -69,6 +69,8 @@ class PrepPool:
             raise APIError(503, f"{self.num_pending} requests are being prepared, the most "
                                 f"max_pending ({limits.max_pending}) allows; retry later",
                            code="prep_queue_full", headers={"Retry-After": "1"})
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="everystop-prep")
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
         self.num_pending += 1
@@ -86,7 +88,11 @@ class PrepPool:
             future.exception()  # retrieved: a job given up on raises nothing at collection
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers; an app served again (a test client's second lifespan) starts new
+        ones at its next request."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 def check_text_fits(engine: EngineClient, num_chars: int) -> None:
