@@ -5,6 +5,7 @@ stateless server cannot do is refused by name."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -86,3 +87,20 @@ def test_non_text_input_is_refused(toy_server: ServerProcess) -> None:
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
     r = _post(toy_server, {"model": "toy", "input": [image]})
     assert r.status_code == 400 and "input_image" in r.json()["error"]["message"]
+
+
+def test_a_client_leaving_a_streamed_response_frees_its_blocks(toy_server: ServerProcess) -> None:
+    before = toy_server.metric("everystop:kv_cache_used_blocks")
+    body = {"model": "toy", "input": "walk away", "max_output_tokens": 200, "stream": True}
+    with httpx.stream("POST", toy_server.url + "/v1/responses", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(18)]  # 4 opening events, then deltas
+        assert any('"response.output_text.delta"' in g for g in got)
+        assert toy_server.metric("everystop:kv_cache_used_blocks") > before
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        if toy_server.metric("everystop:kv_cache_used_blocks") == before:
+            break
+        time.sleep(0.02)
+    assert toy_server.metric("everystop:kv_cache_used_blocks") == before
+    assert toy_server.metric("everystop:num_requests_running") == 0

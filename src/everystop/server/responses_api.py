@@ -339,24 +339,32 @@ def stream(builder: ResponseBuilder, chat_sse: SSEResponse) -> SSEResponse:
     events = _EventStream(builder)
 
     async def frames() -> AsyncIterator[bytes]:
-        for b in events.start():
-            yield b
-        pending = b""
-        async for raw in chat_sse.body_iterator:
-            pending += raw if isinstance(raw, bytes) else str(raw).encode()
-            while b"\n\n" in pending:
-                frame, pending = pending.split(b"\n\n", 1)
-                data = frame.decode().removeprefix("data: ")
-                if data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    yield events.event("error", code=chunk["error"].get("code"),
-                                       message=chunk["error"].get("message"), param=None)
-                    return
-                for b in events.chunk(chunk):
-                    yield b
-        for b in events.finish():
-            yield b
+        chat = chat_sse.body_iterator
+        try:
+            for b in events.start():
+                yield b
+            pending = b""
+            async for raw in chat:
+                pending += raw if isinstance(raw, bytes) else str(raw).encode()
+                while b"\n\n" in pending:
+                    frame, pending = pending.split(b"\n\n", 1)
+                    data = frame.decode().removeprefix("data: ")
+                    if data == "[DONE]":
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        yield events.event("error", code=chunk["error"].get("code"),
+                                           message=chunk["error"].get("message"), param=None)
+                        return
+                    for b in events.chunk(chunk):
+                        yield b
+            for b in events.finish():
+                yield b
+        finally:
+            # A client that leaves (or an error event) closes the chat stream too: its own
+            # cleanup aborts the engine requests and frees their blocks.
+            aclose = getattr(chat, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     return SSEResponse(frames())
