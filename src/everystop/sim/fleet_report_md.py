@@ -44,17 +44,6 @@ def _load_table(r: dict) -> list[str]:
     return out
 
 
-def _crossing_order(r: dict) -> str:
-    known = {p: x for p, x in r["crossing_1s_rps"].items() if x is not None}
-    if not known:
-        return "No policy's p99 crossed 1 s between the loads simulated."
-    order = sorted(known, key=lambda p: known[p])
-    rest = [p for p in r["crossing_1s_rps"] if p not in known]
-    return ("In this run the p99 crosses 1 s first for " + ", then ".join(
-        f"{p} ({known[p]:,.0f} req/s)" for p in order) + "."
-        + (f" Not crossed within the loads simulated: {', '.join(rest)}." if rest else ""))
-
-
 def _chat_table(r: dict) -> list[str]:
     out = ["| policy | prefix-cache hit rate | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s "
            "| requests per replica (min-max) |", "|---|---|---|---|---|---|---|"]
@@ -191,11 +180,6 @@ def _load_section(r: dict) -> list[str]:
         "",
         "![p99 TTFT vs offered load](img/fleet_ttft_vs_load.png)",
         "",
-        "Least-loaded and prefix-affinity rank by the same score (on this traffic no two prompts "
-        "share a block, so affinity never fires); power-of-two compares only the queue lengths "
-        "of two random replicas; round-robin is blind to load and to the spread of reply "
-        "lengths. " + _crossing_order(r),
-        "",
     ]
 
 
@@ -221,25 +205,17 @@ def _plan_section(r: dict) -> list[str]:
         "## Capacity plan",
         "",
         f"SLOs: p99 TTFT <= {r['slo']['ttft_p99_s']:g} s, p50 TPOT <= "
-        f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. The "
-        "planner of `everystop simulate plan` (`src/everystop/sim/plan.py`) first finds what one "
-        f"replica sustains ({plan0['single_replica_rate_rps']} req/s, bisecting the rate, >= 400 "
-        "requests per point); `rate / that` is the first guess. Here its fleet points are run "
-        "in parallel over a grid of " + ", ".join(f"{g:.0%}" for g in r["plan_grid"])
-        + " of the guess (the CLI gallops and bisects instead, one point at a time). Each fleet "
-        f"point simulates only {r['durations_s']['plan']:g} s of arrivals from an empty fleet, "
-        "shorter than a request's life at load (~10 s): the fleet never fills, so those points "
-        "are optimistic and the fewest count that passed them is a lower bound at best. The "
-        "plan is therefore the count from one replica's sustained rate, which was simulated "
-        "long enough to saturate; its cost is the fleet point at that count.",
+        f"{r['slo']['tpot_p50_s'] * 1e3:g} ms, nothing rejected; router least-loaded. The plan "
+        f"is rate / one replica's sustained rate ({plan0['single_replica_rate_rps']} req/s, "
+        "`everystop simulate plan`); the fleet grid ("
+        + ", ".join(f"{g:.0%}" for g in r["plan_grid"])
+        + f" of it, {r['durations_s']['plan']:g} s of arrivals each) never fills, so its fewest "
+        "passing count is optimistic.",
         "",
         *_plan_table(r),
         "",
-        f"Price assumption: {plan0['price_assumption']}. Cost = fleet $/hour / (output tokens "
-        "per second x 3,600) x 10^6, the design's formula. Steady state: the fleet emits what "
-        "arrives, rate x 410 tokens per second (the mean reply of 20-800 tokens). The short "
-        "fleet points pay every replica for the whole simulated span, warm-up and drain "
-        "included, so their cost is higher. The curves searched:",
+        f"Price: {plan0['price_assumption']}. Cost = fleet $/hour / (output tokens per "
+        "second x 3,600) x 10^6. The curves searched:",
         "",
         *_curves(r),
         "",
