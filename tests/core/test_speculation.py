@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from everystop.config import ConfigError, SchedulerConfig
 from everystop.core.request import Request
 from everystop.core.speculation import NgramProposer, speculates
-from everystop.sampling_params import SamplingParams
+from everystop.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 
 from .helpers import make_harness
 from .test_properties import run_workload, workload_st
@@ -71,11 +71,15 @@ def test_ngram_without_a_match_or_below_min_n_proposes_nothing() -> None:
         NgramProposer(3, 2)
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
-    assert speculates(SamplingParams(temperature=0))
-    for changed in (dict(temperature=0.7), dict(logprobs=1), dict(presence_penalty=0.5),
-                    dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(stop=["."])):
-        assert not speculates(SamplingParams(**{"temperature": 0, **changed})), changed
+def test_all_but_opted_out_and_structured_requests_speculate() -> None:
+    for changed in (dict(), dict(temperature=0.7, seed=3), dict(logprobs=1),
+                    dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
+                    dict(stop=["."])):
+        assert speculates(SamplingParams(**changed)), changed
+    assert not speculates(SamplingParams(disable_spec_decode=True))
+    assert not speculates(SamplingParams(structured_output=StructuredOutput("json_object")))
+    with pytest.raises(SamplingParamsError, match="disable_spec_decode"):
+        SamplingParams(disable_spec_decode="no")  # type: ignore[arg-type]
 
 
 def test_options_out_of_range_are_refused_by_name() -> None:
@@ -198,10 +202,10 @@ def test_an_executor_that_does_not_verify_turns_speculation_off() -> None:
     assert h.scheduler.stats().spec_decode_num_draft_tokens == 0
 
 
-def test_requests_that_may_not_speculate_decode_one_token_per_pass() -> None:
+def test_requests_that_opt_out_decode_one_token_per_pass() -> None:
     h = spec_harness(wrong=0.0, seed=5)
     h.scheduler.add_request(Request("s", [3, 4, 5], SamplingParams(
-        max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)))
+        max_tokens=6, temperature=0, ignore_eos=True, disable_spec_decode=True)))
     h.outputs["s"] = []
     h.run()
     assert all(sched.num_draft_tokens == 0 for sched in h.history)
