@@ -234,7 +234,29 @@ def test_abort_and_preemption_of_speculating_rows_keep_the_invariants() -> None:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**workload_st, k=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
-       seed=st.integers(0, 1000), window=st.sampled_from([None, None, 4, 9]))
-def test_invariants_hold_while_speculating(k, wrong, seed, window, **workload) -> None:
-    run_workload(**workload, sliding_window=window, speculative="ngram",
+       seed=st.integers(0, 1000), window=st.sampled_from([None, None, 4, 9]),
+       seeds=st.lists(st.one_of(st.none(), st.integers(0, 2**31)), max_size=14))
+def test_invariants_hold_while_speculating(k, wrong, seed, window, seeds, **workload) -> None:
+    """Random accept/reject patterns, preemption (recompute and swap), aborts, sliding
+    windows; greedy and seeded sampled requests (whose sampled tokens reject greedy proposals
+    at random positions: the toy model's sampled_token)."""
+    run_workload(**workload, sliding_window=window, speculative="ngram", seeds=seeds,
                  num_speculative_tokens=k, proposer=OracleProposer(wrong, seed, window))
+
+
+def test_seeded_sampled_requests_give_their_own_tokens_while_speculating() -> None:
+    """A sampled request's token at output index i depends on (seed, i): speculation, whose
+    later positions sample indices i+1.., and preemption must both keep the indices right."""
+    h = spec_harness(wrong=0.0, seed=6, k=5, num_blocks=16, block_size=2, num_cpu_blocks=40,
+                     preemption_mode="recompute", recompute_threshold_tokens=0,
+                     max_num_batched_tokens=40)
+    prompts = {f"s{i}": [3 + i, 8, 5, 9 + i] for i in range(4)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        h.add(rid, prompt, max_tokens=14, seed=100 + i)
+    h.run()
+    s = h.scheduler.stats()
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    assert sum(h.scheduler.num_preemptions.values()) > 0
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        assert h.outputs[rid] == reference_output(prompt, 14, seed=100 + i), rid
+        assert h.outputs[rid] != reference_output(prompt, 14), rid  # it did sample
