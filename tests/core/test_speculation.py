@@ -4,6 +4,7 @@ patterns, preemption and aborts; the invariants are checked after every step."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -189,6 +190,20 @@ def test_proposals_come_after_the_decodes_and_within_the_token_budget() -> None:
     assert sched.num_prefill_tokens == 0
     h.run()
     assert h.outputs["late"] == reference_output(list(range(3, 40)), 2)
+
+
+def test_acceptance_is_counted_by_position_and_a_larger_k_extends_the_counts() -> None:
+    h = spec_harness(wrong=0.0, seed=8, k=3)
+    h.scheduler.proposer.always_k = True
+    h.add("a", [3, 4, 5, 6], max_tokens=20)
+    h.run()
+    s = h.scheduler.stats()
+    per_pos = s.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == 3 and sum(per_pos) == s.spec_decode_num_accepted_tokens > 0
+    assert per_pos[0] == s.spec_decode_num_drafts  # an always-right proposer: all kept
+    assert s.spec_decode_acceptance_rate == 1.0
+    h.scheduler.update_config(dataclasses.replace(h.scheduler.config, num_speculative_tokens=5))
+    assert h.scheduler.stats().spec_decode_num_accepted_tokens_per_pos == per_pos + [0, 0]
 
 
 def test_an_executor_that_does_not_verify_turns_speculation_off() -> None:
