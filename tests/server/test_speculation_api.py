@@ -66,3 +66,41 @@ def test_a_request_that_opts_out_proposes_nothing(spec_server: ServerProcess) ->
     r = httpx.post(spec_server.url + "/v1/completions", timeout=30, json={
         "model": "toy", "prompt": "x", "disable_spec_decode": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "disable_spec_decode"
+
+
+@pytest.mark.model
+def test_streamed_logprobs_on_the_default_model_are_those_of_plain_decoding(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One speculating server, one copying prompt streamed with logprobs twice: speculating
+    (several tokens per frame) and opted out. Batch-invariant kernels: bit-equal rows."""
+    import json
+
+    from .conftest import start_model_server
+
+    server = start_model_server(tmp_path_factory.mktemp("spec-model"), "--speculative",
+                                "ngram", "--batch-invariant", "--dtype", "float32")
+    prompt = ("Copy each line.\nInput: birds sing in the tall trees\nOutput: birds sing in the "
+              "tall trees\nInput: the red balloon sleeps in the warm sun\nOutput:")
+    try:
+        def stream(**extra: object) -> tuple[str, list[float]]:
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12,
+                    "temperature": 0, "logprobs": 2, "stream": True, **extra}
+            text, lps = "", []
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        text += choice["text"]
+                        lps += (choice.get("logprobs") or {}).get("token_logprobs") or []
+            return text, lps
+
+        before = drafts(server)
+        plain = stream(disable_spec_decode=True)
+        assert drafts(server) == before
+        spec = stream()
+        assert server.metric("everystop:spec_decode_num_accepted_tokens_total") > 0
+        assert spec[0] == plain[0] and len(spec[1]) == len(plain[1]) > 5  # ends at EOS
+        assert spec[1] == pytest.approx(plain[1], abs=1e-5)
+    finally:
+        server.stop()
