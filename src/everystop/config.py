@@ -113,9 +113,9 @@ class SchedulerConfig:
     # Speculative decoding (core/speculation.py): "ngram" proposes up to
     # num_speculative_tokens tokens per decoding sequence by prompt lookup (the last
     # ngram_max .. ngram_min tokens found earlier in its tokens) and one pass verifies them.
-    # NOTE: only greedy requests without logprobs, penalties, logit_bias, structured output,
-    # min_tokens or stop strings speculate; the others decode one token per pass. Off in
-    # static scheduling.
+    # Lossless: greedy and sampled output are what plain decoding gives (sampled: the same
+    # distribution; seeded: the same tokens). NOTE: requests with structured output or
+    # disable_spec_decode decode one token per pass. Off in static scheduling.
     speculative: Literal["off", "ngram"] = "off"
     num_speculative_tokens: int = 4
     ngram_min: int = 1

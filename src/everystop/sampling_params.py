@@ -81,6 +81,8 @@ class SamplingParams:
     # Detokenizer options: drop special tokens from the text; put spaces between them.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Decode this request one token per pass even when the engine speculates (--speculative).
+    disable_spec_decode: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +112,10 @@ class SamplingParams:
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         _check_int("n", self.n, 1, INT32_MAX)
+        if not isinstance(self.disable_spec_decode, bool):
+            raise SamplingParamsError(f"disable_spec_decode must be a boolean, got "
+                                      f"{_short(self.disable_spec_decode)}",
+                                      "disable_spec_decode")
         # A new dict: the caller's is never changed, and JSON's string keys become ids.
         self.logit_bias = {_token_id("logit_bias", t): _bias(b)
                            for t, b in dict(self.logit_bias or {}).items()}

@@ -42,6 +42,10 @@ def test_cluster_stats_sum_the_replicas() -> None:
                               step_measured_s=0.5)])
     assert total.num_running == 3 and total.num_total_blocks == 200
     assert total.kv_usage == 0.2 and total.step_measured_s == 0.5
+    per_pos = sum_stats([_stats(spec_decode_num_accepted_tokens_per_pos=[5, 3]),
+                         _stats(spec_decode_num_accepted_tokens_per_pos=[1, 1, 1]),
+                         _stats()]).spec_decode_num_accepted_tokens_per_pos
+    assert per_pos == [6, 4, 1]  # position by position, replicas of any k
 
 
 def _router(policy: str = "least-loaded") -> EveryStopRouter:

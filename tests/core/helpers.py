@@ -34,9 +34,11 @@ class Harness:
     history: list[SchedulerOutput] = field(default_factory=list)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 1,
-            tenant: str = "t", eos: int | None = None) -> Request:
-        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                        ignore_eos=eos is None),
+            tenant: str = "t", eos: int | None = None, seed: int | None = None) -> Request:
+        """`seed`: a sampled request (temperature 1) on that seed; else greedy."""
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens,
+                                                        temperature=0 if seed is None else 1,
+                                                        seed=seed, ignore_eos=eos is None),
                       eos_token_id=eos, priority=priority, tenant=tenant)
         self.scheduler.add_request(req)
         self.outputs[rid] = []

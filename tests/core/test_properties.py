@@ -50,11 +50,12 @@ def test_invariants_hold_under_a_sliding_window(window, scheduling, **workload) 
 
 def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, chunk_size,
                  mode, prefix_caching, aborts, sliding_window=None,
-                 scheduling="continuous", proposer=None, **speculation) -> None:
+                 scheduling="continuous", proposer=None, seeds=(), **speculation) -> None:
     """Run the requests through the toy executor, checking the invariants after every step
     (Harness.step) and more here; every request not aborted must produce what it produces
     alone. `proposer` (with the speculative options in `speculation`): decode rows carry its
-    proposals."""
+    proposals. `seeds`: request i samples on seeds[i] where given (None or past the end:
+    greedy)."""
     h = make_harness(**speculation, num_blocks=num_blocks, block_size=block_size,
                      num_cpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
@@ -68,16 +69,17 @@ def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, c
     kv = h.scheduler.kv
     pool = kv.pool
     null = kv.null_block.block_id if kv.null_block is not None else None
-    accepted: dict[str, tuple[list[int], int]] = {}
+    accepted: dict[str, tuple[list[int], int, int | None]] = {}
     aborted: set[str] = set()
     step = 0
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     while pending or h.scheduler.has_unfinished:
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, max_tokens, prio) = pending.pop(0)
+            seed = seeds[i] if i < len(seeds) else None
             try:
-                h.add(f"r{i}", prompt, max_tokens, priority=prio)
-                accepted[f"r{i}"] = (prompt, max_tokens)
+                h.add(f"r{i}", prompt, max_tokens, priority=prio, seed=seed)
+                accepted[f"r{i}"] = (prompt, max_tokens, seed)
             except ValueError:  # RequestRejected: too big for this pool
                 needed = peak_blocks(len(prompt), max_tokens, h.scheduler.config, kv)
                 assert needed > kv.num_gpu_blocks - kv.watermark_blocks
@@ -107,10 +109,10 @@ def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, c
             assert kv.num_held_blocks(req.request_id) <= kv.max_blocks_held(
                 req.num_tokens, max(max_num_seqs + extra_budget, len(req.prompt_token_ids))
                 if scheduling == "static" else max_num_seqs + extra_budget)
-    for rid, (prompt, max_tokens) in accepted.items():
+    for rid, (prompt, max_tokens, seed) in accepted.items():
         if rid in aborted:
             continue
-        assert h.outputs[rid] == reference_output(prompt, max_tokens, sliding_window), rid
+        assert h.outputs[rid] == reference_output(prompt, max_tokens, sliding_window, seed), rid
     assert pool.num_used_blocks == 0
     assert kv.num_swapped_blocks == 0
 

@@ -4,6 +4,7 @@ patterns, preemption and aborts; the invariants are checked after every step."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from everystop.config import ConfigError, SchedulerConfig
 from everystop.core.request import Request
 from everystop.core.speculation import NgramProposer, speculates
-from everystop.sampling_params import SamplingParams
+from everystop.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 
 from .helpers import make_harness
 from .test_properties import run_workload, workload_st
@@ -71,11 +72,15 @@ def test_ngram_without_a_match_or_below_min_n_proposes_nothing() -> None:
         NgramProposer(3, 2)
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
-    assert speculates(SamplingParams(temperature=0))
-    for changed in (dict(temperature=0.7), dict(logprobs=1), dict(presence_penalty=0.5),
-                    dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(stop=["."])):
-        assert not speculates(SamplingParams(**{"temperature": 0, **changed})), changed
+def test_all_but_opted_out_and_structured_requests_speculate() -> None:
+    for changed in (dict(), dict(temperature=0.7, seed=3), dict(logprobs=1),
+                    dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
+                    dict(stop=["."])):
+        assert speculates(SamplingParams(**changed)), changed
+    assert not speculates(SamplingParams(disable_spec_decode=True))
+    assert not speculates(SamplingParams(structured_output=StructuredOutput("json_object")))
+    with pytest.raises(SamplingParamsError, match="disable_spec_decode"):
+        SamplingParams(disable_spec_decode="no")  # type: ignore[arg-type]
 
 
 def test_options_out_of_range_are_refused_by_name() -> None:
@@ -187,6 +192,20 @@ def test_proposals_come_after_the_decodes_and_within_the_token_budget() -> None:
     assert h.outputs["late"] == reference_output(list(range(3, 40)), 2)
 
 
+def test_acceptance_is_counted_by_position_and_a_larger_k_extends_the_counts() -> None:
+    h = spec_harness(wrong=0.0, seed=8, k=3)
+    h.scheduler.proposer.always_k = True
+    h.add("a", [3, 4, 5, 6], max_tokens=20)
+    h.run()
+    s = h.scheduler.stats()
+    per_pos = s.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == 3 and sum(per_pos) == s.spec_decode_num_accepted_tokens > 0
+    assert per_pos[0] == s.spec_decode_num_drafts  # an always-right proposer: all kept
+    assert s.spec_decode_acceptance_rate == 1.0
+    h.scheduler.update_config(dataclasses.replace(h.scheduler.config, num_speculative_tokens=5))
+    assert h.scheduler.stats().spec_decode_num_accepted_tokens_per_pos == per_pos + [0, 0]
+
+
 def test_an_executor_that_does_not_verify_turns_speculation_off() -> None:
     h = spec_harness(wrong=0.0, seed=4)
     h.scheduler.proposer.always_k = True
@@ -198,10 +217,10 @@ def test_an_executor_that_does_not_verify_turns_speculation_off() -> None:
     assert h.scheduler.stats().spec_decode_num_draft_tokens == 0
 
 
-def test_requests_that_may_not_speculate_decode_one_token_per_pass() -> None:
+def test_requests_that_opt_out_decode_one_token_per_pass() -> None:
     h = spec_harness(wrong=0.0, seed=5)
     h.scheduler.add_request(Request("s", [3, 4, 5], SamplingParams(
-        max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)))
+        max_tokens=6, temperature=0, ignore_eos=True, disable_spec_decode=True)))
     h.outputs["s"] = []
     h.run()
     assert all(sched.num_draft_tokens == 0 for sched in h.history)
@@ -230,7 +249,29 @@ def test_abort_and_preemption_of_speculating_rows_keep_the_invariants() -> None:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**workload_st, k=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
-       seed=st.integers(0, 1000), window=st.sampled_from([None, None, 4, 9]))
-def test_invariants_hold_while_speculating(k, wrong, seed, window, **workload) -> None:
-    run_workload(**workload, sliding_window=window, speculative="ngram",
+       seed=st.integers(0, 1000), window=st.sampled_from([None, None, 4, 9]),
+       seeds=st.lists(st.one_of(st.none(), st.integers(0, 2**31)), max_size=14))
+def test_invariants_hold_while_speculating(k, wrong, seed, window, seeds, **workload) -> None:
+    """Random accept/reject patterns, preemption (recompute and swap), aborts, sliding
+    windows; greedy and seeded sampled requests (whose sampled tokens reject greedy proposals
+    at random positions: the toy model's sampled_token)."""
+    run_workload(**workload, sliding_window=window, speculative="ngram", seeds=seeds,
                  num_speculative_tokens=k, proposer=OracleProposer(wrong, seed, window))
+
+
+def test_seeded_sampled_requests_give_their_own_tokens_while_speculating() -> None:
+    """A sampled request's token at output index i depends on (seed, i): speculation, whose
+    later positions sample indices i+1.., and preemption must both keep the indices right."""
+    h = spec_harness(wrong=0.0, seed=6, k=5, num_blocks=16, block_size=2, num_cpu_blocks=40,
+                     preemption_mode="recompute", recompute_threshold_tokens=0,
+                     max_num_batched_tokens=40)
+    prompts = {f"s{i}": [3 + i, 8, 5, 9 + i] for i in range(4)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        h.add(rid, prompt, max_tokens=14, seed=100 + i)
+    h.run()
+    s = h.scheduler.stats()
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    assert sum(h.scheduler.num_preemptions.values()) > 0
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        assert h.outputs[rid] == reference_output(prompt, 14, seed=100 + i), rid
+        assert h.outputs[rid] != reference_output(prompt, 14), rid  # it did sample

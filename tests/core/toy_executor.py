@@ -13,16 +13,36 @@ token sees the positions outside the last query's window as MASKED.
 A speculating row (num_draft_tokens = k) gets the model's token after each of its last 1+k
 positions, each from the context up to that position (`verify=False`: an executor that does
 not verify, the last position's token only).
+
+A seeded request with temperature > 0 is "sampled": its token at output index i is a known
+function of the context, the seed and i (`sampled_token`), so a wrong output index (e.g. of a
+speculating row's later positions, or after a preemption) changes its output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from everystop.core.outputs import ModelOutput, SchedulerOutput
+from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.core.step_cost import StepShape
+from everystop.executor.verify_rows import per_position_rows
 
 MASKED = -1  # what a windowed model's next token sees for a position outside its window
+
+
+def sampled_token(context: list[int], seed: int, output_index: int) -> int:
+    """A seeded sampled request's token: the greedy one, except at about a third of the
+    output indices (chosen by the seed), where it draws another."""
+    greedy = next_token(context)
+    draw = hash((seed, output_index)) % 1_000_003
+    return greedy if draw % 3 else 3 + (greedy * 7 + draw) % 997
+
+
+def model_token(context: list[int], seq: ScheduledSequence) -> int:
+    params = seq.sampling_params
+    if params.seed is None or params.greedy:
+        return next_token(context)
+    return sampled_token(context, params.seed, seq.output_index)
 
 
 class KVCorruption(AssertionError):
@@ -87,11 +107,13 @@ class ToyExecutor:
                     raise KVCorruption(f"{e.request_id}: slot for position {pos} holds {cell}")
                 context.append(cell[0])
             if e.sample:
-                out.sampled_token_ids[e.request_id] = next_token(masked(context, window))
+                out.sampled_token_ids[e.request_id] = model_token(masked(context, window), e)
             if e.num_draft_tokens and self.verify:
+                first = e.seq_len - 1 - e.num_draft_tokens
+                rows = per_position_rows([e] * (e.num_draft_tokens + 1))
                 out.verified_token_ids[e.request_id] = [
-                    next_token(masked(context[:pos + 1], window))
-                    for pos in range(e.seq_len - 1 - e.num_draft_tokens, e.seq_len)]
+                    model_token(masked(context[:first + j + 1], window), row)
+                    for j, row in enumerate(rows)]
         return out
 
 
@@ -103,12 +125,13 @@ def masked(context: list[int], window: int | None) -> list[int]:
 
 
 def reference_output(prompt: list[int], max_tokens: int,
-                     sliding_window: int | None = None) -> list[int]:
-    """What the toy model generates for a prompt run alone (ignore_eos)."""
+                     sliding_window: int | None = None, seed: int | None = None) -> list[int]:
+    """What the toy model generates for a prompt run alone (ignore_eos; `seed`: sampled)."""
     ctx = list(prompt)
     out = []
-    for _ in range(max_tokens):
-        t = next_token(masked(ctx, sliding_window))
+    for i in range(max_tokens):
+        view = masked(ctx, sliding_window)
+        t = next_token(view) if seed is None else sampled_token(view, seed, i)
         out.append(t)
         ctx.append(t)
     return out

@@ -45,3 +45,52 @@ def test_ngram_speculation_gives_the_plain_greedy_tokens(plain, max_num_seqs: in
     assert stats.spec_decode_num_accepted_tokens > 0
     assert llm.engine.kv.pool.num_used_blocks == 0
     llm.engine.scheduler.check_integrity()
+
+
+# Everything else a request may ask for behaves as without speculation: on 8 of the prompts,
+# one engine without and one with it, each request's tokens, logprobs, text and finish equal.
+# Seeded sampling draws each position's token from (seed, output index), as plain decoding
+# does, so even sampled output is the same token for token. Batch-invariant kernels: a 1+k-row
+# pass then computes each row bit for bit as a 1-row decode does (otherwise the GEMM's blocking
+# depends on the row count and float sums round differently: logprobs differ by ~1e-3).
+FEATURES = {
+    "seeded-sampling": dict(temperature=0.8, top_p=0.9, seed=17),
+    "logprobs": dict(temperature=0.0, logprobs=3),
+    # Mild: strong penalties steer the output away from every token seen, so nothing repeats
+    # and prompt lookup has nothing to propose.
+    "penalties": dict(temperature=0.0, presence_penalty=0.2, frequency_penalty=0.1,
+                      repetition_penalty=1.05),
+    "min-tokens-and-eos": dict(temperature=0.0, min_tokens=6, ignore_eos=False,
+                               logit_bias={2: 3.0}),
+    "stop-string": dict(temperature=0.0, stop=[" at ", "o'clock"]),
+}
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLM, LLM]:
+    options = dict(OPTIONS, max_num_seqs=8, batch_invariant=True)
+    return LLM(**options), LLM(**options, speculative="ngram", num_speculative_tokens=4)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_request_features_behave_as_without_speculation(engines, feature: str) -> None:
+    params = SamplingParams(**{**dict(max_tokens=12, ignore_eos=True), **FEATURES[feature]})
+    plain_llm, spec_llm = engines
+    before = spec_llm.engine.stats()
+    plain = plain_llm.generate(PROMPTS[:8], params, use_tqdm=False)
+    spec = spec_llm.generate(PROMPTS[:8], params, use_tqdm=False)
+    after = spec_llm.engine.stats()  # it speculated, and kept some
+    assert after.spec_decode_num_draft_tokens > before.spec_decode_num_draft_tokens
+    assert after.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and b.text == a.text
+        assert b.finish_reason == a.finish_reason
+        if params.logprobs:
+            a_lp, b_lp = a.outputs[0].logprobs, b.outputs[0].logprobs
+            assert a_lp is not None and b_lp is not None and len(b_lp) == len(a_lp) == 12
+            for x, y in zip(a_lp, b_lp):  # {token id: Logprob}, chosen and top alternatives
+                assert list(y) == list(x)
+                for t in x:
+                    assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-5)
+    spec_llm.engine.scheduler.check_integrity()
+    assert spec_llm.engine.kv.pool.num_used_blocks == 0

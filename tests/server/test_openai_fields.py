@@ -347,8 +347,18 @@ def _add_special_tokens(s: ServerProcess, ep: str, v: Any) -> None:
         != toy_text(ep, "fields", 6)
 
 
+def _disable_spec_decode(s: ServerProcess, ep: str, v: Any) -> None:
+    """The same text either way (tests/server/test_speculation_api.py shows the request then
+    proposes nothing on a speculating server); a value that is not a boolean is refused."""
+    out = ok(s, ep, {**base(ep, "toy"), "disable_spec_decode": v})
+    assert text_of(out, ep) == toy_text(ep, "fields", 6)
+    r = post(s, ep, {**base(ep, "toy"), "disable_spec_decode": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "disable_spec_decode"
+
+
 TOY_EFFECTS: dict[str, Effect] = {
     "include_stop_str_in_output": _include_stop_str,
+    "disable_spec_decode": _disable_spec_decode,
     "return_tokens_as_token_ids": _tokens_as_ids, "add_special_tokens": _add_special_tokens,
     "truncate_prompt_tokens": _truncate, "chat_template_kwargs": _template_kwargs,
     "add_generation_prompt": _add_generation_prompt,

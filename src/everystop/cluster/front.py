@@ -300,11 +300,16 @@ def sum_stats(reports: list[dict[str, Any]]) -> SchedulerStats:
     fields = {f.name for f in dataclasses.fields(SchedulerStats)}
     total: dict[str, Any] = {name: 0 for name in fields}
     total.update(kv_usage=0.0, step_cost={}, step_predicted_s=0.0, step_measured_s=0.0,
-                 auto_tpot_target_s=0.0)
+                 auto_tpot_target_s=0.0, spec_decode_num_accepted_tokens_per_pos=[])
     for stats in reports:
         for name in fields:
             value = stats.get(name)
             if isinstance(value, bool) or value is None or isinstance(value, dict):
+                continue
+            if isinstance(value, list):  # per-position counts: summed position by position
+                have = total[name]
+                have.extend([0] * (len(value) - len(have)))
+                total[name] = [a + int(b) for a, b in zip(have, value)] + have[len(value):]
                 continue
             if isinstance(value, int):
                 total[name] += value

@@ -71,5 +71,7 @@ def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
         step_predicted_s=sched.step_cost.last_predicted_s,
         step_measured_s=sched.step_cost.last_measured_s,
         auto_tpot_target_s=sched.auto_tpot_target_s,
+        spec_decode_num_drafts=sched.num_drafts,
         spec_decode_num_draft_tokens=sched.num_draft_tokens,
-        spec_decode_num_accepted_tokens=sched.num_accepted_tokens)
+        spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(sched.num_accepted_tokens_per_pos))

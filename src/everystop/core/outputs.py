@@ -23,7 +23,7 @@ class ScheduledSequence:
     the same table. When `sample` is true it samples one next token from the last position.
 
     A speculating decode row (num_draft_tokens = k > 0) runs its last token plus k proposed
-    tokens, and the executor returns the model's greedy token at each of its 1+k positions
+    tokens, and the executor returns the model's token at each of its 1+k positions
     (ModelOutput.verified_token_ids): the proposals are checked against them afterwards.
     """
 
@@ -120,10 +120,13 @@ class ModelOutput:
     """What the executor produced: one sampled token per sequence that had `sample` set."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # Speculating rows (ScheduledSequence.num_draft_tokens = k): the model's greedy token after
-    # each of the row's last 1+k positions. A row missing here (an executor that does not
-    # verify) counts as every proposal rejected, its sampled_token_ids entry the next token.
+    # Speculating rows (ScheduledSequence.num_draft_tokens = k): the model's token after each
+    # of the row's last 1+k positions (greedy, or sampled as plain decoding would sample it).
+    # A row missing here (an executor that does not verify) counts as not run, and turns
+    # speculation off (core/verification.py).
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Their logprobs, one per position, for the requests that asked for logprobs.
+    verified_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     execute_time_s: float = 0.0
     # Prefill rows of requests with prompt_logprobs: one entry per scheduled position p whose
@@ -233,8 +236,18 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     # Speculative decoding: tokens proposed and verified so far, and those the model accepted
     # (vLLM's spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens).
+    spec_decode_num_drafts: int = 0  # speculating rows verified
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # [i]: rows whose proposal at position i (0-based) was accepted (vLLM's
+    # spec_decode_num_accepted_tokens_per_pos); as long as --num-speculative-tokens.
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted over proposed tokens since start (0 before any proposal)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
 
 
 @dataclass

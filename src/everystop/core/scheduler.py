@@ -118,8 +118,10 @@ class Scheduler:
         # Speculative decoding (core/verification.py): the proposer, and the proposals
         # verified and accepted so far.
         self.proposer: Proposer | None = self._make_proposer(config)
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
     @staticmethod
     def _make_proposer(config: SchedulerConfig) -> Proposer | None:
@@ -154,6 +156,8 @@ class Scheduler:
         """Hot reload: takes effect at the next schedule()."""
         self.config = config
         self.proposer = self._make_proposer(config)
+        per_pos = self.num_accepted_tokens_per_pos  # counters only grow: they are exported
+        per_pos.extend([0] * (config.num_speculative_tokens - len(per_pos)))
         for queue in (self.waiting, self.preempted, self.swapped):
             queue.reorder(config.aging_interval_s)
 
@@ -452,7 +456,7 @@ class Scheduler:
                 continue  # aborted while the pass ran
             if entry.num_draft_tokens:
                 update = apply_verified(self, entry, req, result.verified_token_ids.get(rid),
-                                        max_len)
+                                        max_len, result.verified_logprobs.get(rid))
                 if update is not None:
                     updates.append(update)
                 continue

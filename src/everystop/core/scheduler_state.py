@@ -31,8 +31,10 @@ class SchedulerState(Protocol):
     num_preemptions: dict[str, int]
     num_swap_out_blocks: int
     num_swap_in_blocks: int
-    num_draft_tokens: int  # speculative proposals verified, and accepted
+    num_drafts: int  # speculating rows verified; the proposals they carried, and accepted
+    num_draft_tokens: int
     num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]  # [i]: rows that kept their proposal i (0-based)
     proposer: Proposer | None
     last_prefill_budget_tokens: int
     step_cost: StepCostModel

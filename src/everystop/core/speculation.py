@@ -2,15 +2,15 @@
 forward pass can verify several of them at once (the scheduler's pass, core/scheduler.py).
 
 A `Proposer` only guesses; correctness never depends on it. The scheduler runs the sequence's
-last token plus the k proposals as 1+k rows, the executor returns the model's greedy token at
-each row, and the proposals are kept while they equal those tokens (core/verification.py).
+last token plus the k proposals as 1+k rows, the executor returns the model's token at each
+row (greedy, or sampled exactly as plain decoding samples that position: seeds, penalties,
+min_tokens, logit_bias and logprobs included, executor/verify_rows.py), and the proposals are
+kept while they equal those tokens (core/verification.py); with sampling that is the
+rejection rule for a point-mass proposal, so the output distribution is the target's. Stop
+strings cut a pass's tokens where the text first holds one (engine/output_processor.py).
 
-Which requests speculate: greedy ones (temperature 0) whose next token depends only on the
-model's argmax. NOTE: requests with logprobs, penalties, logit_bias, structured output,
-min_tokens or stop strings decode one token per pass, as do all sampled (temperature > 0)
-ones, until verification learns their rules (a stop string is found in the text by the
-engine, after the scheduler has appended a pass's tokens: it would keep the accepted tokens
-past it).
+Which requests speculate: all but those that set disable_spec_decode and those with
+structured output (they fall back to one token per pass).
 """
 
 from __future__ import annotations
@@ -56,11 +56,10 @@ class NgramProposer:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request's next tokens may be verified k at a time in this version: greedy,
-    and nothing that reads or changes the distribution row by row, no stop string."""
-    return (params.greedy and params.logprobs is None and not params.penalizes
-            and not params.logit_bias and params.structured_output is None
-            and params.min_tokens == 0 and not params.stop)
+    """Whether a request's next tokens may be verified k at a time: all but those that opt
+    out (disable_spec_decode) and those with structured output, which decode one token per
+    pass (their grammar's token mask is built for one position at a time)."""
+    return not params.disable_spec_decode and params.structured_output is None
 
 
 def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:

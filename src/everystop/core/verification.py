@@ -1,15 +1,17 @@
 """Speculative decoding inside the scheduler's own pass: proposals ride on decode rows, and the
-model's greedy tokens decide how many are kept.
+model's own tokens decide how many are kept.
 
 A speculating sequence's row in the pass (k proposals d1..dk after its last token t)::
 
     positions:  p       p+1   ...  p+k
     tokens:     t       d1    ...  dk          (K/V written at all 1+k positions)
-    model says: g0      g1    ...  gk          (greedy next token after each position)
+    model says: g0      g1    ...  gk          (its next token after each position: greedy,
+                                                or sampled as plain decoding would sample it)
 
     accepted: the longest a with d1..da == g0..g(a-1); new tokens: d1..da, then g(a)
 
-So each pass gives 1 to k+1 tokens, exactly those plain greedy decoding would have given.
+So each pass gives 1 to k+1 tokens: exactly those plain greedy decoding would have given, and
+with sampling a sample of the same distribution (num_accepted).
 num_computed_tokens advances over t and the accepted proposals only (p+1+a); the K/V written
 for rejected positions lies past it, is never read (attention covers computed positions) and is
 overwritten as the sequence goes on, and the blocks that held only rejected positions go back
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from everystop.core.outputs import RequestUpdate, ScheduledSequence
+from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
 from everystop.core.speculation import speculates
@@ -30,6 +32,21 @@ if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState as Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def num_accepted(drafts: list[int], verified: list[int]) -> int:
+    """How many proposals are kept: the longest run of drafts equal to the model's tokens.
+
+    NOTE: with sampling (temperature > 0) this is the standard rejection rule for a proposer
+    whose draft distribution q is a point mass on its token d: each position's token x is
+    sampled from the target distribution p, so d is kept with probability p(d) = min(1,
+    p(d)/q(d)), and on a rejection x is a sample of p given x != d, which is
+    normalize(max(0, p - q)). The output is thus distributed exactly as the target's
+    (executor/rejection_sampler.py has the rule for any q, and its tests)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+        accepted += 1
+    return accepted
 
 
 def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
@@ -56,12 +73,14 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
 
 
 def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,
-                   verified: list[int] | None, max_len: int) -> RequestUpdate | None:
+                   verified: list[int] | None, max_len: int,
+                   logprobs: list[TokenLogprob] | None = None) -> RequestUpdate | None:
     """Apply a speculating row's result: keep the accepted proposals and the model's next
     token, each checked for a stop in turn (nothing after a stop is kept), advance the
     request over what its K/V now holds, and return the blocks past it.
 
-    `verified`: the model's greedy token at each of the row's 1+k positions. None (or the
+    `verified`: the model's token at each of the row's 1+k positions (`logprobs`: theirs,
+    where the request asked). None (or the
     wrong count) from an executor that does not verify: its one token follows the proposals,
     not the sequence, so the row counts as not run (None: no update; it decodes again next
     pass) and this scheduler stops speculating."""
@@ -72,18 +91,22 @@ def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,
         sched.proposer = None
         sched.kv.trim(req, req.num_computed_tokens)
         return None
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
-        accepted += 1
+    accepted = num_accepted(drafts, verified)
+    sched.num_drafts += 1
     sched.num_draft_tokens += len(drafts)
     sched.num_accepted_tokens += accepted
+    per_pos = sched.num_accepted_tokens_per_pos
+    for pos in range(accepted):
+        per_pos[pos] += 1
     new_tokens = verified[:accepted + 1]  # == drafts[:accepted] + [verified[accepted]]
     update = RequestUpdate(req.request_id, [])
     status = None
     params, output = req.sampling_params, req.output_token_ids
-    for token in new_tokens:
+    for i, token in enumerate(new_tokens):
         output.append(token)
         update.new_token_ids.append(token)
+        if logprobs is not None:
+            update.new_logprobs.append(logprobs[i])
         if (not params.ignore_eos and token == req.eos_token_id) or (
                 token in params.stop_token_ids):
             update.stop_token_id = token

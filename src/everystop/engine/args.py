@@ -162,9 +162,9 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
                    "1: never)")
     g.add_argument("--speculative", choices=["off", "ngram"], default=None,
                    help="speculative decoding: ngram proposes each decoding sequence's next "
-                   "tokens by prompt lookup and one pass verifies them (default off). Only "
-                   "greedy requests without logprobs, penalties, logit_bias, structured output, "
-                   "min_tokens or stop strings speculate; the others decode one token per pass")
+                   "tokens by prompt lookup and one pass verifies them (default off); the "
+                   "output is what plain decoding gives, greedy or sampled. Requests with "
+                   "structured output or disable_spec_decode decode one token per pass")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most tokens proposed per sequence per pass (default 4, at most 32)")
     g.add_argument("--ngram-min", type=int, default=None,

@@ -103,6 +103,7 @@ def _merge(into: ModelOutput, out: ModelOutput) -> None:
     step-cost fit should learn from."""
     into.sampled_token_ids.update(out.sampled_token_ids)
     into.verified_token_ids.update(out.verified_token_ids)
+    into.verified_logprobs.update(out.verified_logprobs)
     into.logprobs.update(out.logprobs)
     into.prompt_logprobs.update(out.prompt_logprobs)
     into.failed.update(out.failed)

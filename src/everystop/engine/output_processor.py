@@ -56,32 +56,49 @@ class OutputProcessor:
             state = self._states.get(upd.request_id)
             if state is None:
                 continue
-            finish_reason = upd.finish_reason
-            state.token_ids.extend(upd.new_token_ids)
-            state.logprobs.extend(upd.new_logprobs)
-            if upd.prompt_logprobs is not None:
-                state.prompt_logprobs = upd.prompt_logprobs
-            # An EOS or stop token ends the text without appearing in it, unless the request
-            # asks for its stop string (vLLM's include_stop_str_in_output; a special token,
-            # EOS, is then still dropped by the detokenizer's skip_special_tokens).
-            keep_stop = state.params.include_stop_str_in_output
-            text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None and not keep_stop
-                        else upd.new_token_ids)
-            if upd.stop_token_id is not None and upd.stop_token_id in state.params.stop_token_ids:
-                state.stop_reason = upd.stop_token_id  # EOS leaves it None, as vLLM does
-            if text_ids:
-                state.text += state.detok.push(text_ids)
-            if finish_reason is not None and hasattr(state.detok, "flush"):
-                state.text += state.detok.flush()  # bytes held back for a char that never ended
-            if state.params.stop and finish_reason != "abort":
-                cut = self._find_stop(state)
-                if cut is not None:
-                    state.text = state.text[:cut]
-                    if finish_reason is None:
-                        stopped.append(upd.request_id)
-                    finish_reason = "stop"
+            finish_reason = None
+            # NOTE: a speculating row delivers several tokens at once; with stop strings they
+            # are taken one at a time, so a stop string ends the output at the token that
+            # completes it, as in plain decoding (the tokens after it are dropped).
+            parts = (_one_token_parts(upd) if state.params.stop and len(upd.new_token_ids) > 1
+                     else [upd])
+            for part in parts:
+                finish_reason, ended_by_stop = self._apply(state, part)
+                if ended_by_stop:
+                    stopped.append(upd.request_id)
+                if finish_reason is not None:
+                    break
             outputs.append(self._emit(state, finish_reason))
         return outputs, stopped
+
+    def _apply(self, state: _RequestState, upd: RequestUpdate) -> tuple[str | None, bool]:
+        """Add one update's tokens and text; return its finish reason, and whether a stop
+        string has just ended a request the scheduler still runs."""
+        finish_reason = upd.finish_reason
+        ended_by_stop = False
+        state.token_ids.extend(upd.new_token_ids)
+        state.logprobs.extend(upd.new_logprobs)
+        if upd.prompt_logprobs is not None:
+            state.prompt_logprobs = upd.prompt_logprobs
+        # An EOS or stop token ends the text without appearing in it, unless the request
+        # asks for its stop string (vLLM's include_stop_str_in_output; a special token,
+        # EOS, is then still dropped by the detokenizer's skip_special_tokens).
+        keep_stop = state.params.include_stop_str_in_output
+        text_ids = (upd.new_token_ids[:-1] if upd.stop_token_id is not None and not keep_stop
+                    else upd.new_token_ids)
+        if upd.stop_token_id is not None and upd.stop_token_id in state.params.stop_token_ids:
+            state.stop_reason = upd.stop_token_id  # EOS leaves it None, as vLLM does
+        if text_ids:
+            state.text += state.detok.push(text_ids)
+        if finish_reason is not None and hasattr(state.detok, "flush"):
+            state.text += state.detok.flush()  # bytes held back for a char that never ended
+        if state.params.stop and finish_reason != "abort":
+            cut = self._find_stop(state)
+            if cut is not None:
+                state.text = state.text[:cut]
+                ended_by_stop = finish_reason is None
+                finish_reason = "stop"
+        return finish_reason, ended_by_stop
 
     def _find_stop(self, state: _RequestState) -> int | None:
         """Index where the text should end if a stop string has appeared, else None."""
@@ -126,3 +143,13 @@ class OutputProcessor:
         if state is None:
             return None
         return self._emit(state, "abort")
+
+
+def _one_token_parts(upd: RequestUpdate) -> list[RequestUpdate]:
+    """A multi-token update as one update per token; the last carries how it ended."""
+    ids, lps = upd.new_token_ids, upd.new_logprobs
+    parts = [RequestUpdate(upd.request_id, [t], lps[i:i + 1]) for i, t in enumerate(ids)]
+    last = parts[-1]
+    last.finish_reason, last.stop_token_id = upd.finish_reason, upd.stop_token_id
+    parts[0].prompt_logprobs = upd.prompt_logprobs
+    return parts

@@ -29,6 +29,7 @@ from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.onednn_caches import bound_onednn_caches
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
 from everystop.executor.sampler import Sampler
+from everystop.executor.verify_rows import per_position_rows
 from everystop.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -302,7 +303,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Swap blocks, run the scheduled tokens, sample one token per `sample` sequence (the
-        greedy token at each of a speculating row's 1+k positions)."""
+        token at each of a speculating row's 1+k positions, each sampled as plain decoding
+        would sample it there: executor/verify_rows.py)."""
         start = time.perf_counter()
         # NOTE: out before in: a device block swapped out this step may be the target of a
         # swap-in in the same step.
@@ -325,17 +327,22 @@ class ModelRunner:
             if sampled and logits is not None:  # None: a tensor-parallel rank other than 0
                 sampled, logits = _drop_non_finite(sampled, logits, output)
             if sampled and logits is not None:
-                result = self.sampler(logits, [s.sampling_params for s in sampled],
-                                      [s.output_index for s in sampled], sampled)
-                verified = output.verified_token_ids
+                rows = per_position_rows(sampled)
+                result = self.sampler(logits, [s.sampling_params for s in rows],
+                                      [s.output_index for s in rows], rows)
+                verified, verified_lp = output.verified_token_ids, output.verified_logprobs
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs):
-                    output.sampled_token_ids[seq.request_id] = token
+                    rid = seq.request_id
+                    output.sampled_token_ids[rid] = token
                     if seq.num_draft_tokens:  # one of a speculating row's 1+k, in order
-                        verified.setdefault(seq.request_id, []).append(token)
-                    if logprob is not None:
-                        output.logprobs[seq.request_id] = logprob
+                        verified.setdefault(rid, []).append(token)
+                        if logprob is not None:
+                            verified_lp.setdefault(rid, []).append(logprob)
+                    elif logprob is not None:
+                        output.logprobs[rid] = logprob
                 for rid in output.failed:  # a part of a row's verification is none of it
                     verified.pop(rid, None)
+                    verified_lp.pop(rid, None)
         self._sync()
         output.execute_time_s = time.perf_counter() - start
         return output

@@ -258,11 +258,14 @@ class _EngineCollector(Collector):
                  stats.swap_in_blocks),
                 ("watchdog_aborts", "Sequences freed by the watchdog",
                  self.front.num_watchdog_aborts),
+                ("spec_decode_num_drafts", "Speculating rows verified (passes x sequences)",
+                 stats.spec_decode_num_drafts),
                 ("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified",
                  stats.spec_decode_num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Speculative tokens the model accepted",
                  stats.spec_decode_num_accepted_tokens)):
             yield CounterMetricFamily(f"everystop:{name}", doc, value=value)
+        yield from _spec_decode_metrics(stats)
         yield from _step_budget_metrics(stats)
         yield from _memory_metrics(self.front)
         pre = CounterMetricFamily("everystop:num_preemptions", "Preemptions by strategy",
@@ -270,6 +273,21 @@ class _EngineCollector(Collector):
         pre.add_metric(["recompute"], stats.num_preemptions_recompute)
         pre.add_metric(["swap"], stats.num_preemptions_swap)
         yield pre
+
+
+def _spec_decode_metrics(stats: SchedulerStats) -> Iterator[Any]:
+    """Speculative decoding's acceptance: overall, and by proposal position (position 0 is
+    the first proposal after a sequence's last token; a later one is kept only if all before
+    it were)."""
+    yield GaugeMetricFamily("everystop:spec_decode_draft_acceptance_rate",
+                            "Accepted over proposed speculative tokens since start (0-1)",
+                            value=stats.spec_decode_acceptance_rate)
+    per_pos = CounterMetricFamily("everystop:spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative tokens accepted at each proposal position",
+                                  labels=["position"])
+    for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], count)
+    yield per_pos
 
 
 def prefix_hit_rate(stats: SchedulerStats) -> float:

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -115,6 +116,9 @@ class _GenerationRequest(StrictModel):
     # vLLM's token restrictions: sample only these ids; never generate these words.
     allowed_token_ids: list[NonNegInt] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = None
+    # Speculative decoding (--speculative): true decodes this request one token per pass
+    # (the name of vLLM's per-request switch, SamplingParams.disable_spec_decode).
+    disable_spec_decode: StrictBool = False
     # Bookkeeping keys inside `messages` accepted and ignored (fields.MESSAGE_BOOKKEEPING).
     _ignored: list[str] = PrivateAttr(default_factory=list)
 

@@ -107,7 +107,8 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         allowed_token_ids=None if body.allowed_token_ids is None else
-        list(body.allowed_token_ids), bad_words=list(body.bad_words or []))
+        list(body.allowed_token_ids), bad_words=list(body.bad_words or []),
+        disable_spec_decode=body.disable_spec_decode)
     try:
         return SamplingParams(**opts)
     except SamplingParamsError as exc:
