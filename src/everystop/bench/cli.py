@@ -38,6 +38,8 @@ MEASUREMENTS = [
      "replicas (skewed and shared-prefix workloads)"),
     ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
     ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
+    ("hostile", "everystop.bench.hostile", "/health latency while each hostile request of "
+     "issue 40 is served, at full size"),
 ]
 
 
