@@ -75,7 +75,7 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
     def schedule_spy(self):
         out = schedule(self)
         tpot_stretches.append(out.tpot_stretch)
-        lazy_rows.append(out.num_lazy_decodes)
+        lazy_rows.append(out.num_bulk_decodes)
         return out
 
     give_back = DecodeStretch.give_back

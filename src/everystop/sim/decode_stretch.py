@@ -27,7 +27,7 @@ Mixed passes: the rows stay the stretch's while the scheduler runs the passes th
 prefill the newcomer (`to_mixed`). They are the first rows of `Scheduler.running`, held as
 `Scheduler.lazy`: at each such pass's start the scheduler has the stretch grow their blocks and
 add them to the pass's budget, in running order, as its own decode loop would (`begin_pass`),
-and walks only the other rows; the pass's shape counts them (`SchedulerOutput.num_lazy_decodes`);
+and walks only the other rows; the pass's shape counts them (`SchedulerOutput.num_bulk_decodes`);
 at its end the stretch applies their registrations and finishes before `update_from_output`
 does the other rows' (`end_mixed`: their order in the pass). Once every running row decodes and
 nothing waits, the newcomers join the stretch at that boundary (`absorb`) and planned passes
@@ -367,8 +367,8 @@ class DecodeStretch:
         tiers = ([t for t, k in self.tiers.items() if k]
                  if any(t is not None for t in budget.targets_s) else ())
         budget.add_decode_rows(self.order_base, tiers, offset=b)
-        step.num_lazy = self.alive
-        step.lazy_context = self.context + self.alive
+        step.num_bulk = self.alive
+        step.bulk_context = self.context + self.alive
         self.begun = True
         return self.alive
 
@@ -384,7 +384,7 @@ class DecodeStretch:
                 req = rows[i]
                 step.emit(req, 1, ids(req.request_id), budgeted=True)
             step.decodes.update(others)
-            step.num_lazy = step.lazy_context = 0
+            step.num_bulk = step.bulk_context = 0
         self.dead = True
 
     def end_mixed(self, latency: float) -> list[Request]:

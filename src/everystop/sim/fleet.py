@@ -225,7 +225,7 @@ class Replica:
         self.clock.advance(self.latency)
         st = self.stretch
         # The lazy rows come first in the pass: their ends before the scheduler's other rows.
-        lazy_done = (st.end_mixed(self.latency) if st is not None and out.num_lazy_decodes
+        lazy_done = (st.end_mixed(self.latency) if st is not None and out.num_bulk_decodes
                      else [])
         if st is not None and not st.alive:
             self.stretch = self.sched.lazy = None
