@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from everystop.config import SchedulerConfig
+from everystop.core.decode_batch import EAGER_DECODES, DecodeBatch
 from everystop.core.failed_pass import recompute_swapped
 from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
 from everystop.core.intake import (
@@ -59,23 +59,6 @@ from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
 from everystop.core.verification import add_proposals, apply_verified
-
-
-class LazyDecodes(Protocol):
-    """Decode rows held in bulk by the caller: the first rows of `running`, in its order, each
-    decoding one token per pass, their tokens brought up to date only when given back."""
-
-    def begin_pass(self, step: PassBuilder) -> int:
-        """At the pass's start: grow the rows' blocks and add them to the budget, in running
-        order, as step 1 would; how many leading rows of `running` that covers (0: it gave
-        them back instead, e.g. the pool is short for their growth)."""
-        ...
-
-    def give_back(self, step: PassBuilder) -> None:
-        """Bring the rows up to date; if this pass had begun, emit them first in `step`'s
-        decodes (budget already counted). The scheduler then treats them as any row."""
-        ...
-
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
 
@@ -111,10 +94,9 @@ class Scheduler:
         self.auto_tpot_target_s = default_target_s(self.step_cost)
         self.last_prefill_budget_tokens = config.max_num_batched_tokens
         self._tier_targets = TierTargets()
-        # Decode rows a caller keeps in bulk: the fleet simulator's decode stretch holds the
-        # first rows of `running` through passes the scheduler runs (LazyDecodes). None in the
-        # engine.
-        self.lazy: LazyDecodes | None = None
+        # Who decodes the first rows of `running` (core/decode_batch.py): the scheduler itself,
+        # one by one, unless a caller holds them in bulk (the fleet simulator's decode stretch).
+        self.decode_batch: DecodeBatch = EAGER_DECODES
         # Speculative decoding (core/verification.py): the proposer, and the proposals
         # verified and accepted so far.
         self.proposer: Proposer | None = self._make_proposer(config)
@@ -178,14 +160,16 @@ class Scheduler:
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
             self._release_padding()
-        if self.lazy is not None and len(self.running) > self.num_seats:
-            self._give_back_lazy(step)
-        while len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
-            self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
+        if len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
+            self._take_back_decodes(step)
+            while len(self.running) > self.num_seats:
+                self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
         if cfg.scheduling == "static":
             schedule_static(self, step)
         else:
-            self._schedule_running(step)
+            prefilling = self._schedule_decodes(step)
+            self._speculate(step)
+            self._schedule_prefill_chunks(prefilling, step)
             self._admit_swapped(step)
             self._admit(self.preempted, step)
             self._admit(self.waiting, step)
@@ -194,52 +178,42 @@ class Scheduler:
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
         return step.finish()
 
-    def _schedule_running(self, step: PassBuilder) -> None:
-        # 1. Decodes first: a skipped decode stalls that stream for a whole iteration.
-        # NOTE: this loop runs once per running sequence per pass (the simulator's hot path):
-        # the checks are inlined, the status is re-read each time (a _grow may preempt a
-        # later sequence), and the common grow - room in the blocks held - skips _grow.
-        running = RequestStatus.RUNNING
-        kv, emit = self.kv, step.emit
-        held, bs, ids = kv.req_blocks, kv.block_size, kv.block_ids
-        # Those not decoding, for step 2: the rows running after step 1 that are not decodes
-        # (step 1 only removes from `running`, and emits or preempts every decode it visits).
+    def _schedule_decodes(self, step: PassBuilder) -> list[Request]:
+        """1. One token for every running sequence past its prompt, first: a skipped decode
+        stalls that stream for a whole iteration. Returns the rows still in their prompt."""
         prefilling = []
-        # The lazy rows (the first of `running`) grow and are budgeted in bulk, in this order.
-        skip = self.lazy.begin_pass(step) if self.lazy is not None else 0
-        for req in self.running[skip:]:
-            if req.status is not running:
-                continue
-            computed = req.num_computed_tokens
-            if len(req.prompt_token_ids) + len(req.output_token_ids) - computed != 1:
+        held = self.decode_batch.begin_pass(step)  # rows held in bulk, budgeted by their holder
+        for req in self.running[held:]:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier row's growth
+            if req.num_tokens - req.num_computed_tokens != 1:
                 prefilling.append(req)
-                continue
-            blocks = held.get(req.request_id)
-            if (blocks is not None and computed < len(blocks) * bs) or self._grow(req, 1, step):
-                emit(req, 1, ids(req.request_id))
-        self._speculate(step)
-        # 2. Then the rest of the prompt of sequences already admitted, in admission order.
-        decodes = step.decodes
+            elif self._grow(req, 1, step):
+                self._emit(step, req, 1)
+        return prefilling
+
+    def _speculate(self, step: PassBuilder) -> None:
+        """1b. Proposals on the decode rows, after all of them and before any prefill. Not in
+        the static baseline, nor while a caller holds decode rows in bulk (the simulator)."""
+        if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
+                and self.config.scheduling == "continuous"):
+            add_proposals(self, step, model_len_limit(self.config, self.kv))
+
+    def _schedule_prefill_chunks(self, prefilling: list[Request], step: PassBuilder) -> None:
+        """2. Then the rest of the prompt of sequences already admitted, in admission order,
+        as far as the budget goes."""
         for req in prefilling:
-            if req.status is not running or req.request_id in decodes:
+            if req.status is not RequestStatus.RUNNING or req.request_id in step.decodes:
                 continue
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if n and self._grow(req, n, step):
                 self._emit(step, req, n)
 
-    def _speculate(self, step: PassBuilder) -> None:
-        """1b. Proposals on the decode rows, after all of them and before any prefill. Not in
-        the static baseline, nor while a caller holds decode rows in bulk (the simulator)."""
-        if (self.proposer is not None and self.lazy is None and step.decodes
-                and self.config.scheduling == "continuous"):
-            add_proposals(self, step, model_len_limit(self.config, self.kv))
-
-    def _give_back_lazy(self, step: PassBuilder) -> None:
-        """The lazy rows become ordinary rows of this pass (up to date, and emitted first if
-        their pass had begun): a preemption is about to rank them."""
-        lazy, self.lazy = self.lazy, None
-        assert lazy is not None
-        lazy.give_back(step)
+    def _take_back_decodes(self, step: PassBuilder) -> None:
+        """Before a preemption ranks the running rows: those held in bulk become the
+        scheduler's own again (up to date, and emitted first if their pass had begun)."""
+        batch, self.decode_batch = self.decode_batch, EAGER_DECODES
+        batch.give_back(step)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
@@ -317,8 +291,7 @@ class Scheduler:
         progress - the engine cannot deadlock on KV memory."""
         if self.kv.allocate(req, n):
             return True
-        if self.lazy is not None:  # a victim may be among them
-            self._give_back_lazy(step)
+        self._take_back_decodes(step)  # a victim may be among them
         cfg, now = self.config, step.now
         rank = victim_rank(req, cfg, now)
         while not self.kv.allocate(req, n):
@@ -334,8 +307,7 @@ class Scheduler:
     def _preempt_worse_tier(self, req: Request, step: PassBuilder) -> bool:
         """Free a seat or blocks for a waiting request by preempting a running one of a strictly
         lower tier (never a protected one, never one admitted this step)."""
-        if self.lazy is not None:  # a victim may be among them
-            self._give_back_lazy(step)
+        self._take_back_decodes(step)  # a victim may be among them
         cfg, now = self.config, step.now
         victims = [r for r in self.running if r.priority > req.priority
                    and r.request_id not in step.admitted_now
