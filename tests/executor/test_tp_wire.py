@@ -32,7 +32,7 @@ def test_plan_round_trip_keeps_every_field() -> None:
                             swapped_in_request_ids=["s"],
                             num_decode_tokens=1, num_prefill_tokens=5, num_padding_tokens=1,
                             predicted_time_s=0.05, tpot_target_s=0.1, prefill_budget_tokens=64,
-                            tpot_stretch=1.5, num_lazy_decodes=2, lazy_context_tokens=30,
+                            tpot_stretch=1.5, num_bulk_decodes=2, bulk_context_tokens=30,
                             num_draft_tokens=2)
     _all_set(seq)
     _all_set(sched)

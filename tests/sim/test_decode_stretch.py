@@ -70,12 +70,12 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
         return event
 
     schedule = Scheduler.schedule
-    tpot_stretches, lazy_rows = [], []
+    tpot_stretches, bulk_rows = [], []
 
     def schedule_spy(self):
         out = schedule(self)
         tpot_stretches.append(out.tpot_stretch)
-        lazy_rows.append(out.num_lazy_decodes)
+        bulk_rows.append(out.num_bulk_decodes)
         return out
 
     give_back = DecodeStretch.give_back
@@ -90,8 +90,8 @@ def test_stretches_decide_exactly_what_single_passes_decide(case, monkeypatch):
     monkeypatch.setattr(DecodeStretch, "give_back", give_back_spy)
     fast = _run(case, True)
     assert sum(stretched) >= 10  # stretches really ran
-    # and rode along the scheduler's own passes (lazy rows), given back where it preempted
-    assert sum(n > 0 for n in lazy_rows) >= 10
+    # and rode along the scheduler's own passes (held in bulk), given back where it preempted
+    assert sum(n > 0 for n in bulk_rows) >= 10
     if case in ("tight-pool", "pool-runs-dry", "priority-aging"):
         assert given_back
     slow = _run(case, False)

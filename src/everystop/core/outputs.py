@@ -78,7 +78,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Decode-shaped rows, static padding rows included (they cost the same compute), and the
-    # lazy ones below.
+    # bulk ones below.
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     num_padding_tokens: int = 0
@@ -89,11 +89,11 @@ class SchedulerOutput:
     tpot_target_s: float | None = None
     tpot_stretch: float = 1.0
     prefill_budget_tokens: int = 0
-    # Decode rows the pass runs that `scheduled` does not list: those a caller keeps in bulk
-    # (Scheduler.lazy, the fleet simulator's decode stretch); their count and the context they
-    # read (positions + 1, summed). Always 0 in the engine.
-    num_lazy_decodes: int = 0
-    lazy_context_tokens: int = 0
+    # Decode rows the pass runs that `scheduled` does not list: those a caller holds in bulk
+    # (core/decode_batch.py: the fleet simulator's decode stretch); their count and the context
+    # they read (positions + 1, summed). Always 0 in the engine.
+    num_bulk_decodes: int = 0
+    bulk_context_tokens: int = 0
     # Proposed tokens the speculating decode rows verify (each such row also counts one decode
     # token, its last real one).
     num_draft_tokens: int = 0
@@ -104,7 +104,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.num_lazy_decodes or self.blocks_to_swap_out
+        return not (self.scheduled or self.num_bulk_decodes or self.blocks_to_swap_out
                     or self.blocks_to_swap_in)
 
 

@@ -28,15 +28,15 @@ class PassBuilder:
     stretched: dict[str, float] = field(default_factory=dict)
     # Static padding rows among `decodes` (counted as emitted: never dropped, see drop()).
     num_padding: int = 0
-    # Decode rows a caller keeps in bulk (Scheduler.lazy), budgeted but not in `decodes`.
-    num_lazy: int = 0
-    lazy_context: int = 0
+    # Decode rows a caller holds in bulk (core/decode_batch.py), budgeted but not in `decodes`.
+    num_bulk: int = 0
+    bulk_context: int = 0
     # Proposed tokens riding on speculating decode rows (see add_drafts).
     num_draft: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills or self.num_lazy)
+        return not (self.decodes or self.prefills or self.num_bulk)
 
     def prefill_size(self, cfg: SchedulerConfig, req: Request, start: int) -> int:
         """Prefill tokens `req` gets this pass from position `start` (see core/step_budget.py
@@ -53,7 +53,7 @@ class PassBuilder:
             stretch = 1.0
             if (cfg.ttft_target_ms != 0 and budget.timed
                     and budget.targets_s[req.priority] is not None):
-                if not (self.decodes or self.num_lazy):
+                if not (self.decodes or self.num_bulk):
                     chunk = budget.max_tokens  # rule 6: nothing to interleave with
                 elif cfg.tpot_max_stretch > 1.0 and budget.may_stretch(req.priority):
                     lateness = waited + budget.alone_s(remaining, start)  # rule 5
@@ -74,8 +74,8 @@ class PassBuilder:
         return 0
 
     def emit(self, req: Request, n: int, block_ids: list[int], budgeted: bool = False) -> None:
-        """Schedule tokens num_computed_tokens .. +n of `req` (`budgeted`: a lazy decode row
-        given back, whose budget was counted already)."""
+        """Schedule tokens num_computed_tokens .. +n of `req` (`budgeted`: a decode row held in
+        bulk and given back, whose budget was counted already)."""
         # NOTE: runs once per scheduled row (the simulator's hot path): lengths are read once,
         # the token slice (Request.token_slice) and a decode row's budget (StepBudget.add)
         # are inlined, and the row is built positionally.
@@ -153,8 +153,8 @@ class PassBuilder:
     def finish(self) -> SchedulerOutput:
         out, budget = self.out, self.budget
         out.scheduled = [*self.decodes.values(), *self.prefills.values()]
-        out.num_decode_tokens = len(self.decodes) + self.num_lazy
-        out.num_lazy_decodes, out.lazy_context_tokens = self.num_lazy, self.lazy_context
+        out.num_decode_tokens = len(self.decodes) + self.num_bulk
+        out.num_bulk_decodes, out.bulk_context_tokens = self.num_bulk, self.bulk_context
         out.num_padding_tokens = self.num_padding
         out.num_draft_tokens = self.num_draft
         out.num_prefill_tokens = sum(e.num_tokens for e in self.prefills.values())

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from everystop.config import SchedulerConfig
+from everystop.core.decode_batch import EAGER_DECODES, DecodeBatch
 from everystop.core.failed_pass import recompute_swapped
 from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
 from everystop.core.intake import (
@@ -46,6 +46,7 @@ from everystop.core.outputs import (
     SchedulerStats,
 )
 from everystop.core.pass_builder import PassBuilder
+from everystop.core.pass_results import apply_pass_results
 from everystop.core.preemption import (
     PreemptionCostModel,
     choose_strategy,
@@ -58,24 +59,7 @@ from everystop.core.speculation import Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
-from everystop.core.verification import add_proposals, apply_verified
-
-
-class LazyDecodes(Protocol):
-    """Decode rows held in bulk by the caller: the first rows of `running`, in its order, each
-    decoding one token per pass, their tokens brought up to date only when given back."""
-
-    def begin_pass(self, step: PassBuilder) -> int:
-        """At the pass's start: grow the rows' blocks and add them to the budget, in running
-        order, as step 1 would; how many leading rows of `running` that covers (0: it gave
-        them back instead, e.g. the pool is short for their growth)."""
-        ...
-
-    def give_back(self, step: PassBuilder) -> None:
-        """Bring the rows up to date; if this pass had begun, emit them first in `step`'s
-        decodes (budget already counted). The scheduler then treats them as any row."""
-        ...
-
+from everystop.core.verification import add_proposals
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerStats"]  # re-exported
 
@@ -111,10 +95,9 @@ class Scheduler:
         self.auto_tpot_target_s = default_target_s(self.step_cost)
         self.last_prefill_budget_tokens = config.max_num_batched_tokens
         self._tier_targets = TierTargets()
-        # Decode rows a caller keeps in bulk: the fleet simulator's decode stretch holds the
-        # first rows of `running` through passes the scheduler runs (LazyDecodes). None in the
-        # engine.
-        self.lazy: LazyDecodes | None = None
+        # Who decodes the first rows of `running` (core/decode_batch.py): the scheduler itself,
+        # one by one, unless a caller holds them in bulk (the fleet simulator's decode stretch).
+        self.decode_batch: DecodeBatch = EAGER_DECODES
         # Speculative decoding (core/verification.py): the proposer, and the proposals
         # verified and accepted so far.
         self.proposer: Proposer | None = self._make_proposer(config)
@@ -144,13 +127,13 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request for a reason only the engine can see (a stop string)."""
         req = self.requests.get(request_id)
         if req is not None:
-            self._finish(req, status)
+            self.finish(req, status)
 
     def update_config(self, config: SchedulerConfig) -> None:
         """Hot reload: takes effect at the next schedule()."""
@@ -182,14 +165,16 @@ class Scheduler:
 
         if self._padding and cfg.scheduling != "static":  # switched at run time
             self._release_padding()
-        if self.lazy is not None and len(self.running) > self.num_seats:
-            self._give_back_lazy(step)
-        while len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
-            self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
+        if len(self.running) > self.num_seats:  # max_num_seqs lowered at runtime
+            self._take_back_decodes(step)
+            while len(self.running) > self.num_seats:
+                self._preempt(min(self.running, key=lambda r: victim_rank(r, cfg, now)), step)
         if cfg.scheduling == "static":
             schedule_static(self, step)
         else:
-            self._schedule_running(step)
+            prefilling = self._schedule_decodes(step)
+            self._speculate(step)
+            self._schedule_prefill_chunks(prefilling, step)
             self._admit_swapped(step)
             self._admit(self.preempted, step)
             self._admit(self.waiting, step)
@@ -198,54 +183,44 @@ class Scheduler:
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
         return step.finish()
 
-    def _schedule_running(self, step: PassBuilder) -> None:
-        # 1. Decodes first: a skipped decode stalls that stream for a whole iteration.
-        # NOTE: this loop runs once per running sequence per pass (the simulator's hot path):
-        # the checks are inlined, the status is re-read each time (a _grow may preempt a
-        # later sequence), and the common grow - room in the blocks held - skips _grow.
-        running = RequestStatus.RUNNING
-        kv, emit = self.kv, step.emit
-        held, bs, ids = kv.req_blocks, kv.block_size, kv.block_ids
-        # Those not decoding, for step 2: the rows running after step 1 that are not decodes
-        # (step 1 only removes from `running`, and emits or preempts every decode it visits).
+    def _schedule_decodes(self, step: PassBuilder) -> list[Request]:
+        """1. One token for every running sequence past its prompt, first: a skipped decode
+        stalls that stream for a whole iteration. Returns the rows still in their prompt."""
         prefilling = []
-        # The lazy rows (the first of `running`) grow and are budgeted in bulk, in this order.
-        skip = self.lazy.begin_pass(step) if self.lazy is not None else 0
-        for req in self.running[skip:]:
-            if req.status is not running:
-                continue
-            computed = req.num_computed_tokens
-            if len(req.prompt_token_ids) + len(req.output_token_ids) - computed != 1:
+        held = self.decode_batch.begin_pass(step)  # rows held in bulk, budgeted by their holder
+        for req in self.running[held:]:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier row's growth
+            if req.num_tokens - req.num_computed_tokens != 1:
                 prefilling.append(req)
-                continue
-            blocks = held.get(req.request_id)
-            if (blocks is not None and computed < len(blocks) * bs) or self._grow(req, 1, step):
-                emit(req, 1, ids(req.request_id))
-        self._speculate(step)
-        # 2. Then the rest of the prompt of sequences already admitted, in admission order.
-        decodes = step.decodes
-        for req in prefilling:
-            if req.status is not running or req.request_id in decodes:
-                continue
-            n = step.prefill_size(self.config, req, req.num_computed_tokens)
-            if n and self._grow(req, n, step):
-                self._emit(step, req, n)
+            elif self.grow(req, 1, step):
+                self.emit(step, req, 1)
+        return prefilling
 
     def _speculate(self, step: PassBuilder) -> None:
         """1b. Proposals on the decode rows, after all of them and before any prefill. Not in
         the static baseline, nor while a caller holds decode rows in bulk (the simulator)."""
-        if (self.proposer is not None and self.lazy is None and step.decodes
+        if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):
             add_proposals(self, step, model_len_limit(self.config, self.kv))
 
-    def _give_back_lazy(self, step: PassBuilder) -> None:
-        """The lazy rows become ordinary rows of this pass (up to date, and emitted first if
-        their pass had begun): a preemption is about to rank them."""
-        lazy, self.lazy = self.lazy, None
-        assert lazy is not None
-        lazy.give_back(step)
+    def _schedule_prefill_chunks(self, prefilling: list[Request], step: PassBuilder) -> None:
+        """2. Then the rest of the prompt of sequences already admitted, in admission order,
+        as far as the budget goes."""
+        for req in prefilling:
+            if req.status is not RequestStatus.RUNNING or req.request_id in step.decodes:
+                continue
+            n = step.prefill_size(self.config, req, req.num_computed_tokens)
+            if n and self.grow(req, n, step):
+                self.emit(step, req, n)
 
-    def _leave_running(self, req: Request) -> None:
+    def _take_back_decodes(self, step: PassBuilder) -> None:
+        """Before a preemption ranks the running rows: those held in bulk become the
+        scheduler's own again (up to date, and emitted first if their pass had begun)."""
+        batch, self.decode_batch = self.decode_batch, EAGER_DECODES
+        batch.give_back(step)
+
+    def leave_running(self, req: Request) -> None:
         self.running.remove(req)
         if not self.running and self._padding:
             self._release_padding()  # the static batch has drained: nobody is left to pad for
@@ -265,7 +240,7 @@ class Scheduler:
             step.out.blocks_to_swap_in.extend(self.kv.swap_in(req, n))
             step.out.swapped_in_request_ids.append(req.request_id)
             self._set_running(req, step)
-            self._emit(step, req, n)
+            self.emit(step, req, n)
 
     def _admit(self, queue: RequestQueue, step: PassBuilder) -> None:
         while queue:
@@ -289,10 +264,10 @@ class Scheduler:
                 if not self._preempt_worse_tier(req, step):
                     return  # head-of-line waits: lower tiers may not jump ahead of it
             queue.remove(req)  # NOTE: not pop(): a victim preempted above may now head it
-            self._start_running(req, computed, step)
-            self._emit(step, req, n)
+            self.start_running(req, computed, step)
+            self.emit(step, req, n)
 
-    def _start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
+    def start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
         if req.status == RequestStatus.WAITING:
             self._queued.add(req, -1, step.now)
         if req.num_computed_tokens == 0:  # the admissions that looked the prefix up
@@ -310,19 +285,18 @@ class Scheduler:
         self.running.append(req)
         step.admitted_now.add(req.request_id)
 
-    def _emit(self, step: PassBuilder, req: Request, n: int) -> None:
+    def emit(self, step: PassBuilder, req: Request, n: int) -> None:
         step.emit(req, n, self.kv.block_ids(req.request_id))
 
     # -- preemption -----------------------------------------------------------------------------
-    def _grow(self, req: Request, n: int, step: PassBuilder) -> bool:
+    def grow(self, req: Request, n: int, step: PassBuilder) -> bool:
         """Make room for n more tokens of a running request, preempting lower-ranked sequences
         if the pool is short. If nothing ranks below it, the request itself is preempted
         (False). NOTE: the ranking is a total order, so the top-ranked sequence always makes
         progress - the engine cannot deadlock on KV memory."""
         if self.kv.allocate(req, n):
             return True
-        if self.lazy is not None:  # a victim may be among them
-            self._give_back_lazy(step)
+        self._take_back_decodes(step)  # a victim may be among them
         cfg, now = self.config, step.now
         rank = victim_rank(req, cfg, now)
         while not self.kv.allocate(req, n):
@@ -338,8 +312,7 @@ class Scheduler:
     def _preempt_worse_tier(self, req: Request, step: PassBuilder) -> bool:
         """Free a seat or blocks for a waiting request by preempting a running one of a strictly
         lower tier (never a protected one, never one admitted this step)."""
-        if self.lazy is not None:  # a victim may be among them
-            self._give_back_lazy(step)
+        self._take_back_decodes(step)  # a victim may be among them
         cfg, now = self.config, step.now
         victims = [r for r in self.running if r.priority > req.priority
                    and r.request_id not in step.admitted_now
@@ -355,7 +328,7 @@ class Scheduler:
         if entry is not None and entry.num_draft_tokens:  # the proposals' blocks go first
             self.kv.trim(victim, victim.num_computed_tokens + 1)
         step.drop(victim.request_id)
-        self._leave_running(victim)
+        self.leave_running(victim)
         num_blocks = self.kv.num_held_blocks(victim.request_id)
         can_swap = (self.kv.can_swap_out(victim)
                     and len(self.swapped) < self.config.max_swapped_seqs)
@@ -366,13 +339,13 @@ class Scheduler:
             victim.num_preemptions_swap += 1
             self.swapped.push(victim)
         else:
-            self._recompute_later(victim)
+            self.recompute_later(victim)
         victim.preemption_count += 1
         victim.preemption_times.append(now)
         self.num_preemptions[strategy] += 1
         out.preempted_request_ids.append(victim.request_id)
 
-    def _recompute_later(self, victim: Request) -> None:
+    def recompute_later(self, victim: Request) -> None:
         """Free the victim's blocks (host copy too) and queue it to run again from token 0."""
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -380,7 +353,7 @@ class Scheduler:
         victim.num_preemptions_recompute += 1
         self.preempted.push(victim)
 
-    # -- the steps its helper modules share (core/scheduler_state.py) ----------------------------
+    # -- what its helper modules read (core/scheduler_state.py) ----------------------------------
     @property
     def queued_counts(self) -> QueuedCounts:
         return self._queued
@@ -388,24 +361,6 @@ class Scheduler:
     @property
     def padding_rows(self) -> list[Request]:
         return self._padding
-
-    def grow(self, req: Request, n: int, step: PassBuilder) -> bool:
-        return self._grow(req, n, step)
-
-    def emit(self, step: PassBuilder, req: Request, n: int) -> None:
-        self._emit(step, req, n)
-
-    def start_running(self, req: Request, computed: list, step: PassBuilder) -> None:
-        self._start_running(req, computed, step)
-
-    def leave_running(self, req: Request) -> None:
-        self._leave_running(req)
-
-    def recompute_later(self, victim: Request) -> None:
-        self._recompute_later(victim)
-
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        self._finish(req, status)
 
     @property
     def padding_lag(self) -> int:
@@ -430,84 +385,19 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
                            result: ModelOutput) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
-        now = self.clock()
+        """Apply what the executor ran and sampled (core/pass_results.py): an update per
+        request that got tokens or finished."""
         # Learn what this pass cost (an executor that does not time itself reports 0).
         self.step_cost.observe(StepShape.from_output(sched), result.execute_time_s)
         self.oom_seat_cap.pass_succeeded(self.config.max_num_seqs)
-        # Loop invariants hoisted: this loop runs once per scheduled row (the hot path).
-        # The prefix-cache registration (cache_computed_blocks) is called only for rows that
-        # filled a block since their last registration: its own first check, inlined.
-        requests, running = self.requests, RequestStatus.RUNNING
-        kv = self.kv
-        cache_blocks, caching = kv.cache_computed_blocks, kv.enable_prefix_caching
-        # Under a sliding window, each row releases what its next query cannot read (after
-        # registering it: released blocks stay in the prefix cache).
-        release = kv.release_behind_window if kv.window is not None else None
-        lag = self.padding_lag
-        registered, bs = kv.registered_blocks, kv.block_size
-        prompt_logprobs, logprobs = result.prompt_logprobs, result.logprobs
-        sampled = result.sampled_token_ids
-        max_len = model_len_limit(self.config, kv)
-        for entry in sched.scheduled:
-            rid = entry.request_id
-            req = requests.get(rid)
-            if req is None or req.status is not running:
-                continue  # aborted while the pass ran
-            if entry.num_draft_tokens:
-                update = apply_verified(self, entry, req, result.verified_token_ids.get(rid),
-                                        max_len, result.verified_logprobs.get(rid))
-                if update is not None:
-                    updates.append(update)
-                continue
-            computed = req.num_computed_tokens = entry.start_pos + len(entry.token_ids)
-            if caching and computed // bs > registered.get(rid, 0):
-                cache_blocks(req)
-            if release is not None:
-                release(req, computed - lag)
-            if prompt_logprobs:
-                scored = prompt_logprobs.get(rid)
-                if scored:
-                    req.keep_prompt_logprobs(entry.start_pos, scored)
-            if not entry.sample:
-                continue
-            token = sampled[rid]
-            output = req.output_token_ids
-            output.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            update = RequestUpdate(rid, [token])
-            params = req.sampling_params
-            if params.prompt_logprobs is not None and len(output) == 1:
-                update.prompt_logprobs = list(req.prompt_logprobs)
-            if logprobs:
-                lp = logprobs.get(rid)
-                if lp is not None:
-                    update.new_logprobs.append(lp)
-            # How the request ends with `token` just appended: EOS (unless ignored) or a stop
-            # token id, then max_tokens or the model length; most rows go on.
-            num_output = len(output)
-            if (not params.ignore_eos and token == req.eos_token_id) or (
-                    token in params.stop_token_ids):
-                update.stop_token_id = token
-                status = RequestStatus.FINISHED_STOPPED
-            elif (num_output >= params.max_tokens
-                  or len(req.prompt_token_ids) + num_output >= max_len):
-                status = RequestStatus.FINISHED_LENGTH
-            else:
-                updates.append(update)
-                continue
-            self._finish(req, status)
-            update.finish_reason = status.finish_reason
-            updates.append(update)
-        return updates
+        return apply_pass_results(self, sched, result)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Request, status: RequestStatus) -> None:
         """Free the request's blocks and slot now, whatever state it was in (a static batch
         member with padding on keeps its blocks as a padding row until the batch drains)."""
         keep_as_padding = False
         if req.status == RequestStatus.RUNNING:
-            self._leave_running(req)
+            self.leave_running(req)
             keep_as_padding = (self.config.scheduling == "static" and self.config.static_padding
                                and bool(self.running) and req.num_computed_tokens > 0)
         elif req.status == RequestStatus.WAITING:

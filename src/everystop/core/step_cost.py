@@ -35,7 +35,7 @@ class StepShape:
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
-        context = out.lazy_context_tokens
+        context = out.bulk_context_tokens
         for e in out.scheduled:  # sum(e.seq_len ...) without a property call per row
             context += e.start_pos + len(e.token_ids)
         # A verified proposal runs as a prefill token does (one more query row of a sequence).

@@ -56,16 +56,16 @@ class IterationShape:
     def from_scheduler_output(cls, out: SchedulerOutput) -> IterationShape:
         # One loop, no per-field generators: this runs once per simulated pass (the fleet
         # simulator's hot path).
-        # Lazy decode rows (Scheduler.lazy): one token each, reading their context.
-        lazy = out.num_lazy_decodes
-        pairs = context = out.lazy_context_tokens
-        sampled = lazy
+        # Decode rows held in bulk (core/decode_batch.py): one token each, reading their context.
+        bulk = out.num_bulk_decodes
+        pairs = context = out.bulk_context_tokens
+        sampled = bulk
         for e in out.scheduled:
             n, start = len(e.token_ids), e.start_pos
             pairs += n * start + n * (n + 1) // 2
             context += start + n
             sampled += e.sample
-        return cls(num_seqs=len(out.scheduled) + lazy, num_decode_tokens=out.num_decode_tokens,
+        return cls(num_seqs=len(out.scheduled) + bulk, num_decode_tokens=out.num_decode_tokens,
                    num_prefill_tokens=out.num_prefill_tokens, context_tokens_read=context,
                    attention_pairs=pairs, num_sampled=sampled,
                    num_swap_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))

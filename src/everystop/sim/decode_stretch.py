@@ -24,10 +24,11 @@ next passes are then the scheduler's. A pass that would run the pool dry (the sc
 preempt) also ends the planned passes before it starts.
 
 Mixed passes: the rows stay the stretch's while the scheduler runs the passes that admit and
-prefill the newcomer (`to_mixed`). They are the first rows of `Scheduler.running`, held as
-`Scheduler.lazy`: at each such pass's start the scheduler has the stretch grow their blocks and
-add them to the pass's budget, in running order, as its own decode loop would (`begin_pass`),
-and walks only the other rows; the pass's shape counts them (`SchedulerOutput.num_lazy_decodes`);
+prefill the newcomer (`to_mixed`). They are the first rows of `Scheduler.running`, held in bulk
+as its `decode_batch` (core/decode_batch.py): at each such pass's start the scheduler has the
+stretch grow their blocks and add them to the pass's budget, in running order, as its own decode
+loop would (`begin_pass`), and walks only the other rows; the pass's shape counts them
+(`SchedulerOutput.num_bulk_decodes`);
 at its end the stretch applies their registrations and finishes before `update_from_output`
 does the other rows' (`end_mixed`: their order in the pass). Once every running row decodes and
 nothing waits, the newcomers join the stretch at that boundary (`absorb`) and planned passes
@@ -48,6 +49,7 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Callable
 
+from everystop.core.decode_batch import EAGER_DECODES, add_held_rows, emit_given_back
 from everystop.core.intake import model_len_limit
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
@@ -90,7 +92,10 @@ class DecodeStretch:
 
     Boundary j is the end of pass j (pass 1 starts now, at boundary 0). Rows are the running
     sequences, indexed in running order (their order in every pass). `account(latency)` is
-    called once per pass, in order, as its end is applied."""
+    called once per pass, in order, as its end is applied. In mixed passes it is the
+    scheduler's `DecodeBatch`."""
+
+    holds_rows = True
 
     def __init__(self, sched: Scheduler, clock: SimClock,
                  latency_fn: Callable[[IterationShape], float],
@@ -175,7 +180,7 @@ class DecodeStretch:
         self.tiers: dict[int, int] = {}
         for req in self.rows:
             self.tiers[req.priority] = self.tiers.get(req.priority, 0) + 1
-        # Mixed passes (the scheduler's, with these rows lazy in them: Scheduler.lazy): on
+        # Mixed passes (the scheduler's, with these rows held in bulk in them): on
         # between an arrival and the moment every row decodes again (absorb); `begun`: this
         # pass's rows are budgeted; `dead`: given back to the scheduler, the stretch is over.
         self.mixed = self.begun = self.dead = False
@@ -311,10 +316,10 @@ class DecodeStretch:
                 req.output_token_ids.extend([tokens] * k)
                 at[i] = boundary
 
-    # -- mixed passes: the scheduler runs them, these rows ride along (Scheduler.lazy) ----------
+    # -- mixed passes: the scheduler runs them, these rows ride along (its decode_batch) -------
     def to_mixed(self) -> None:
         """At the stretch's end boundary (applied, the next pass not started): the next passes
-        are the scheduler's, with these rows lazy in them. The plan past it is dropped."""
+        are the scheduler's, with these rows held in bulk. The plan past it is dropped."""
         b = self.applied
         assert self.started < b and self.alive
         # The plan past b undone: its passes' growth counts moved back, as they were when b
@@ -341,18 +346,18 @@ class DecodeStretch:
             self.planned = b
         self.end = None
         self.mixed = True
-        self.sched.lazy = self
+        self.sched.decode_batch = self
         self.clock.now = self.times[b]
 
     def begin_pass(self, step: PassBuilder) -> int:
-        """Scheduler.lazy's hook at a mixed pass's start (boundary b = applied): the rows at a
+        """DecodeBatch's hook at a mixed pass's start (boundary b = applied): the rows at a
         block boundary grow, then every row is budgeted, in running order, as step 1 would."""
         b = self.applied
         assert self.mixed and not self.begun and self.started == b - 1
         growing = self.on_start.get(b)
         if growing and len(growing) > self.kv.pool.num_free_blocks:
             # The scheduler would preempt for this growth: it gets the rows back to do so.
-            self.sched.lazy = None
+            self.sched.decode_batch = EAGER_DECODES
             self.give_back(step)
             return 0
         g = self.grow_count.pop(b, 0)
@@ -366,25 +371,17 @@ class DecodeStretch:
         # Their tiers matter only where a tier has a target (the tightest one present is kept).
         tiers = ([t for t, k in self.tiers.items() if k]
                  if any(t is not None for t in budget.targets_s) else ())
-        budget.add_decode_rows(self.order_base, tiers, offset=b)
-        step.num_lazy = self.alive
-        step.lazy_context = self.context + self.alive
+        add_held_rows(step, self.order_base, tiers, offset=b)
         self.begun = True
         return self.alive
 
     def give_back(self, step: PassBuilder) -> None:
-        """Scheduler.lazy's hook before a preemption ranks the rows: up to date, emitted first
+        """DecodeBatch's hook before a preemption ranks the rows: up to date, emitted first
         in this pass if it had begun (their budget is counted), and no longer this stretch's."""
-        b = self.applied
-        self._bring_up(b)
+        self._bring_up(self.applied)
         if self.begun:
-            others, step.decodes = step.decodes, {}
-            ids, rows = self.kv.block_ids, self.rows
-            for i in self.order:
-                req = rows[i]
-                step.emit(req, 1, ids(req.request_id), budgeted=True)
-            step.decodes.update(others)
-            step.num_lazy = step.lazy_context = 0
+            rows = self.rows
+            emit_given_back(step, [rows[i] for i in self.order], self.kv.block_ids)
         self.dead = True
 
     def end_mixed(self, latency: float) -> list[Request]:
@@ -443,7 +440,7 @@ class DecodeStretch:
             self.order_base.append(base)
             self.tiers[req.priority] = self.tiers.get(req.priority, 0) + 1
         self.mixed = False
-        sched.lazy = None
+        sched.decode_batch = EAGER_DECODES
         self.look_ahead = FIRST_PLAN_PASSES
         return True
 

@@ -24,8 +24,8 @@ A replica that is pure decode with nothing waiting runs a `DecodeStretch` instea
 per pass: its pass times are planned ahead and their effects applied lazily, made visible
 exactly where the per-pass loop would show them (sim/decode_stretch.py): the same results, a
 fraction of the work (`decode_stretches=False` runs every pass through the scheduler). An
-arrival hands the next passes back to the scheduler, the stretch's rows riding along lazily
-(`Scheduler.lazy`) until every row decodes again.
+arrival hands the next passes back to the scheduler, the stretch's rows riding along in bulk
+(`Scheduler.decode_batch`, core/decode_batch.py) until every row decodes again.
 Requests are consumed lazily and forgotten when they finish (only their timings are kept), so a
 million requests fit in memory.
 """
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from everystop.config import SchedulerConfig
+from everystop.core.decode_batch import EAGER_DECODES
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.core.request import Request
@@ -164,13 +165,13 @@ class Replica:
 
     def stretch_over(self) -> bool:
         """After `end_stretch_step`: whether the stretch is over (then the next pass is the
-        scheduler's, with its rows lazy in it if any are left)."""
+        scheduler's, with its rows held in bulk in it if any are left)."""
         st = self.stretch
         assert st is not None
         boundary = self.stretch_at
         over = st.end == boundary or st.alive == 0
         if over:
-            if st.alive:  # the next passes are the scheduler's, with the rows lazy in them
+            if st.alive:  # the next passes are the scheduler's, with the rows held in bulk
                 st.to_mixed()
             else:
                 st.close(boundary)
@@ -224,17 +225,18 @@ class Replica:
         assert out is not None
         self.clock.advance(self.latency)
         st = self.stretch
-        # The lazy rows come first in the pass: their ends before the scheduler's other rows.
-        lazy_done = (st.end_mixed(self.latency) if st is not None and out.num_lazy_decodes
+        # The bulk rows come first in the pass: their ends before the scheduler's other rows.
+        bulk_done = (st.end_mixed(self.latency) if st is not None and out.num_bulk_decodes
                      else [])
         if st is not None and not st.alive:
-            self.stretch = self.sched.lazy = None
+            self.stretch = None
+            self.sched.decode_batch = EAGER_DECODES
         sampled = dict.fromkeys([e.request_id for e in out.scheduled if e.sample],
                                 SimExecutor.SAMPLED_TOKEN)
         updates = self.sched.update_from_output(
             out, ModelOutput(sampled_token_ids=sampled, execute_time_s=self.latency))
         routed = self.routed
-        return lazy_done + [routed[u.request_id][0] for u in updates
+        return bulk_done + [routed[u.request_id][0] for u in updates
                             if u.finish_reason is not None]
 
 
