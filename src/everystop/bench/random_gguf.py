@@ -4,7 +4,7 @@ are fine for both; correctness is judged on real models and against transformers
 Block formats are written as random blocks directly (random scales and codes: random weights
 all the same), so a model of billions of parameters takes seconds, not a quantizer's minutes.
 Tensors stream to the file one at a time. The tokenizer is the default model's (SmolLM2's
-BPE), its vocabulary padded with unused tokens up to the model's vocabulary size.
+BPE), its vocabulary padded up to the model's vocabulary size with tokens no text encodes to.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ STD = 0.02  # weights' standard deviation
 # (name, shape as [..., rows, cols]); 1-D tensors are norms (ones), `F32_MATRICES` stay F32.
 TensorSpec = tuple[str, tuple[int, ...]]
 F32_MATRICES = ("ffn_gate_inp",)  # MoE routers: llama.cpp keeps them F32
+PADDING_TOKEN_TYPE = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
 
 
 def _kind_of(name: str, shape: Sequence[int], kind: GGMLQuantizationType
@@ -86,8 +87,8 @@ def write_random_tensors(writer: GGUFWriter, specs: list[TensorSpec], type_name:
 
 
 def add_default_tokenizer(writer: GGUFWriter, vocab: int) -> None:
-    """The default model's BPE tokenizer, its vocabulary padded to `vocab` with unused
-    tokens."""
+    """The default model's BPE tokenizer, its vocabulary padded to `vocab` with tokens no text
+    encodes to (`<|unused_N|>`), which both engines decode to their names."""
     from everystop.executor.models.loader import default_model_path
 
     reader = GGUFReader(default_model_path())
@@ -96,7 +97,11 @@ def add_default_tokenizer(writer: GGUFWriter, vocab: int) -> None:
     types = list(field["tokenizer.ggml.token_type"].contents())
     pad = vocab - len(tokens)
     tokens += [f"<|unused_{i}|>" for i in range(pad)]
-    types += [5] * pad  # UNUSED
+    # NORMAL, not UNUSED: llama.cpp detokenizes an UNUSED token to nothing, so a random model
+    # that picks padding tokens would stream empty chunks there and text in everystop, and a
+    # client timing content chunks would compare different things. No merge builds these
+    # tokens, so text never tokenizes to them.
+    types += [PADDING_TOKEN_TYPE] * pad
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(str(field["tokenizer.ggml.pre"].contents()))
     writer.add_token_list(tokens)
