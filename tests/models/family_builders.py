@@ -45,6 +45,10 @@ _PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\
 _MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
             "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
             "{% endfor %}")
+_LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+           "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+           "{% endif %}")
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=256,
@@ -54,11 +58,15 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 SPECS = {s.name: s for s in (
+    Spec("llama", "LlamaConfig", dict(_BASE, tie_word_embeddings=False), "llama",
+         ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+         _LLAMA3),
     Spec("qwen2", "Qwen2Config", dict(_BASE, tie_word_embeddings=True), "qwen2",
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
     Spec("qwen3", "Qwen3Config", dict(_BASE, tie_word_embeddings=False), "qwen3",
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
-    Spec("mistral", "MistralConfig", dict(_BASE, sliding_window=WINDOW), None,
+    # llama.cpp exports Mistral as "llama", the window as llama.attention.sliding_window.
+    Spec("mistral", "MistralConfig", dict(_BASE, sliding_window=WINDOW), "llama",
          ("<s>", "</s>"), _MISTRAL, windowed=True),
     Spec("phi3", "Phi3Config", dict(_BASE, num_key_value_heads=4), "phi3",
          ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
@@ -101,7 +109,7 @@ def hf_model(spec: Spec) -> Any:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and MoE experts stacked in 3-D
                 p.normal_(0.0, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
@@ -132,6 +140,12 @@ def save_hf(spec: Spec, model: Any, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer(spec).save_pretrained(path)
     return path
+
+
+def permute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's export permutation for "llama": each head's rows (2, d/2) -> (d/2, 2)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
 
 
 def _gguf_name(spec: Spec, hf_name: str) -> str:
@@ -170,6 +184,8 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if arch == "llama" and spec.windowed:
+        w.add_sliding_window(WINDOW)
     if spec.name.startswith("gemma"):
         w.add_sliding_window(WINDOW)
         w.add_sliding_window_pattern(2)  # layer 0 slides, layer 1 attends globally
@@ -177,7 +193,10 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
         if spec.name == "gemma2":
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    _add_tokenizer(w, spec)
+    add_tokenizer(w, spec)
+    # "llama" files hold Q/K rows in llama.cpp's interleaved rope order.
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} \
+        if arch == "llama" else {}
     stored: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -191,13 +210,18 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
                 data = data + spec.norm_offset
             w.add_tensor(gname, data.astype(np.float32))
             stored[name] = t
-        elif q8_0 and data.shape[1] % 32 == 0:
+            continue
+        # Rounding works within rows, so the rope permutation of rows commutes with it.
+        n_heads = heads.get(gname.split(".")[-2], 0)
+        if q8_0 and data.shape[1] % 32 == 0:
             q = quantize(data, GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_dtype=GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, permute_rope(q, n_heads) if n_heads else q,
+                         raw_dtype=GGMLQuantizationType.Q8_0)
             stored[name] = torch.from_numpy(
                 dequantize(q, GGMLQuantizationType.Q8_0).reshape(data.shape).copy())
         else:
-            w.add_tensor(gname, data.astype(np.float16))
+            half = data.astype(np.float16)
+            w.add_tensor(gname, permute_rope(half, n_heads) if n_heads else half)
             stored[name] = t
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -206,7 +230,7 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
     return stored
 
 
-def _add_tokenizer(w: GGUFWriter, spec: Spec) -> None:
+def add_tokenizer(w: GGUFWriter, spec: Spec) -> None:
     hf = tokenizer(spec)
     tokens = [hf.convert_ids_to_tokens(i) for i in range(len(hf))]
     w.add_tokenizer_model("gpt2")

@@ -17,13 +17,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from .family_builders import permute_rope
+
 KINDS = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
-
-
-def _permute_rope(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's export permutation for "llama": each head's rows (2, d/2) -> (d/2, 2)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
 
 
 def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path, kind: str
@@ -65,7 +61,7 @@ def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path,
             data = quantize(w.astype(np.float32), KINDS[kind])
             values = dequantize(data, KINDS[kind]).reshape(w.shape)
         # Rounding works within rows, so the rope permutation of rows commutes with it.
-        writer.add_tensor(name, _permute_rope(data, heads) if heads else data,
+        writer.add_tensor(name, permute_rope(data, heads) if heads else data,
                           raw_dtype=KINDS[kind] if matrix and kind != "f16" else None)
         for i, n in enumerate(hf_names):
             v = values if len(hf_names) == 1 else values[i]

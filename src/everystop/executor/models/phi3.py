@@ -13,6 +13,7 @@ from everystop.executor.models.family import (
     Family,
     GGUFMeta,
     gguf_common_args,
+    gguf_layer_windows,
     hf_common_args,
     hf_layer_windows,
 )
@@ -37,9 +38,7 @@ def _gguf_args(meta: GGUFMeta) -> DecoderArgs:
         raise ModelLoadError(f"{meta.path}: unsupported rope scaling 'longrope' "
                              "(rope_factors_long)")
     fields = gguf_common_args(meta)
-    window = int(meta.key("attention.sliding_window", 0))
-    return DecoderArgs(**fields, layer_windows=(window,) * fields["num_layers"] if window
-                       else ())
+    return DecoderArgs(**fields, layer_windows=gguf_layer_windows(meta, fields["num_layers"]))
 
 
 FAMILY = Family(name="phi3", hf_architectures=("Phi3ForCausalLM",),
