@@ -100,6 +100,18 @@ SPECS = {s.name: s for s in (
          gguf_names=_GEMMA_NAMES, norm_offset=1.0, windowed=True),
 )}
 
+# The mixture-of-experts families, for the server test (test_moe_models.py holds them to
+# transformers); their GGUF files are written by moe_gguf.py.
+MOE_SPECS = {s.name: s for s in (
+    Spec("mixtral", "MixtralConfig",
+         dict(_BASE, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+              tie_word_embeddings=False), "llama", ("<s>", "</s>"), _MISTRAL),
+    Spec("qwen3_moe", "Qwen3MoeConfig",
+         dict(_BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+              num_experts_per_tok=4, norm_topk_prob=True, tie_word_embeddings=False),
+         "qwen3moe", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
+)}
+
 
 def hf_model(spec: Spec) -> Any:
     """A seeded random model in fp32 whose weights are fp16-exact (so an F16 GGUF holds the
