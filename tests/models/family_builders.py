@@ -4,6 +4,7 @@ template) and as GGUF files written with the `gguf` package the way llama.cpp ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,10 +178,12 @@ def _gguf_name(spec: Spec, hf_name: str) -> str:
 
 
 def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
-              drop: str | None = None) -> dict[str, torch.Tensor]:
+              drop: str | None = None,
+              metadata: Callable[[GGUFWriter], None] | None = None) -> dict[str, torch.Tensor]:
     """Write the model as GGUF (matrices F16, or Q8_0 where their rows split into blocks;
-    vectors F32); `drop`: a tensor left out. Returns the HF state dict holding the values the
-    file stores (Q8_0 ones dequantized), to load into a reference model."""
+    vectors F32); `drop`: a tensor left out; `metadata`: writes more keys. Returns the HF
+    state dict holding the values the file stores (Q8_0 ones dequantized), to load into a
+    reference model."""
     assert spec.gguf_arch is not None
     cfg = model.config
     arch = spec.gguf_arch
@@ -206,6 +209,8 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     add_tokenizer(w, spec)
+    if metadata is not None:
+        metadata(w)
     # "llama" files hold Q/K rows in llama.cpp's interleaved rope order.
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} \
         if arch == "llama" else {}
