@@ -4,6 +4,7 @@ template) and as GGUF files written with the `gguf` package the way llama.cpp ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ _LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'
            "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
            "{% endif %}")
+_PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=256,
@@ -71,7 +73,7 @@ SPECS = {s.name: s for s in (
          ("<s>", "</s>"), _MISTRAL, windowed=True),
     Spec("phi3", "Phi3Config", dict(_BASE, num_key_value_heads=4), "phi3",
          ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
-         gguf_names={"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}),
+         gguf_names=_PHI3_NAMES),
     # LongRoPE with a 64-token pretraining length: the 70-token prompt takes the long factors,
     # the others stay within 64 tokens (short factors) while they decode. (A sequence crossing
     # the length while it decodes keeps its cache: transformers recomputes it; docs/models.md.)
@@ -81,7 +83,8 @@ SPECS = {s.name: s for s in (
                                "original_max_position_embeddings": 64,
                                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
                                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0]}),
-         None, ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3),
+         "phi3", ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
+         gguf_names=_PHI3_NAMES),
     Spec("gemma2", "Gemma2Config",
          dict(_BASE, sliding_window=WINDOW, query_pre_attn_scalar=32, hidden_act=None,
               hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=5.0,
@@ -199,6 +202,14 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3's LongRoPE
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(rope[f"{kind}_factor"], np.float32))
     if arch == "llama" and spec.windowed:
         w.add_sliding_window(WINDOW)
     if spec.name.startswith("gemma"):

@@ -85,20 +85,19 @@ def test_a_gguf_rope_scaling_we_do_not_compute_names_it(tmp_path, kind):
     assert repr(kind.value) in message and "rope" in message
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused_by_name(tmp_path):
-    """llama.cpp writes Phi-3's LongRoPE as rope_factors_{long,short} tensors, which the GGUF
-    loader does not read: the file is refused rather than run with plain rope."""
+def test_a_phi3_gguf_with_half_its_longrope_names_what_is_missing(tmp_path):
+    """llama.cpp writes Phi-3's LongRoPE as two factor tensors and the pretraining length: a
+    file with the long factors alone is refused, naming the short ones."""
     spec = SPECS["phi3"]
     path = tmp_path / "m.gguf"
     half = spec.config["head_dim"] // 2
 
     def longrope(w: GGUFWriter) -> None:
+        w.add_rope_scaling_orig_ctx_len(64)
         w.add_tensor("rope_factors_long.weight", np.full(half, 4.0, np.float32))
-        w.add_tensor("rope_factors_short.weight", np.ones(half, np.float32))
 
     save_gguf(spec, hf_model(spec), path, metadata=longrope)
-    message = _error(path)
-    assert "'longrope'" in message and "rope_factors_long" in message
+    assert "missing tensor rope_factors_short.weight" in _error(path)
 
 
 def test_serve_refuses_a_bad_checkpoint_at_start_up_in_one_line(tmp_path):
