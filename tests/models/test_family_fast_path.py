@@ -1,5 +1,6 @@
-"""Which families take the one-call C++ decoder stack for decode passes, and that every one
-that does not says so by name in the start-up log, with what the stack lacks."""
+"""Which families take the one-call C++ decoder stack for decode passes (every dense one,
+Gemma 2/3 included), and that every one that does not says so by name in the start-up log,
+with what the stack lacks."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from everystop.executor.models.loader import load_model
 from .family_builders import MOE_SPECS, SPECS, hf_model, save_hf
 
 # Where the stack lacks the family's layer: what the log must name.
-LAYER_BY_LAYER = {"gemma2": ("sandwich norms", "gelu_tanh MLP"),
-                  "gemma3": ("sandwich norms", "gelu_tanh MLP", "per-layer rope"),
-                  "mixtral": ("experts",), "qwen3_moe": ("experts",)}
+LAYER_BY_LAYER = {"mixtral": ("experts",), "qwen3_moe": ("experts",)}
 FAMILIES = sorted({**SPECS, **MOE_SPECS})
 
 
