@@ -1,6 +1,7 @@
 """The decoder stack with the families' differences as parameters (q/k/v bias, q/k norm,
-sliding windows shorter than the contexts, score soft-cap) against the layer-by-layer path:
-bit-identical hidden states and KV caches, as for Llama (test_decoder_stack.py)."""
+sliding windows shorter than the contexts, score soft-cap, Gemma's sandwich norms, GeGLU and
+local layers' own rope base) against the layer-by-layer path: bit-identical hidden states and
+KV caches, as for Llama (test_decoder_stack.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.executor.models.decoder import Backends, DecoderArgs, DecoderForCausalLM
+from everystop.executor.models.moe_decoder import MoeArgs, MoeForCausalLM
 
 from .test_decoder_stack import ARGS, _assert_bit_identical
 
@@ -21,6 +23,10 @@ VARIANTS = {
     "mistral": dict(layer_windows=(8, 8, 8)),
     "capped": dict(attn_softcap=1.5, layer_windows=(8, 0, 5)),
     "all": dict(attention_bias=True, qk_norm=True, layer_windows=(0, 8, 8), attn_softcap=3.0),
+    "gemma2": dict(sandwich_norms=True, hidden_act="gelu_tanh", layer_windows=(8, 0, 8),
+                   attn_softcap=2.0, attn_scale=0.1),
+    "gemma3": dict(sandwich_norms=True, hidden_act="gelu_tanh", qk_norm=True,
+                   layer_windows=(8, 8, 0), rope_theta=1e6, local_rope_theta=1e4),
 }
 
 
@@ -48,7 +54,8 @@ def test_family_stack_is_bit_identical_to_the_layers(variant, dtype, cache_dtype
 
 
 def test_what_the_stack_lacks_keeps_the_layers():
-    gemma_like = dataclasses.replace(ARGS, sandwich_norms=True, hidden_act="gelu_tanh")
-    model = DecoderForCausalLM(gemma_like)
+    moe = MoeArgs(**dataclasses.asdict(ARGS), num_experts=4, experts_per_token=2,
+                  expert_intermediate_size=32)
+    model = MoeForCausalLM(moe)
     assert not model.stack_ready
-    assert gemma_like.stack_blockers() == ["sandwich norms", "gelu_tanh MLP"]
+    assert moe.stack_blockers() == ["experts"]

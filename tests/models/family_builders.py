@@ -4,6 +4,8 @@ template) and as GGUF files written with the `gguf` package the way llama.cpp ex
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,11 @@ _PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\
 _MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
             "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
             "{% endfor %}")
+_LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+           "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+           "{% endif %}")
+_PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=256,
@@ -54,15 +61,19 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 SPECS = {s.name: s for s in (
+    Spec("llama", "LlamaConfig", dict(_BASE, tie_word_embeddings=False), "llama",
+         ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+         _LLAMA3),
     Spec("qwen2", "Qwen2Config", dict(_BASE, tie_word_embeddings=True), "qwen2",
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
     Spec("qwen3", "Qwen3Config", dict(_BASE, tie_word_embeddings=False), "qwen3",
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
-    Spec("mistral", "MistralConfig", dict(_BASE, sliding_window=WINDOW), None,
+    # llama.cpp exports Mistral as "llama", the window as llama.attention.sliding_window.
+    Spec("mistral", "MistralConfig", dict(_BASE, sliding_window=WINDOW), "llama",
          ("<s>", "</s>"), _MISTRAL, windowed=True),
     Spec("phi3", "Phi3Config", dict(_BASE, num_key_value_heads=4), "phi3",
          ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
-         gguf_names={"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}),
+         gguf_names=_PHI3_NAMES),
     # LongRoPE with a 64-token pretraining length: the 70-token prompt takes the long factors,
     # the others stay within 64 tokens (short factors) while they decode. (A sequence crossing
     # the length while it decodes keeps its cache: transformers recomputes it; docs/models.md.)
@@ -72,7 +83,8 @@ SPECS = {s.name: s for s in (
                                "original_max_position_embeddings": 64,
                                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
                                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0]}),
-         None, ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3),
+         "phi3", ("<s>", "<|user|>", "<|assistant|>", "<|end|>"), _PHI3,
+         gguf_names=_PHI3_NAMES),
     Spec("gemma2", "Gemma2Config",
          dict(_BASE, sliding_window=WINDOW, query_pre_attn_scalar=32, hidden_act=None,
               hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=5.0,
@@ -92,6 +104,18 @@ SPECS = {s.name: s for s in (
          gguf_names=_GEMMA_NAMES, norm_offset=1.0, windowed=True),
 )}
 
+# The mixture-of-experts families, for the server test (test_moe_models.py holds them to
+# transformers); their GGUF files are written by moe_gguf.py.
+MOE_SPECS = {s.name: s for s in (
+    Spec("mixtral", "MixtralConfig",
+         dict(_BASE, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+              tie_word_embeddings=False), "llama", ("<s>", "</s>"), _MISTRAL),
+    Spec("qwen3_moe", "Qwen3MoeConfig",
+         dict(_BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+              num_experts_per_tok=4, norm_topk_prob=True, tie_word_embeddings=False),
+         "qwen3moe", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), _CHATML),
+)}
+
 
 def hf_model(spec: Spec) -> Any:
     """A seeded random model in fp32 whose weights are fp16-exact (so an F16 GGUF holds the
@@ -101,7 +125,7 @@ def hf_model(spec: Spec) -> Any:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and MoE experts stacked in 3-D
                 p.normal_(0.0, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
@@ -134,6 +158,12 @@ def save_hf(spec: Spec, model: Any, path: Path) -> Path:
     return path
 
 
+def permute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's export permutation for "llama": each head's rows (2, d/2) -> (d/2, 2)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
 def _gguf_name(spec: Spec, hf_name: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -151,10 +181,12 @@ def _gguf_name(spec: Spec, hf_name: str) -> str:
 
 
 def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
-              drop: str | None = None) -> dict[str, torch.Tensor]:
+              drop: str | None = None,
+              metadata: Callable[[GGUFWriter], None] | None = None) -> dict[str, torch.Tensor]:
     """Write the model as GGUF (matrices F16, or Q8_0 where their rows split into blocks;
-    vectors F32); `drop`: a tensor left out. Returns the HF state dict holding the values the
-    file stores (Q8_0 ones dequantized), to load into a reference model."""
+    vectors F32); `drop`: a tensor left out; `metadata`: writes more keys. Returns the HF
+    state dict holding the values the file stores (Q8_0 ones dequantized), to load into a
+    reference model."""
     assert spec.gguf_arch is not None
     cfg = model.config
     arch = spec.gguf_arch
@@ -170,6 +202,16 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3's LongRoPE
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(rope[f"{kind}_factor"], np.float32))
+    if arch == "llama" and spec.windowed:
+        w.add_sliding_window(WINDOW)
     if spec.name.startswith("gemma"):
         w.add_sliding_window(WINDOW)
         w.add_sliding_window_pattern(2)  # layer 0 slides, layer 1 attends globally
@@ -177,7 +219,12 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
         if spec.name == "gemma2":
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    _add_tokenizer(w, spec)
+    add_tokenizer(w, spec)
+    if metadata is not None:
+        metadata(w)
+    # "llama" files hold Q/K rows in llama.cpp's interleaved rope order.
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} \
+        if arch == "llama" else {}
     stored: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -191,13 +238,18 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
                 data = data + spec.norm_offset
             w.add_tensor(gname, data.astype(np.float32))
             stored[name] = t
-        elif q8_0 and data.shape[1] % 32 == 0:
+            continue
+        # Rounding works within rows, so the rope permutation of rows commutes with it.
+        n_heads = heads.get(gname.split(".")[-2], 0)
+        if q8_0 and data.shape[1] % 32 == 0:
             q = quantize(data, GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_dtype=GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, permute_rope(q, n_heads) if n_heads else q,
+                         raw_dtype=GGMLQuantizationType.Q8_0)
             stored[name] = torch.from_numpy(
                 dequantize(q, GGMLQuantizationType.Q8_0).reshape(data.shape).copy())
         else:
-            w.add_tensor(gname, data.astype(np.float16))
+            half = data.astype(np.float16)
+            w.add_tensor(gname, permute_rope(half, n_heads) if n_heads else half)
             stored[name] = t
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -206,7 +258,7 @@ def save_gguf(spec: Spec, model: Any, path: Path, q8_0: bool = False,
     return stored
 
 
-def _add_tokenizer(w: GGUFWriter, spec: Spec) -> None:
+def add_tokenizer(w: GGUFWriter, spec: Spec) -> None:
     hf = tokenizer(spec)
     tokens = [hf.convert_ids_to_tokens(i) for i in range(len(hf))]
     w.add_tokenizer_model("gpt2")

@@ -5,7 +5,8 @@ router as `ffn_gate_inp` (F32) and its experts stacked as `ffn_{gate,up,down}_ex
 
 `state` is the checkpoint as save_pretrained writes it (one tensor per expert). Returns it
 again holding the values the file holds (F16 or Q8_0 rounded), for a transformers reference
-that computes with exactly the same weights."""
+that computes with exactly the same weights. With a family_builders `spec`, the file also
+holds its tokenizer and chat template."""
 
 from __future__ import annotations
 
@@ -17,17 +18,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from .family_builders import Spec, add_tokenizer, permute_rope
+
 KINDS = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
 
 
-def _permute_rope(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's export permutation for "llama": each head's rows (2, d/2) -> (d/2, 2)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
-
-
-def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path, kind: str
-                   ) -> dict[str, torch.Tensor]:
+def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path, kind: str,
+                   spec: Spec | None = None) -> dict[str, torch.Tensor]:
     mixtral = config.model_type == "mixtral"
     arch = "llama" if mixtral else "qwen3moe"
     state = {k: v.float() for k, v in checkpoint.items()}
@@ -52,6 +49,8 @@ def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path,
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_weights_norm(config.norm_topk_prob)
     writer.add_expert_used_count(config.num_experts_per_tok)
+    if spec is not None:  # the tokenizer and chat template of a servable file
+        add_tokenizer(writer, spec)
 
     def add(name: str, hf_names: list[str], matrix: bool = True, heads: int = 0) -> None:
         w = np.stack([state[n].numpy() for n in hf_names]) if len(hf_names) > 1 else \
@@ -65,7 +64,7 @@ def write_moe_gguf(config: Any, checkpoint: dict[str, torch.Tensor], path: Path,
             data = quantize(w.astype(np.float32), KINDS[kind])
             values = dequantize(data, KINDS[kind]).reshape(w.shape)
         # Rounding works within rows, so the rope permutation of rows commutes with it.
-        writer.add_tensor(name, _permute_rope(data, heads) if heads else data,
+        writer.add_tensor(name, permute_rope(data, heads) if heads else data,
                           raw_dtype=KINDS[kind] if matrix and kind != "f16" else None)
         for i, n in enumerate(hf_names):
             v = values if len(hf_names) == 1 else values[i]

@@ -12,7 +12,7 @@ from everystop.config import CacheConfig, ModelConfig
 from everystop.executor.model_runner import ModelRunner
 
 from ..executor.conftest import greedy_generate
-from .family_builders import SPECS, VOCAB, WINDOW, hf_model, save_gguf, save_hf
+from .family_builders import SPECS, VOCAB, WINDOW, Spec, hf_model, save_gguf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,18 +69,23 @@ def family(request, tmp_path_factory):
     return spec, hf, path
 
 
-def test_hf_directory_matches_transformers(family) -> None:
-    spec, hf, path = family
-    runner = _runner(str(path))
-    assert runner.model.args.vocab_size == VOCAB
+def _check_window(spec: Spec, runner: ModelRunner, hf) -> None:
+    """A windowed family's window is a window, not the model's context limit."""
     if spec.windowed:
         assert WINDOW in runner.model.args.layer_windows
         assert max(PROMPT_LENS) > 2 * WINDOW
         assert runner.model.args.max_position_embeddings == hf.config.max_position_embeddings
+
+
+def test_hf_directory_matches_transformers(family) -> None:
+    spec, hf, path = family
+    runner = _runner(str(path))
+    assert runner.model.args.vocab_size == VOCAB
+    _check_window(spec, runner, hf)
     _check(runner, hf)
 
 
-# Families with a GGUF architecture of their own (llama.cpp exports Mistral as "llama").
+# Families llama.cpp exports (Mistral as "llama", its window in the metadata).
 GGUF_FAMILIES = sorted(name for name, spec in SPECS.items() if spec.gguf_arch)
 
 
@@ -93,7 +98,9 @@ def test_gguf_matches_transformers(name, q8_0, tmp_path) -> None:
     stored = save_gguf(spec, hf, gguf, q8_0=q8_0)
     reference = hf_model(spec)
     reference.load_state_dict(stored, strict=False)  # the values the file holds
-    _check(_runner(str(gguf)), reference)
+    runner = _runner(str(gguf))
+    _check_window(spec, runner, hf)
+    _check(runner, reference)
 
 
 def test_chat_template_renders_as_transformers(family, tmp_path) -> None:

@@ -28,4 +28,5 @@ def test_lists_every_family_and_its_names(capsys) -> None:
             assert name in sections[family.name]
     assert "decode: decoder stack" in sections["qwen2"] and "q/k/v bias" in sections["qwen2"]
     assert "paged attention (window)" in sections["mistral"]
-    assert "layer by layer" in sections["gemma3"] and "sandwich norms" in sections["gemma3"]
+    assert "decode: decoder stack" in sections["gemma3"] and "GeGLU" in sections["gemma3"]
+    assert "layer by layer (the stack lacks experts)" in sections["qwen3_moe"]

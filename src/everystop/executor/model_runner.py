@@ -18,6 +18,7 @@ import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
+from everystop.core.sliding_window import SlidingWindow
 from everystop.executor.dtype_choice import choose_dtype
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.kv_pool import KVPool
@@ -178,7 +179,13 @@ class ModelRunner:
                            num_device_blocks, num_cpu_blocks, self.kv_dtype, self.device)
         if max_model_len is None:  # as vLLM: one sequence must fit what admission may use
             usable = self.num_gpu_blocks - int(cache_config.watermark * self.num_gpu_blocks)
-            self.max_model_len = min(self.max_model_len, usable * self.block_size)
+            # A windowed sequence holds only its window's blocks (core/sliding_window.py; the
+            # cache keeps one block more, for released entries): the pool caps its length only
+            # where even those do not fit.
+            held = (SlidingWindow(self.sliding_window, self.block_size).max_blocks_held(
+                self.max_model_len, max_num_batched_tokens) if self.sliding_window else None)
+            if held is None or held + 1 > usable:
+                self.max_model_len = min(self.max_model_len, usable * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
         self.weight_bytes, self.num_params = weight_memory(self.model)
         if parallel.rank == 0:

@@ -262,22 +262,27 @@ class CpuKernels:
                       scale: float, num_heads: int, num_kv_heads: int,
                       qkv_biases: Sequence[torch.Tensor] = (),
                       qk_norms: Sequence[torch.Tensor] = (), windows: Sequence[int] = (),
-                      softcap: float = 0.0) -> torch.Tensor:
+                      softcap: float = 0.0, out_norms: Sequence[torch.Tensor] = (),
+                      gelu_tanh: bool = False,
+                      local_rope: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
         `formats`: per layer the four linears' format codes (0 dense, else block format).
         The families' differences, each empty where unused: `qkv_biases` one per layer,
-        `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`."""
+        `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`,
+        `out_norms` (attention output norm, MLP output norm) per layer, `gelu_tanh` (GeGLU),
+        `local_rope` (cos, sin) for the windowed layers."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
-        if qkv_biases or qk_norms or windows or softcap:
+        if qkv_biases or qk_norms or windows or softcap or out_norms or gelu_tanh or local_rope:
             return self.ops.decoder_stack_ext(
                 x, weights, formats, key_caches, value_caches, cos, sin, slot_mapping,
                 block_tables, query_start_loc, seq_lens, final_norm, eps, scale, num_heads,
                 num_kv_heads, ROWS_PER_ITEM, self.int8_decode_dot, list(qkv_biases),
-                list(qk_norms), list(windows), float(softcap))
+                list(qk_norms), list(windows), float(softcap), list(out_norms), gelu_tanh,
+                list(local_rope))
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,

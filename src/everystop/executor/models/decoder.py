@@ -102,11 +102,9 @@ class DecoderArgs:
         return max(self.layer_windows)
 
     def stack_blockers(self) -> list[str]:
-        """What keeps decode passes off the one-call decoder stack (empty: nothing)."""
-        blockers = {"sandwich norms": self.sandwich_norms,
-                    f"{self.hidden_act} MLP": self.hidden_act != "silu",
-                    "per-layer rope": self.local_rope_theta is not None}
-        return [name for name, on in blockers.items() if on]
+        """What keeps decode passes off the one-call decoder stack (empty: nothing; every
+        difference of the dense families is one of its parameters)."""
+        return []
 
 
 @dataclass(frozen=True)
@@ -311,7 +309,7 @@ class DecoderForCausalLM(nn.Module):
         local = (None if self.local_inv_freq is None else
                  rope_cos_sin(positions, self.local_inv_freq))
         if self._runs_decoder_stack(x, kv_caches, meta):
-            out = self._decoder_stack(x, cos, sin, kv_caches, meta)
+            out = self._decoder_stack(x, cos, sin, local, kv_caches, meta)
             return out if output_rows is None else out[output_rows]
         only = None
         if output_rows is not None and output_rows.numel() < x.shape[0]:
@@ -355,6 +353,7 @@ class DecoderForCausalLM(nn.Module):
         return by_dtype[x_dtype]
 
     def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       local: tuple[torch.Tensor, torch.Tensor] | None,
                        kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         kernels = self.backends.kernels
         assert kernels is not None
@@ -368,12 +367,16 @@ class DecoderForCausalLM(nn.Module):
         norms = ([w for layer in layers
                   for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
                  if attn.q_norm is not None else [])
+        out_norms = [w for layer in layers for w in (layer.attn_out_norm.weight,
+                                                     layer.mlp_out_norm.weight)
+                     ] if first.attn_out_norm is not None else []
         return kernels.decoder_stack(
             x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
             meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
             attn.num_heads, attn.num_kv_heads, biases, norms, self.args.layer_windows,
-            attn.softcap)
+            attn.softcap, out_norms, self.args.hidden_act == "gelu_tanh",
+            list(local) if local is not None else [])
 
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
@@ -402,8 +405,9 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def stack_ready(self) -> bool:
-        """Whether this family's layers are what the decoder stack kernel computes: RMSNorm,
-        [q; k; v] with rope and full or windowed attention, SwiGLU."""
+        """Whether this family's layers are what the decoder stack kernel computes: RMSNorm
+        (sandwich norms too), [q; k; v] with rope (per-layer tables too) and full or windowed
+        attention, SwiGLU or GeGLU."""
         return not self.args.stack_blockers()
 
     @property

@@ -158,6 +158,13 @@ def gguf_common_args(meta: GGUFMeta) -> dict[str, Any]:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
 
 
+def gguf_layer_windows(meta: GGUFMeta, num_layers: int) -> tuple[int, ...]:
+    """`{arch}.attention.sliding_window` on every layer where the file records one (a Mistral
+    exported as "llama"), else none."""
+    window = int(meta.key("attention.sliding_window", 0))
+    return (window,) * num_layers if window else ()
+
+
 def hf_layer_windows(config: dict[str, Any], num_layers: int,
                      default_all: bool = False) -> tuple[int, ...]:
     """Per-layer sliding windows from config.json: `layer_types` where it is written

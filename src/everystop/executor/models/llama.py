@@ -1,12 +1,19 @@
-"""Llama 2/3 (and SmolLM, and Mistral checkpoints without a sliding window): the shared
-decoder as it is, SwiGLU, RMSNorm, rotary (default, linear or llama3 scaling)."""
+"""Llama 2/3 (and SmolLM, and Mistral GGUF files, which llama.cpp exports as "llama"): the
+shared decoder as it is, SwiGLU, RMSNorm, rotary (default, linear or llama3 scaling), and a
+sliding window on every layer where the GGUF records `llama.attention.sliding_window`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from everystop.executor.models.decoder import DecoderArgs
-from everystop.executor.models.family import Family, GGUFMeta, gguf_common_args, hf_common_args
+from everystop.executor.models.family import (
+    Family,
+    GGUFMeta,
+    gguf_common_args,
+    gguf_layer_windows,
+    hf_common_args,
+)
 
 
 def _hf_args(config: dict[str, Any]) -> DecoderArgs:
@@ -14,7 +21,8 @@ def _hf_args(config: dict[str, Any]) -> DecoderArgs:
 
 
 def _gguf_args(meta: GGUFMeta) -> DecoderArgs:
-    return DecoderArgs(**gguf_common_args(meta))
+    fields = gguf_common_args(meta)
+    return DecoderArgs(**fields, layer_windows=gguf_layer_windows(meta, fields["num_layers"]))
 
 
 FAMILY = Family(name="llama", hf_architectures=("LlamaForCausalLM",),

@@ -169,8 +169,9 @@ def _log_family(family: Family, model: DecoderForCausalLM) -> None:
                 f"; sliding windows {windows}" if windows else "")
     kernels = model.backends.kernels
     if model.backends.decoder_stack and kernels is not None and not model.stack_ready:
-        logger.info("decode passes run layer by layer on the CPU kernels: the one-call "
-                    "decoder stack does not cover %s", ", ".join(model.args.stack_blockers()))
+        logger.info("%s: decode passes run layer by layer on the CPU kernels: the one-call "
+                    "decoder stack does not cover %s", family.name,
+                    ", ".join(model.args.stack_blockers()))
 
 
 def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,

@@ -1,6 +1,7 @@
 """Mistral: the Llama decoder with sliding-window attention on every layer (a query at p
 attends keys p-W+1..p; the context is not capped by the window). llama.cpp exports Mistral as
-GGUF architecture "llama", where the window is not recorded: those files load as Llama."""
+GGUF architecture "llama": those files load as Llama, which reads the window where the file
+records it (`llama.attention.sliding_window`)."""
 
 from __future__ import annotations
 

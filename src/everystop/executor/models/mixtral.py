@@ -12,6 +12,7 @@ from everystop.executor.models.family import (
     Family,
     GGUFMeta,
     gguf_common_args,
+    gguf_layer_windows,
     hf_common_args,
     hf_layer_windows,
 )
@@ -37,7 +38,8 @@ def _hf_args(config: dict[str, Any]) -> DecoderArgs:
 
 def _gguf_args(meta: GGUFMeta) -> DecoderArgs:
     fields = gguf_common_args(meta)
-    return MoeArgs(**fields, num_experts=int(meta.key("expert_count")),
+    return MoeArgs(**fields, layer_windows=gguf_layer_windows(meta, fields["num_layers"]),
+                   num_experts=int(meta.key("expert_count")),
                    experts_per_token=int(meta.key("expert_used_count")),
                    expert_intermediate_size=fields["intermediate_size"], norm_topk_prob=True)
 

@@ -17,10 +17,13 @@
 //
 // decoder_stack_ext takes the families' differences as parameters, each as the layers apply
 // it (models/decoder.py): a [q; k; v] bias added after the projection, an RMSNorm over each
-// q and k head before rope, a sliding window and a score soft-cap in the attention.
+// q and k head before rope, a sliding window and a score soft-cap in the attention, and
+// Gemma's: an RMSNorm on the attention's and on the MLP's output (sandwich norms), tanh-GELU
+// for the MLP's gate (GeGLU), and the windowed layers' own rope tables.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <c10/util/ArrayRef.h>
 #include <torch/library.h>
 
@@ -67,7 +70,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool i
 }
 
 // qkv_biases: none or one per layer; qk_norms: none or (q_norm, k_norm) per layer; windows:
-// none or one per layer (0: no window); softcap 0: none.
+// none or one per layer (0: no window); softcap 0: none; out_norms: none or (attention
+// output norm, MLP output norm) per layer; gelu_tanh: GeGLU rather than SwiGLU; local_rope:
+// none or (cos, sin) for the layers with a window.
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
                              at::TensorList value_caches, const at::Tensor& cos,
@@ -76,7 +81,9 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              const at::Tensor& seq_lens, const at::Tensor& final_norm,
                              double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
                              int64_t rows_per_item, bool int8_dot, at::TensorList qkv_biases,
-                             at::TensorList qk_norms, at::IntArrayRef windows, double softcap) {
+                             at::TensorList qk_norms, at::IntArrayRef windows, double softcap,
+                             at::TensorList out_norms, bool gelu_tanh,
+                             at::TensorList local_rope) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -90,6 +97,10 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
               "decoder_stack: no q/k norms or two per layer expected");
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == num_layers,
               "decoder_stack: no windows or one per layer expected");
+  TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * num_layers,
+              "decoder_stack: no output norms or two per layer expected");
+  TORCH_CHECK(local_rope.empty() || (local_rope.size() == 2 && !windows.empty()),
+              "decoder_stack: local rope is (cos, sin), for the windowed layers");
   const int64_t tokens = x0.size(0);
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
@@ -116,8 +127,9 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
       qkv = at::cat({qn.view({tokens, q_size}), kn.view({tokens, kv_size}),
                      qkv.narrow(1, q_size + kv_size, kv_size)}, 1);
     }
-    ES_NS::direct_rope_write_kv_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                 num_heads, num_kv_heads);
+    const bool local = !local_rope.empty() && windows[l] > 0;
+    ES_NS::direct_rope_write_kv_(qkv, local ? local_rope[0] : cos, local ? local_rope[1] : sin,
+                                 key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
     // As CpuKernels.paged_attention: q handed over in fp32, the output cast back.
     at::Tensor q = qkv.narrow(1, 0, q_size).to(at::kFloat).contiguous()
                        .view({tokens, num_heads, head_dim});
@@ -126,9 +138,18 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
         windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
     at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
+    if (!out_norms.empty()) o = ES_NS::direct_rms_norm(o, out_norms[2 * l], eps);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
-    x = project(ES_NS::direct_silu_mul(project(h, w[4], fmt[2], int8_dot)), w[5], fmt[3],
-                int8_dot);
+    at::Tensor gate_up = project(h, w[4], fmt[2], int8_dot);
+    at::Tensor act;
+    if (gelu_tanh) {  // as layers/mlp.py: gelu(gate, tanh) * up, ATen's own ops
+      const int64_t inter = gate_up.size(1) / 2;
+      act = at::gelu(gate_up.narrow(1, 0, inter), "tanh").mul(gate_up.narrow(1, inter, inter));
+    } else {
+      act = ES_NS::direct_silu_mul(gate_up);
+    }
+    x = project(act, w[5], fmt[3], int8_dot);
+    if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
   return ES_NS::direct_add_rms_norm_(residual, x, final_norm, eps);
@@ -145,7 +166,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   return decoder_stack_ext(x0, weights, formats, key_caches, value_caches, cos, sin,
                            slot_mapping, block_tables, query_start_loc, seq_lens, final_norm,
                            eps, scale, num_heads, num_kv_heads, rows_per_item, int8_dot, {}, {},
-                           {}, 0.0);
+                           {}, 0.0, {}, false, {});
 }
 
 }  // namespace
@@ -160,7 +181,7 @@ ES_LIBRARY_FRAGMENT(m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, "
         "float eps, float scale, int num_heads, int num_kv_heads, int rows_per_item, "
         "bool int8_decode_dot, Tensor[] qkv_biases, Tensor[] qk_norms, int[] windows, "
-        "float softcap) -> Tensor");
+        "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {
