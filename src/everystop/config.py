@@ -258,8 +258,17 @@ class ModelConfig:
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
     # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
     onednn_cache_capacity: int | None = None
+    # LoRA adapters served beside the base, (name, PEFT directory) each; a request picks one
+    # by its `model` field. Their rank may not exceed max_lora_rank.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LoRA adapter names must be distinct: {names}")
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("cpu_16bit_gemm", ("auto", "fp32", "native")),
