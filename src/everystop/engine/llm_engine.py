@@ -75,6 +75,8 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self.num_steps = 0
         self._prefill_passes = 0  # counted up to LIVE_RATE_CHECK_PASSES, then the check runs
+        # LoRA adapters by name: ids in the order configured (the executor loads them so).
+        self.lora_ids = {name: i for i, (name, _) in enumerate(config.model.lora_modules)}
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
                                                   sorted(tokenizer.eos_token_ids),
                                                   config.structured)
@@ -106,8 +108,9 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 1,
                      tenant: str = "default", arrival_time: float | None = None,
-                     max_tokens_to_context: bool = False) -> Request:
+                     max_tokens_to_context: bool = False, lora: str | None = None) -> Request:
         """Tokenize and build a Request (no scheduler state is touched: safe off-thread).
+        `lora`: the name of a served LoRA adapter (UnknownLoraAdapter if none has it).
 
         The request gets its own resolved copy of `params` (the model's extra EOS ids added to
         the stop ids); the caller's object is never changed. With `max_tokens_to_context`,
@@ -115,10 +118,19 @@ class LLMEngine:
         default when no limit is given)."""
         if params is not None and params.structured_output is not None:
             self.structured.compile(params.structured_output)  # a bad spec raises here
+        lora_id = -1
+        if lora is not None:
+            lora_id = self.lora_ids.get(lora, -1)
+            if lora_id < 0:
+                raise UnknownLoraAdapter(f"LoRA adapter {lora!r} is not served here")
         return new_request(self.tokenizer, self.max_model_len, prompt, params,
                            request_id=request_id, priority=priority, tenant=tenant,
                            arrival_time=self.clock() if arrival_time is None else arrival_time,
-                           max_tokens_to_context=max_tokens_to_context)
+                           max_tokens_to_context=max_tokens_to_context, lora_id=lora_id)
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served beside the base model."""
+        return list(self.lora_ids)
 
     def add_request(self, prompt: str | list[int] | Request,
                     params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -419,7 +431,7 @@ def _detokenizer_factory(tokenizer: EngineTokenizer
 def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | list[int],
                 params: SamplingParams | None = None, *, request_id: str | None = None,
                 priority: int = 1, tenant: str = "default", arrival_time: float = 0.0,
-                max_tokens_to_context: bool = False) -> Request:
+                max_tokens_to_context: bool = False, lora_id: int = -1) -> Request:
     """`LLMEngine.make_request` without an engine: what a cluster's ingress builds with only
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
@@ -445,7 +457,11 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
                                  stop_token_ids=stop_token_ids, max_tokens=max_tokens)
     return Request(request_id or uuid.uuid4().hex, token_ids, params,
                    eos_token_id=tokenizer.eos_token_id, arrival_time=arrival_time,
-                   priority=priority, tenant=tenant)
+                   priority=priority, tenant=tenant, lora_id=lora_id)
+
+
+class UnknownLoraAdapter(LookupError):
+    """A request named a LoRA adapter this engine does not serve."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -169,7 +169,8 @@ def serve(args: argparse.Namespace) -> int:
                             stall_timeout_s=args.engine_stall_timeout or None,
                             slow_reader_timeout_s=args.slow_reader_timeout or None)
     except Exception as exc:  # a bad model path or config: one line, not a traceback
-        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
+        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError",
+                                      "LoraLoadError"):
             raise
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -178,6 +179,12 @@ def serve(args: argparse.Namespace) -> int:
     names = ([args.served_model_name] if args.served_model_name
              else served_model_names(engine.model_path or config.model.model))
     name = names[0]
+    clash = set(names) & set(engine.lora_adapters())
+    if clash:
+        print(f"everystop: cannot start: LoRA adapter name {sorted(clash)[0]!r} is the base "
+              "model's name", file=sys.stderr)
+        front.shutdown()
+        return 2
     metrics = ServerMetrics(metric_names=args.metrics_names)
 
     def observability(app: Any, front: Any) -> None:

@@ -27,6 +27,7 @@ from everystop.engine.async_engine import EngineDead, EngineDraining
 from everystop.engine.client import EngineClient
 from everystop.engine.grammar_compiler import GrammarCompilerBusy
 from everystop.engine.grammar_limits import SpecOverLimit
+from everystop.engine.llm_engine import UnknownLoraAdapter
 from everystop.sampling_params import (
     SamplingParams,
     SamplingParamsError,
@@ -154,6 +155,8 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
     it on a PrepPool worker."""
     num_logprobs = _num_logprobs(body)
     base = sampling_params(body, num_logprobs)
+    model = getattr(body, "model", None)
+    lora = model if model is not None and model in ctx.engine.lora_adapters() else None
     choices: list[_Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
@@ -165,7 +168,9 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
                 source = _truncated(ctx, source, body.truncate_prompt_tokens)
             try:
                 req = make_request(ctx.engine, source, params, priority=body.priority,
-                                   tenant=tenant, max_tokens_to_context=to_context)
+                                   tenant=tenant, max_tokens_to_context=to_context, lora=lora)
+            except UnknownLoraAdapter as exc:  # unloaded since the route checked the name
+                raise APIError(404, str(exc), param="model", code="model_not_found") from None
             except SpecOverLimit as exc:
                 field = body.structured_output()
                 raise bad_request(str(exc), field[0] if field else None, code=exc.limit) from None
