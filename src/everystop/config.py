@@ -262,6 +262,9 @@ class ModelConfig:
     # by its `model` field. Their rank may not exceed max_lora_rank.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
+    # Adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter);
+    # implied by lora_modules.
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:

@@ -11,7 +11,8 @@ from starlette.testclient import TestClient
 
 from everystop.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from everystop.engine.async_engine import AsyncEngine
-from everystop.engine.llm_engine import LLMEngine, UnknownLoraAdapter
+from everystop.engine.llm_engine import LLMEngine
+from everystop.engine.lora_registry import UnknownLoraAdapter
 from everystop.executor.factory import create_executor
 from everystop.sampling_params import SamplingParams
 from everystop.server.app import build_app

@@ -36,7 +36,8 @@ from everystop.core.outputs import RequestOutput, SchedulerStats
 from everystop.core.request import Request
 from everystop.engine.async_engine import EngineDead, EngineDraining
 from everystop.engine.engine_state import EngineHealth, EngineMemory
-from everystop.engine.llm_engine import UnknownLoraAdapter, new_request
+from everystop.engine.llm_engine import new_request
+from everystop.engine.lora_registry import UnknownLoraAdapter
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
 

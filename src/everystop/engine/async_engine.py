@@ -125,6 +125,15 @@ class AsyncEngine:
     def lora_adapters(self) -> list[str]:
         return self.engine.lora_adapters()
 
+    def load_lora(self, name: str, path: str) -> None:
+        """`LLMEngine.load_lora` between two steps (blocking: reads the adapter's files)."""
+        with self._lock:
+            self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        with self._lock:
+            self.engine.unload_lora(name)
+
     def submit(self, req: Request) -> None:
         """Admit a request for streaming. Raises RequestRejected, QueueFull, EngineDraining,
         EngineDead. Must be called from the event loop that will read the stream."""

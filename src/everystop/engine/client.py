@@ -93,6 +93,14 @@ class EngineAdmin(EngineClient, Protocol):
 
     def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int: ...
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter (LoraConflict: the name is taken; ValueError: unloadable)."""
+        ...
+
+    def unload_lora(self, name: str) -> None:
+        """UnknownLoraAdapter, or LoraConflict while requests use it."""
+        ...
+
     @property
     def clock(self) -> Callable[[], float]: ...
 

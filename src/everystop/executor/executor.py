@@ -6,7 +6,7 @@ Tensor-parallel (multi-process) executors and the simulator implement the same p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
@@ -42,6 +42,19 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Release devices and memory; the executor is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class LoraExecutor(Protocol):
+    """An executor that loads and unloads LoRA adapters while it runs (ids are the engine's)."""
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `lora_id`; ValueError naming why it cannot."""
+        ...
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Drop adapter `lora_id` (no scheduled row may still carry it)."""
         ...
 
 
@@ -151,6 +164,18 @@ class RunnerExecutor:
 
         record_live_prefill_rate(self.model_path, self._cost_settings(self._live_runner()),
                                  prefill_tokens_per_s)
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        manager = self._live_runner().lora
+        if manager is None:
+            raise ValueError("this server loads no LoRA adapters at run time: start it with "
+                             "--enable-lora (or --lora NAME=PATH)")
+        manager.load(lora_id, path)
+
+    def unload_lora(self, lora_id: int) -> None:
+        manager = self._live_runner().lora
+        if manager is not None:
+            manager.unload(lora_id)
 
     def check_health(self) -> None:
         """One process: healthy while it runs."""

@@ -151,10 +151,11 @@ class ModelRunner:
                         gemm, "; batch-invariant" if model_config.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         # NOTE: a model serving LoRA adapters is never shared either: its bank is its own.
+        serves_lora = bool(model_config.lora_modules) or model_config.enable_lora
         self.model: DecoderForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
-            if parallel.world_size == 1 and not model_config.lora_modules else
+            if parallel.world_size == 1 and not serves_lora else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
                        self.backends, model_config.quantization))
         args = self.model.args
@@ -182,7 +183,7 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, usable * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
         self.lora: LoraManager | None = None
-        if model_config.lora_modules:
+        if serves_lora:
             self.lora = LoraManager(self.model, self.dtype, model_config.max_lora_rank)
             for lora_id, (_, path) in enumerate(model_config.lora_modules):
                 self.lora.load(lora_id, path)

@@ -161,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
     from everystop.server.admin import install_admin_routes, install_telemetry
     from everystop.server.app import build_app
     from everystop.server.dashboard import install_dashboard
+    from everystop.server.lora_admin import install_lora_routes
     from everystop.server.metrics import ServerMetrics
 
     try:
@@ -191,6 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
         install_admin_routes(app, front, store=telemetry.store, telemetry=telemetry)
+        install_lora_routes(app, front)
         metrics.loop_lag_listeners.append(
             lambda lag_s: telemetry.guardrails.on_loop_lag(lag_s, front.clock()))
         install_dashboard(app, front, metrics)

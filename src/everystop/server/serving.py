@@ -27,7 +27,7 @@ from everystop.engine.async_engine import EngineDead, EngineDraining
 from everystop.engine.client import EngineClient
 from everystop.engine.grammar_compiler import GrammarCompilerBusy
 from everystop.engine.grammar_limits import SpecOverLimit
-from everystop.engine.llm_engine import UnknownLoraAdapter
+from everystop.engine.lora_registry import UnknownLoraAdapter
 from everystop.sampling_params import (
     SamplingParams,
     SamplingParamsError,
@@ -252,6 +252,8 @@ def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> Bas
         return APIError(503, "the server is shutting down", code="draining")
     if isinstance(exc, EngineDead):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, UnknownLoraAdapter):  # unloaded between the request's making and now
+        return APIError(404, str(exc), param="model", code="model_not_found")
     return exc
 
 
