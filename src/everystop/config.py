@@ -120,8 +120,14 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    # Most LoRA adapters the running requests may use at once (0: no cap). A waiting request
+    # for another adapter waits at the head of its queue, in its aging order, until one of
+    # those adapters has no running request left.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0 (0: no cap), got {self.max_loras}")
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
                   "aging_interval_s", "max_preemptions_in_window")
         if self.max_model_len is not None:
