@@ -108,3 +108,16 @@ def test_an_adapter_in_use_is_not_unloaded_until_its_requests_finish(lora_dirs):
         engine.add_request(made_before)
     engine.load_lora("qv", adapters["qv"])  # the name again: a new id, no stale cache entries
     assert engine.make_request([5], SamplingParams(max_tokens=1), lora="qv").lora_id == 1
+
+
+def test_loaded_adapters_count_in_the_weight_memory(lora_dirs):
+    base, adapters = lora_dirs
+    engine = _engine(base, enable_lora=True)
+    before = engine.memory().weight_bytes
+    engine.load_lora("qv", adapters["qv"])
+    # Rank 8 on q and v, held as the fused [q; k; v] pair of each of the 2 layers, fp32:
+    # A stacks q's and v's [8, 64]; B is [64 + 32 + 32, 16], block diagonal.
+    added = 2 * (16 * 64 + 128 * 16) * 4
+    assert engine.memory().weight_bytes == before + added
+    engine.unload_lora("qv")
+    assert engine.memory().weight_bytes == before

@@ -124,8 +124,12 @@ class RunnerExecutor:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
-        return self.runner.weight_bytes if self.runner else 0
+        """Bytes of the model's weights as held in memory (quantized ones as their blocks),
+        the LoRA adapters loaded now included."""
+        if self.runner is None:
+            return 0
+        lora = self.runner.lora
+        return self.runner.weight_bytes + (lora.nbytes if lora is not None else 0)
 
     def kv_pool_resident_bytes(self) -> int | None:
         """Resident bytes of rank 0's KV pools in this process (the other ranks' pools are in
