@@ -120,8 +120,14 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    # Most LoRA adapters the running requests may use at once (0: no cap). A waiting request
+    # for another adapter waits at the head of its queue, in its aging order, until one of
+    # those adapters has no running request left.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0 (0: no cap), got {self.max_loras}")
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_batch_size",
                   "aging_interval_s", "max_preemptions_in_window")
         if self.max_model_len is not None:
@@ -258,8 +264,20 @@ class ModelConfig:
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
     # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
     onednn_cache_capacity: int | None = None
+    # LoRA adapters served beside the base, (name, PEFT directory) each; a request picks one
+    # by its `model` field. Their rank may not exceed max_lora_rank.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64
+    # Adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter);
+    # implied by lora_modules.
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LoRA adapter names must be distinct: {names}")
         for name, allowed in (("cpu_kernels", CPU_KERNEL_CHOICES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("cpu_16bit_gemm", ("auto", "fp32", "native")),

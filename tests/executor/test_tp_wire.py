@@ -25,7 +25,7 @@ def test_plan_round_trip_keeps_every_field() -> None:
                             SamplingParams(max_tokens=9, temperature=0.5, seed=4, stop=["x"]),
                             output_index=2, is_prefill=True, padding=True,
                             prompt_token_ids=[1, 2], output_token_ids=[3], eos_token_id=2,
-                            token_bitmask=[7], num_draft_tokens=1)
+                            token_bitmask=[7], num_draft_tokens=1, lora_id=3)
     sched = SchedulerOutput(scheduled=[seq, dataclasses.replace(seq, request_id="r2")],
                             blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4)],
                             finished_request_ids=["f"], preempted_request_ids=["p"],

@@ -19,6 +19,7 @@ from everystop.server.access import Access, AccessPolicy, is_loopback
 from everystop.server.admin import install_admin_routes
 from everystop.server.app import build_app
 from everystop.server.dashboard import install_dashboard
+from everystop.server.lora_admin import install_lora_routes
 from everystop.server.metrics import ServerMetrics
 from tests.engine.toy_engine import make_toy_engine
 from tests.server.conftest import ROOT
@@ -83,6 +84,7 @@ def served_app(front: AsyncEngine, api_key: str | None, admin_key: str | None,
 
     def operator_routes(app: Any, engine: Any) -> None:
         install_admin_routes(app, engine)
+        install_lora_routes(app, engine)
         install_dashboard(app, engine, metrics)
 
     return build_app(front, "toy", api_key=api_key, admin_key=admin_key, metrics=metrics,

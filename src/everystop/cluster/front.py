@@ -37,6 +37,7 @@ from everystop.core.request import Request
 from everystop.engine.async_engine import EngineDead, EngineDraining
 from everystop.engine.engine_state import EngineHealth, EngineMemory
 from everystop.engine.llm_engine import new_request
+from everystop.engine.lora_registry import UnknownLoraAdapter
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
 
@@ -76,9 +77,14 @@ class ClusterEngine:
         self.num_watchdog_aborts = 0  # the replicas' own watchdogs do this work
 
     # -- requests ---------------------------------------------------------------------------------
+    def lora_adapters(self) -> list[str]:
+        return []  # LoRA adapters are served by a single engine only
+
     def make_request(self, prompt: str | list[int], params: SamplingParams, *,
                      request_id: str | None = None, priority: int = 1, tenant: str = "default",
-                     max_tokens_to_context: bool = False) -> Request:
+                     max_tokens_to_context: bool = False, lora: str | None = None) -> Request:
+        if lora is not None:
+            raise UnknownLoraAdapter(f"LoRA adapter {lora!r}: replicas serve none")
         return new_request(self._tokenizer, self.max_model_len, prompt, params,
                            request_id=request_id, priority=priority, tenant=tenant,
                            arrival_time=time.monotonic(),

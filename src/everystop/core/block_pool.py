@@ -22,6 +22,13 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...])
     return hash((parent_hash, token_ids))
 
 
+def adapter_root(lora_id: int) -> BlockHash | None:
+    """The parent of a request's first block: None for the base model, a value of the LoRA
+    adapter's own otherwise, so the same tokens under two adapters (or under one and the base)
+    hash, and match, apart: their K/V differ."""
+    return None if lora_id < 0 else hash(("lora adapter", lora_id))
+
+
 @dataclass(eq=False, slots=True)  # slots: a simulated fleet holds millions of these
 class KVBlock:
     block_id: int

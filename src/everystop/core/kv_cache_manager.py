@@ -4,7 +4,13 @@ the books for swapping to host memory."""
 
 from __future__ import annotations
 
-from everystop.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from everystop.core.block_pool import (
+    BlockHash,
+    BlockPool,
+    KVBlock,
+    adapter_root,
+    hash_block_tokens,
+)
 from everystop.core.request import Request
 from everystop.core.sliding_window import SlidingWindow
 
@@ -104,7 +110,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else adapter_root(req.lora_id)
             hashes.append(hash_block_tokens(parent, tuple(req.token_slice(i * bs, (i + 1) * bs))))
         return hashes
 
@@ -121,7 +127,7 @@ class KVCacheManager:
         hashes = self._block_hashes(req, max_blocks)
         hit: list[KVBlock] = []
         for i in range(max_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else adapter_root(req.lora_id)
             tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
             block = self.pool.lookup(hashes[i], parent, tokens)
             if block is None:
@@ -186,7 +192,7 @@ class KVCacheManager:
         prompt, output = req.prompt_token_ids, req.output_token_ids
         num_prompt = len(prompt)
         for i in range(start, num_full):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else adapter_root(req.lora_id)
             lo, hi = i * bs, (i + 1) * bs
             if hi <= num_prompt:
                 tokens = tuple(prompt[lo:hi])
@@ -224,7 +230,7 @@ class KVCacheManager:
                 continue
             lo = i * bs
             tokens = tuple(req.token_slice(lo, lo + bs))
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else adapter_root(req.lora_id)
             h = hash_block_tokens(parent, tokens)
             hashes.append(h)
             cache_block(blocks[i], h, parent, tokens)

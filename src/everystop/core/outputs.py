@@ -54,6 +54,8 @@ class ScheduledSequence:
     # Speculative decoding: the trailing tokens of `token_ids` that are proposals, not yet
     # part of the request (0: a plain row).
     num_draft_tokens: int = 0
+    # The LoRA adapter this row runs with (its engine-given id); -1: the base model.
+    lora_id: int = -1
 
     @property
     def num_tokens(self) -> int:

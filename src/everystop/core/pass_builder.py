@@ -93,7 +93,7 @@ class PassBuilder:
         in_prompt = start < num_prompt
         rid = req.request_id
         entry = ScheduledSequence(rid, tokens, start, block_ids, end == num_prompt + num_output,
-                                  params, num_output, in_prompt)
+                                  params, num_output, in_prompt, lora_id=req.lora_id)
         # Penalties and multi-token bad words read the tokens generated so far.
         if params.penalizes or params.bad_words_token_ids or (
                 params.prompt_logprobs is not None and in_prompt):
@@ -134,7 +134,7 @@ class PassBuilder:
         self.decodes[rid] = ScheduledSequence(
             request_id=rid, token_ids=req.token_slice(pos, pos + 1), start_pos=pos,
             block_ids=block_ids, sample=False, sampling_params=req.sampling_params,
-            padding=True)
+            padding=True, lora_id=req.lora_id)
         self.num_padding += 1
         self.budget.add(1, pos, decode=True, tier=None)
 

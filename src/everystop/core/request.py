@@ -48,6 +48,8 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 1  # 0 premium, 1 standard, 2 best-effort
     tenant: str = "default"
+    # The LoRA adapter it runs with (the engine's id for it); -1: the base model.
+    lora_id: int = -1
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -230,9 +230,20 @@ class Scheduler:
             self.kv.forget(req)
         self._padding.clear()
 
+    def _adapter_waits(self, req: Request) -> bool:
+        """Whether running `req` would make the running requests use more LoRA adapters than
+        max_loras allows."""
+        cap = self.config.max_loras
+        if not cap or req.lora_id < 0:
+            return False
+        active = {r.lora_id for r in self.running if r.lora_id >= 0}
+        return req.lora_id not in active and len(active) >= cap
+
     def _admit_swapped(self, step: PassBuilder) -> None:
         while self.swapped and len(self.running) < self.num_seats:
             req = self.swapped.peek()
+            if self._adapter_waits(req):
+                return
             n = step.prefill_size(self.config, req, req.num_computed_tokens)
             if not n or not self.kv.can_swap_in(req, n):
                 return
@@ -245,6 +256,8 @@ class Scheduler:
     def _admit(self, queue: RequestQueue, step: PassBuilder) -> None:
         while queue:
             req = queue.peek()
+            if self._adapter_waits(req):
+                return  # head-of-line, as for memory: the aging order decides who goes next
             if len(self.running) >= self.num_seats and not self._preempt_worse_tier(
                     req, step):
                 return

@@ -122,6 +122,25 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="compiled oneDNN GEMMs kept per cache, one per batch shape, ~0.4 MiB "
                    "each (default 64, or ONEDNN_PRIMITIVE_CACHE_CAPACITY / LRU_CACHE_CAPACITY "
                    "if set): larger recompiles less often and holds more memory")
+    g.add_argument("--lora", dest="lora_modules", type=_lora_module, action="append",
+                   default=None, metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT directory) under NAME beside the base "
+                   "model: a request picks it by its `model` field (repeatable)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="load and unload LoRA adapters while serving (POST "
+                   "/v1/load_lora_adapter and /v1/unload_lora_adapter, operator routes)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="most LoRA adapters the running requests may use at once; requests for "
+                   "others wait their turn in queue order (default 0: no cap)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest LoRA rank an adapter may have (default 64)")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
 
 
 def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
@@ -209,11 +228,14 @@ ENGINE_OPTIONS = (
     "tpot_max_stretch", "speculative", "num_speculative_tokens", "ngram_min", "ngram_max",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
-    "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s")
+    "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s", "lora_modules",
+    "max_lora_rank", "enable_lora", "max_loras")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: getattr(args, k) for k in ENGINE_OPTIONS if hasattr(args, k)}
+    if options.get("lora_modules") is not None:  # appended as a list; the config is frozen
+        options["lora_modules"] = tuple(options["lora_modules"])
     tpot: TpotTarget | None = getattr(args, "tpot_target", None)
     if tpot is not None:  # one flag, two config fields
         options["tpot_target_ms"], options["tpot_target_ms_per_tier"] = tpot

@@ -116,11 +116,23 @@ class AsyncEngine:
     # -- consumer side (event-loop thread) ------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, *,
                      request_id: str | None = None, priority: int = 1, tenant: str = "default",
-                     max_tokens_to_context: bool = False) -> Request:
+                     max_tokens_to_context: bool = False, lora: str | None = None) -> Request:
         """Tokenize and build a Request off the engine thread (`LLMEngine.make_request`)."""
         return self.engine.make_request(prompt, params, request_id=request_id,
                                         priority=priority, tenant=tenant,
-                                        max_tokens_to_context=max_tokens_to_context)
+                                        max_tokens_to_context=max_tokens_to_context, lora=lora)
+
+    def lora_adapters(self) -> list[str]:
+        return self.engine.lora_adapters()
+
+    def load_lora(self, name: str, path: str) -> None:
+        """`LLMEngine.load_lora` between two steps (blocking: reads the adapter's files)."""
+        with self._lock:
+            self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        with self._lock:
+            self.engine.unload_lora(name)
 
     def submit(self, req: Request) -> None:
         """Admit a request for streaming. Raises RequestRejected, QueueFull, EngineDraining,

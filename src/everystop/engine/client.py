@@ -49,8 +49,13 @@ class EngineClient(Protocol):
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, *,
                      request_id: str | None = None, priority: int = 1, tenant: str = "default",
-                     max_tokens_to_context: bool = False) -> Request:
-        """Tokenize and build a Request (off the engine thread)."""
+                     max_tokens_to_context: bool = False, lora: str | None = None) -> Request:
+        """Tokenize and build a Request (off the engine thread); `lora`: the name of the
+        LoRA adapter it runs with (None: the base model)."""
+        ...
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served now, beside the base model."""
         ...
 
     async def submit_async(self, req: Request) -> None:
@@ -87,6 +92,14 @@ class EngineAdmin(EngineClient, Protocol):
     def check_cache_config(self, cache: CacheConfig) -> None: ...
 
     def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int: ...
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter (LoraConflict: the name is taken; ValueError: unloadable)."""
+        ...
+
+    def unload_lora(self, name: str) -> None:
+        """UnknownLoraAdapter, or LoraConflict while requests use it."""
+        ...
 
     @property
     def clock(self) -> Callable[[], float]: ...

@@ -32,6 +32,7 @@ from everystop.core.scheduler import Scheduler
 from everystop.core.step_cost import SEED_PROMPT_TOKENS
 from everystop.engine.engine_state import EngineMemory
 from everystop.engine.fault_isolation import forward_error, isolate_faults
+from everystop.engine.lora_registry import BASE, LoraRegistry
 from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self.num_steps = 0
         self._prefill_passes = 0  # counted up to LIVE_RATE_CHECK_PASSES, then the check runs
+        self.loras = LoraRegistry(config.model.lora_modules)
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
                                                   sorted(tokenizer.eos_token_ids),
                                                   config.structured)
@@ -106,8 +108,9 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 1,
                      tenant: str = "default", arrival_time: float | None = None,
-                     max_tokens_to_context: bool = False) -> Request:
+                     max_tokens_to_context: bool = False, lora: str | None = None) -> Request:
         """Tokenize and build a Request (no scheduler state is touched: safe off-thread).
+        `lora`: the name of a served LoRA adapter (UnknownLoraAdapter if none has it).
 
         The request gets its own resolved copy of `params` (the model's extra EOS ids added to
         the stop ids); the caller's object is never changed. With `max_tokens_to_context`,
@@ -115,19 +118,34 @@ class LLMEngine:
         default when no limit is given)."""
         if params is not None and params.structured_output is not None:
             self.structured.compile(params.structured_output)  # a bad spec raises here
+        lora_id = BASE if lora is None else self.loras.id_for(lora)
         return new_request(self.tokenizer, self.max_model_len, prompt, params,
                            request_id=request_id, priority=priority, tenant=tenant,
                            arrival_time=self.clock() if arrival_time is None else arrival_time,
-                           max_tokens_to_context=max_tokens_to_context)
+                           max_tokens_to_context=max_tokens_to_context, lora_id=lora_id)
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served beside the base model."""
+        return self.loras.names()
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from the next step on."""
+        self.loras.load(name, path, self.executor)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`; refused (LoraConflict) while a request uses it."""
+        self.loras.unload(name, self._live.values(), self.executor)
 
     def add_request(self, prompt: str | list[int] | Request,
                     params: SamplingParams | None = None, *, request_id: str | None = None,
                     priority: int = 1, tenant: str = "default",
                     arrival_time: float | None = None) -> Request:
-        """Queue a request; it joins at the next step. Raises RequestRejected or QueueFull."""
+        """Queue a request; it joins at the next step. Raises RequestRejected, QueueFull or
+        UnknownLoraAdapter (its adapter unloaded since it was made)."""
         req = prompt if isinstance(prompt, Request) else self.make_request(
             prompt, params, request_id=request_id, priority=priority, tenant=tenant,
             arrival_time=arrival_time)
+        self.loras.check_served(req)
         self.scheduler.add_request(req)
         self.outputs.add(req)
         self._live[req.request_id] = req
@@ -419,7 +437,7 @@ def _detokenizer_factory(tokenizer: EngineTokenizer
 def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | list[int],
                 params: SamplingParams | None = None, *, request_id: str | None = None,
                 priority: int = 1, tenant: str = "default", arrival_time: float = 0.0,
-                max_tokens_to_context: bool = False) -> Request:
+                max_tokens_to_context: bool = False, lora_id: int = -1) -> Request:
     """`LLMEngine.make_request` without an engine: what a cluster's ingress builds with only
     the tokenizer and the replicas' context length (see `LLMEngine.make_request`)."""
     params = params or SamplingParams()
@@ -445,7 +463,7 @@ def new_request(tokenizer: EngineTokenizer, max_model_len: int, prompt: str | li
                                  stop_token_ids=stop_token_ids, max_tokens=max_tokens)
     return Request(request_id or uuid.uuid4().hex, token_ids, params,
                    eos_token_id=tokenizer.eos_token_id, arrival_time=arrival_time,
-                   priority=priority, tenant=tenant)
+                   priority=priority, tenant=tenant, lora_id=lora_id)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -6,7 +6,7 @@ Tensor-parallel (multi-process) executors and the simulator implement the same p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ModelOutput, SchedulerOutput
@@ -42,6 +42,19 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Release devices and memory; the executor is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class LoraExecutor(Protocol):
+    """An executor that loads and unloads LoRA adapters while it runs (ids are the engine's)."""
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `lora_id`; ValueError naming why it cannot."""
+        ...
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Drop adapter `lora_id` (no scheduled row may still carry it)."""
         ...
 
 
@@ -111,8 +124,12 @@ class RunnerExecutor:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's weights as held in memory (quantized ones as their blocks)."""
-        return self.runner.weight_bytes if self.runner else 0
+        """Bytes of the model's weights as held in memory (quantized ones as their blocks),
+        the LoRA adapters loaded now included."""
+        if self.runner is None:
+            return 0
+        lora = self.runner.lora
+        return self.runner.weight_bytes + (lora.nbytes if lora is not None else 0)
 
     def kv_pool_resident_bytes(self) -> int | None:
         """Resident bytes of rank 0's KV pools in this process (the other ranks' pools are in
@@ -151,6 +168,18 @@ class RunnerExecutor:
 
         record_live_prefill_rate(self.model_path, self._cost_settings(self._live_runner()),
                                  prefill_tokens_per_s)
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        manager = self._live_runner().lora
+        if manager is None:
+            raise ValueError("this server loads no LoRA adapters at run time: start it with "
+                             "--enable-lora (or --lora NAME=PATH)")
+        manager.load(lora_id, path)
+
+    def unload_lora(self, lora_id: int) -> None:
+        manager = self._live_runner().lora
+        if manager is not None:
+            manager.unload(lora_id)
 
     def check_health(self) -> None:
         """One process: healthy while it runs."""

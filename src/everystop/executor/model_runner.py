@@ -25,6 +25,7 @@ from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.lora.manager import LoraManager
 from everystop.executor.models.decoder import Backends, DecoderForCausalLM, KVCache
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.onednn_caches import bound_onednn_caches
@@ -151,10 +152,12 @@ class ModelRunner:
                         kernels.isa if kernels else "off (plain torch)", self.backends.attention,
                         gemm, "; batch-invariant" if model_config.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
+        # NOTE: a model serving LoRA adapters is never shared either: its bank is its own.
+        serves_lora = bool(model_config.lora_modules) or model_config.enable_lora
         self.model: DecoderForCausalLM = (
             _shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
-            if parallel.world_size == 1 else
+            if parallel.world_size == 1 and not serves_lora else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
                        self.backends, model_config.quantization))
         args = self.model.args
@@ -187,6 +190,11 @@ class ModelRunner:
             if held is None or held + 1 > usable:
                 self.max_model_len = min(self.max_model_len, usable * self.block_size)
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
+        self.lora: LoraManager | None = None
+        if serves_lora:
+            self.lora = LoraManager(self.model, self.dtype, model_config.max_lora_rank)
+            for lora_id, (_, path) in enumerate(model_config.lora_modules):
+                self.lora.load(lora_id, path)
         self.weight_bytes, self.num_params = weight_memory(self.model)
         if parallel.rank == 0:
             logger.info("weights: %.1f MiB resident for %.1fM parameters (%.2f bytes/param, "
@@ -327,7 +335,7 @@ class ModelRunner:
                 [inputs.sample_indices, plan.rows])
             # NOTE: every tensor-parallel rank runs the same rows through the last layer and
             # the LM head.
-            logits = self.model.compute_logits(self._forward_rows(inputs, rows))
+            logits = self.model.compute_logits(self._forward_rows(inputs, rows, seqs))
             if plan is not None and logits is not None:
                 output.prompt_logprobs = score(logits[len(sampled):], plan)
                 logits = logits[:len(sampled)]
@@ -361,19 +369,27 @@ class ModelRunner:
         float32 logits [N, vocab] (lm_head runs only on those rows; None on ranks other than 0
         under tensor parallelism)."""
         inputs = build_inputs(seqs, self.block_size, self.device)
-        logits = self.model.compute_logits(self._forward_rows(inputs, inputs.sample_indices))
+        logits = self.model.compute_logits(self._forward_rows(inputs, inputs.sample_indices,
+                                                              seqs))
         return [seqs[i] for i in inputs.sample_seq_indices], logits
 
-    def _forward_rows(self, inputs: ModelInputs, rows: torch.Tensor) -> torch.Tensor:
+    def _forward_rows(self, inputs: ModelInputs, rows: torch.Tensor,
+                      seqs: list[ScheduledSequence]) -> torch.Tensor:
         """The final hidden states of `rows` (in that order, repeats allowed): the model
-        computes its last layer for those rows only, so it is given them sorted and unique."""
+        computes its last layer for those rows only, so it is given them sorted and unique.
+        Rows of requests with a LoRA adapter get its deltas."""
         if rows is inputs.sample_indices:  # one last row per sampled sequence: already so
-            return self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
-                              inputs.meta, rows)
-        wanted, order = torch.unique(rows, sorted=True, return_inverse=True)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
-                            inputs.meta, wanted)
-        return hidden[order]
+            wanted, order = rows, None
+        else:
+            wanted, order = torch.unique(rows, sorted=True, return_inverse=True)
+        if self.lora is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                                inputs.meta, wanted)
+        else:
+            with self.lora.running(seqs, wanted):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
+                                    inputs.meta, wanted)
+        return hidden if order is None else hidden[order]
 
     @property
     def kv_caches(self) -> list[KVCache]:

@@ -46,6 +46,7 @@ _ROUTES = {
     "/tokenize": Access.API, "/detokenize": Access.API, "/tokenizer_info": Access.API,
     "/dashboard": Access.PAGE, "/dashboard/static/{name}": Access.PAGE,
     "/dashboard/data": Access.OPERATOR,
+    "/v1/load_lora_adapter": Access.OPERATOR, "/v1/unload_lora_adapter": Access.OPERATOR,
 }
 _PREFIXES = (("/v1/", Access.API), ("/admin/", Access.OPERATOR))
 UNNAMED = "<a route with no template of its own>"

@@ -55,10 +55,12 @@ class RouteGuards:
     by server/access.py): the model's name, the body."""
 
     def __init__(self, served_model_name: str, aliases: Iterable[str],
-                 limits: RequestLimits, prep: PrepPool) -> None:
+                 limits: RequestLimits, prep: PrepPool,
+                 adapters: Callable[[], list[str]] = list) -> None:
         self.served_model_name = served_model_name
         # Other names the model answers to (e.g. the file's full stem); responses use the first.
         self.known = {served_model_name, *aliases}
+        self.adapters = adapters  # the LoRA adapters served now, by name
         self.limits = limits
         self.prep = prep
 
@@ -68,10 +70,14 @@ class RouteGuards:
                                    self.limits.max_token_ids, size=len(raw))
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.known:
+        if name is not None and name not in self.known and name not in self.adapters():
             raise APIError(404, f"model {name!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model",
                            code="model_not_found")
+
+    def response_model(self, name: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base's name."""
+        return name if name is not None and name in self.adapters() else self.served_model_name
 
 
 def build_app(async_engine: EngineClient, served_model_name: str, *,
@@ -105,7 +111,8 @@ def build_app(async_engine: EngineClient, served_model_name: str, *,
     app.state.engine = async_engine
     app.state.loop_lag = LoopLagMonitor([metrics.observe_loop_lag])
     _run_with_app(app, ctx, app.state.loop_lag)
-    guards = RouteGuards(served_model_name, aliases, limits, ctx.prep)
+    guards = RouteGuards(served_model_name, aliases, limits, ctx.prep,
+                         async_engine.lora_adapters)
     add_generation_routes(app, ctx, guards)
     add_model_routes(app, async_engine.max_model_len, guards)
     add_tokenizer_routes(app, async_engine, guards)
@@ -123,7 +130,6 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
     """/v1/completions and /v1/chat/completions: parse, check, hand to `serving.generate`."""
     async_engine = ctx.engine
     tokenizer = async_engine.tokenizer
-    served_model_name = guards.served_model_name
     limits = guards.limits
 
     @app.post("/v1/completions")
@@ -132,7 +138,7 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         guards.check_model(body.model)
         prompts = body.prompts()
         check_fan_out(limits, len(prompts), body.n)
-        fmt = CompletionFormat(served_model_name, tokenizer)
+        fmt = CompletionFormat(guards.response_model(body.model), tokenizer)
         return await generate(ctx, http, body, prompts, fmt)
 
     @app.post("/v1/responses")
@@ -143,9 +149,10 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         check_fan_out(limits, 1, body.n)
         prompt = await ctx.prep.run(render_chat, async_engine, body,
                                     size=len(await http.body()))
-        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
+        model = guards.response_model(req.model)
+        fmt = ChatFormat(model, tokenizer, body.tool_names(), body.parallel)
         chat = await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
-        builder = ResponseBuilder(req, served_model_name)
+        builder = ResponseBuilder(req, model)
         if isinstance(chat, SSEResponse):
             return stream(builder, chat)
         if chat.status_code != 200:
@@ -160,7 +167,8 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         ctx.metrics.count_ignored_fields(body.ignored_fields)
         prompt = await ctx.prep.run(render_chat, async_engine, body,
                                     size=len(await http.body()))
-        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
+        fmt = ChatFormat(guards.response_model(body.model), tokenizer, body.tool_names(),
+                         body.parallel)
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
 
@@ -195,12 +203,13 @@ def add_model_routes(app: FastAPI, max_model_len: int, guards: RouteGuards) -> N
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(model_list(served_model_name, max_model_len))
+        return JSONResponse(model_list(served_model_name, max_model_len, guards.adapters()))
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> JSONResponse:
         guards.check_model(model_id)
-        return JSONResponse(model_info(model_id, max_model_len))
+        parent = served_model_name if model_id in guards.adapters() else None
+        return JSONResponse(model_info(model_id, max_model_len, parent))
 
 
 def add_tokenizer_routes(app: FastAPI, async_engine: EngineClient, guards: RouteGuards) -> None:

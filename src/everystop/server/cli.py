@@ -161,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
     from everystop.server.admin import install_admin_routes, install_telemetry
     from everystop.server.app import build_app
     from everystop.server.dashboard import install_dashboard
+    from everystop.server.lora_admin import install_lora_routes
     from everystop.server.metrics import ServerMetrics
 
     try:
@@ -169,7 +170,8 @@ def serve(args: argparse.Namespace) -> int:
                             stall_timeout_s=args.engine_stall_timeout or None,
                             slow_reader_timeout_s=args.slow_reader_timeout or None)
     except Exception as exc:  # a bad model path or config: one line, not a traceback
-        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError"):
+        if type(exc).__name__ not in ("ConfigError", "ModelLoadError", "TokenizerLoadError",
+                                      "LoraLoadError"):
             raise
         print(f"everystop: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -178,12 +180,19 @@ def serve(args: argparse.Namespace) -> int:
     names = ([args.served_model_name] if args.served_model_name
              else served_model_names(engine.model_path or config.model.model))
     name = names[0]
+    clash = set(names) & set(engine.lora_adapters())
+    if clash:
+        print(f"everystop: cannot start: LoRA adapter name {sorted(clash)[0]!r} is the base "
+              "model's name", file=sys.stderr)
+        front.shutdown()
+        return 2
     metrics = ServerMetrics(metric_names=args.metrics_names)
 
     def observability(app: Any, front: Any) -> None:
         telemetry = install_telemetry(app, front, db=args.telemetry_db,
                                       registry=metrics.registry, model_version=name)
         install_admin_routes(app, front, store=telemetry.store, telemetry=telemetry)
+        install_lora_routes(app, front)
         metrics.loop_lag_listeners.append(
             lambda lag_s: telemetry.guardrails.on_loop_lag(lag_s, front.clock()))
         install_dashboard(app, front, metrics)

@@ -478,10 +478,14 @@ def chat_body(rid: str, model: str, choices: list[dict[str, Any]],
             **({"usage": usage} if usage is not None or not chunk else {})}
 
 
-def model_info(model: str, max_model_len: int) -> dict[str, Any]:
+def model_info(model: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:
+    """A model card; a LoRA adapter's names its base model as `parent` (vLLM's field)."""
     return {"id": model, "object": "model", "created": now_s(), "owned_by": "everystop",
-            "max_model_len": max_model_len}
+            "max_model_len": max_model_len, **({"parent": parent} if parent else {})}
 
 
-def model_list(model: str, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_info(model, max_model_len)]}
+def model_list(model: str, max_model_len: int, adapters: list[str] | None = None
+               ) -> dict[str, Any]:
+    """The base model, then each LoRA adapter served beside it."""
+    return {"object": "list", "data": [model_info(model, max_model_len)] + [
+        model_info(name, max_model_len, model) for name in adapters or []]}

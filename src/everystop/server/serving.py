@@ -27,6 +27,7 @@ from everystop.engine.async_engine import EngineDead, EngineDraining
 from everystop.engine.client import EngineClient
 from everystop.engine.grammar_compiler import GrammarCompilerBusy
 from everystop.engine.grammar_limits import SpecOverLimit
+from everystop.engine.lora_registry import UnknownLoraAdapter
 from everystop.sampling_params import (
     SamplingParams,
     SamplingParamsError,
@@ -155,6 +156,8 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
     it on a PrepPool worker."""
     num_logprobs = _num_logprobs(body)
     base = sampling_params(body, num_logprobs)
+    model = getattr(body, "model", None)
+    lora = model if model is not None and model in ctx.engine.lora_adapters() else None
     choices: list[_Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         for j in range(body.n):
@@ -166,7 +169,9 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
                 source = _truncated(ctx, source, body.truncate_prompt_tokens)
             try:
                 req = make_request(ctx.engine, source, params, priority=body.priority,
-                                   tenant=tenant, max_tokens_to_context=to_context)
+                                   tenant=tenant, max_tokens_to_context=to_context, lora=lora)
+            except UnknownLoraAdapter as exc:  # unloaded since the route checked the name
+                raise APIError(404, str(exc), param="model", code="model_not_found") from None
             except SpecOverLimit as exc:
                 field = body.structured_output()
                 raise bad_request(str(exc), field[0] if field else None, code=exc.limit) from None
@@ -248,6 +253,8 @@ def _map_submit_error(ctx: ServingContext, exc: BaseException, tier: int) -> Bas
         return APIError(503, "the server is shutting down", code="draining")
     if isinstance(exc, EngineDead):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, UnknownLoraAdapter):  # unloaded between the request's making and now
+        return APIError(404, str(exc), param="model", code="model_not_found")
     return exc
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
+from everystop.executor.layers.lora import LoraHook
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
 from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, dequantize
 
@@ -97,6 +98,8 @@ class HeldWeight(nn.Module):
     weight: nn.Parameter
     weight_format: str = DENSE
     weight_cols: int = 0  # the matrix's columns (its `in` size), for block formats
+    # Set on the projections LoRA adapters target, once adapters are loaded (layers/lora.py).
+    lora: LoraHook | None = None
 
     def hold(self, weight: torch.Tensor | QuantizedTensor) -> None:
         """Install the loaded weight in place of the (meta) placeholder."""
@@ -194,7 +197,8 @@ class ColumnParallelLinear(HeldWeight):
         return torch.cat([full[start:start + size] for start, size in self.rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.kernels)
+        out = self.project(x, self.kernels)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -232,7 +236,8 @@ class RowParallelLinear(HeldWeight):
         return full if size == full.shape[1] else full[:, start:start + size].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(self.project(x, self.kernels))
+        out = self.project(x, self.kernels)
+        return self.ctx.all_reduce(out if self.lora is None else self.lora(x, out))
 
 
 class VocabParallelEmbedding(HeldWeight):

@@ -8,6 +8,7 @@ Parameter names follow Hugging Face's except two fused projections (see `hf_sour
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,12 +24,14 @@ from everystop.executor.layers.attention import (
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (
     CHUNKED_GEMV_ROWS,
+    HeldWeight,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     gemv_rows,
 )
+from everystop.executor.layers.lora import LoraBank, LoraHook
 from everystop.executor.layers.mlp import ACTIVATIONS, SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
@@ -42,6 +45,7 @@ from everystop.executor.layers.rotary import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,21 @@ class DecoderForCausalLM(nn.Module):
         self.longrope = (LongRope.from_scaling(args.head_dim, args.rope_theta, scaling,
                                                args.max_position_embeddings)
                          if scaling.get("rope_type", scaling.get("type")) in LONGROPE else None)
+        self.lora_bank: LoraBank | None = None
+        self._lora_stack_logged = False
+
+    def attach_lora_bank(self) -> LoraBank:
+        """Hook LoRA deltas onto every projection an adapter may target (q/k/v, o, gate/up,
+        down): the bank's names are `{layer}.qkv_proj`, `{layer}.o_proj`,
+        `{layer}.gate_up_proj`, `{layer}.down_proj`. Idempotent."""
+        if self.lora_bank is None:
+            bank = LoraBank()
+            for i, layer in enumerate(self.model.layers):
+                for name, module in lora_targets(layer).items():
+                    module.lora = LoraHook(bank, f"{i}.{name}")
+                    bank.names.add(f"{i}.{name}")
+            self.lora_bank = bank
+        return self.lora_bank
 
     def set_rope(self, device: torch.device | str,
                  freq_factors: torch.Tensor | None = None) -> None:
@@ -308,7 +327,7 @@ class DecoderForCausalLM(nn.Module):
                                             cos, sin)
         local = (None if self.local_inv_freq is None else
                  rope_cos_sin(positions, self.local_inv_freq))
-        if self._runs_decoder_stack(x, kv_caches, meta):
+        if self._runs_decoder_stack(x, kv_caches, meta) and not self._lora_rows_in_pass():
             out = self._decoder_stack(x, cos, sin, local, kv_caches, meta)
             return out if output_rows is None else out[output_rows]
         only = None
@@ -340,6 +359,17 @@ class DecoderForCausalLM(nn.Module):
                 and x.dtype == self.model.norm.weight.dtype
                 and self._stack_weights() is not None
                 and x.shape[0] <= self._stack_rows(x.dtype))
+
+    def _lora_rows_in_pass(self) -> bool:
+        """Whether rows of this pass carry adapters: the one-call decoder stack has no LoRA
+        deltas, so such a pass runs layer by layer (logged once)."""
+        if self.lora_bank is None or self.lora_bank.current is None:
+            return False
+        if not self._lora_stack_logged:
+            self._lora_stack_logged = True
+            logger.info("LoRA: decode passes with adapter rows run layer by layer in Python "
+                        "(the C++ decoder stack adds no adapter deltas)")
+        return True
 
     def _stack_rows(self, x_dtype: torch.dtype) -> int:
         """The most rows for which every linear takes the GEMV (per activation dtype, cached
@@ -447,6 +477,15 @@ def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:
             out[p + name + ".weight"] = [p + name + ".weight"]
     return out
 
+
+def lora_targets(layer: nn.Module) -> dict[str, HeldWeight]:
+    """A decoder layer's projections LoRA adapters may target, by name (none of an MoE
+    layer's experts: their MLP is no SwiGLU)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out: dict[str, HeldWeight] = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+    if isinstance(mlp, SwiGLU):
+        out.update(gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj)
+    return out
 
 
 def _token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:

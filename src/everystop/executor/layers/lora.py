@@ -1,0 +1,107 @@
+"""LoRA deltas added to a linear's output, batched over the adapters of one pass.
+
+Each row of a pass belongs to one adapter (its slot) or to the base model (slot -1). After a
+targeted linear, the rows of each adapter are gathered, multiplied through that adapter's
+low-rank pair and added back (the SGMV/punica idea in plain torch)::
+
+    out[rows_s] += (x[rows_s] @ A_s^T) @ B_s^T        for each adapter slot s in the pass
+
+A fused projection ([q; k; v], [gate; up]) holds one pair per adapter: A stacks the parts'
+A matrices, B places each part's B in its own output rows and rank columns (block diagonal), so
+one pair of GEMMs serves every part. PEFT's scaling is folded into B when the adapter loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One adapter on one linear: delta = (x @ a.T) @ b.T, the scaling folded into b."""
+
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank]
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """The rows of an input that belong to each adapter slot (base rows left out)."""
+
+    num_rows: int
+    groups: tuple[tuple[int, torch.Tensor], ...]  # (slot, row indices)
+
+    @staticmethod
+    def from_slots(slots: torch.Tensor) -> RowGroups:
+        """Group the rows of `slots` ([rows] int64, -1 = base) by adapter slot."""
+        groups = []
+        for slot in torch.unique(slots).tolist():
+            if slot >= 0:
+                groups.append((int(slot), torch.nonzero(slots == slot).flatten()))
+        return RowGroups(int(slots.shape[0]), tuple(groups))
+
+
+@dataclass(frozen=True)
+class LoraPass:
+    """The adapter of each row of one forward pass. The last layer may run its attention output
+    and MLP on the output rows alone (models/decoder.py's OutputRows), so the grouping of those
+    rows is kept too; a linear picks the grouping whose row count its input has (the two counts
+    differ: output rows are only cut out when they are fewer than all rows)."""
+
+    all_rows: RowGroups
+    output_rows: RowGroups | None = None
+
+    @staticmethod
+    def from_slots(slots: torch.Tensor, output_rows: torch.Tensor | None) -> LoraPass:
+        out = None
+        if output_rows is not None and output_rows.numel() < slots.numel():
+            out = RowGroups.from_slots(slots[output_rows])
+        return LoraPass(RowGroups.from_slots(slots), out)
+
+    def groups_for(self, num_rows: int) -> RowGroups:
+        if num_rows == self.all_rows.num_rows:
+            return self.all_rows
+        if self.output_rows is not None and num_rows == self.output_rows.num_rows:
+            return self.output_rows
+        raise ValueError(f"a LoRA pass over {self.all_rows.num_rows} rows got an input of "
+                         f"{num_rows} rows")
+
+
+@dataclass
+class LoraBank:
+    """Every loaded adapter's pairs, by linear and slot, and the pass being run (None: no row
+    of it has an adapter). Shared by the model's targeted linears."""
+
+    names: set[str] = field(default_factory=set)  # the linears hooked to this bank
+    pairs: dict[str, dict[int, LoraPair]] = field(default_factory=dict)
+    current: LoraPass | None = None
+
+    def add_delta(self, linear: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (= x @ W^T, this pass's fresh output) plus each row's adapter delta, in place."""
+        batch = self.current
+        if batch is None:
+            return out
+        by_slot = self.pairs.get(linear)
+        if not by_slot:
+            return out
+        for slot, rows in batch.groups_for(x.shape[0]).groups:
+            pair = by_slot.get(slot)
+            if pair is None:  # this adapter does not target this linear
+                continue
+            xs = x.index_select(0, rows).to(pair.a.dtype)
+            delta = (xs @ pair.a.T) @ pair.b.T
+            out.index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+
+@dataclass(frozen=True)
+class LoraHook:
+    """What a targeted linear holds: the bank and its own name in it."""
+
+    bank: LoraBank
+    name: str
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.bank.add_delta(self.name, x, out)
