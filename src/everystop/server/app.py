@@ -160,7 +160,8 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         ctx.metrics.count_ignored_fields(body.ignored_fields)
         prompt = await ctx.prep.run(render_chat, async_engine, body,
                                     size=len(await http.body()))
-        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel)
+        fmt = ChatFormat(served_model_name, tokenizer, body.tool_names(), body.parallel,
+                         body.echoed_text())
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
 

@@ -180,6 +180,8 @@ class CompletionRequest(_GenerationRequest):
     # 0 with echo: score the prompt only (lm-eval's and vLLM's idiom).
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Chat's name, accepted here too: the alternatives per token, over `logprobs`'s number.
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     # vLLM's: tokenize a text prompt with the tokenizer's special tokens (e.g. BOS).
     add_special_tokens: bool = False
@@ -188,6 +190,10 @@ class CompletionRequest(_GenerationRequest):
     def _zero_tokens_need_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo (score the prompt)")
+        if self.top_logprobs is not None:
+            if self.logprobs is None:
+                raise ValueError("top_logprobs: only allowed when logprobs is set")
+            self.logprobs = self.top_logprobs
         return self
 
     @property
@@ -299,6 +305,8 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: a reply that continues an assistant turn starts with that turn's text.
+    echo: bool = False
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -312,6 +320,12 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError("continue_final_message: the last message must be the "
                                  "assistant's")
         return self
+
+    def echoed_text(self) -> str:
+        """What vLLM's `echo` puts before the reply: the last message's text when that
+        message is the assistant's (the turn the reply continues), else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs` for the template, refused where they would replace the

@@ -41,7 +41,12 @@ from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
 from everystop.server.offload import INLINE_SIZE, PrepPool, make_request
-from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
+from everystop.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _GenerationRequest,
+    usage_dict,
+)
 from everystop.server.streaming import DONE, SSEResponse, sse
 from everystop.server.tenants import clean_tenant
 
@@ -180,7 +185,7 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
-            if getattr(body, "echo", False):
+            if isinstance(body, CompletionRequest) and body.echo:
                 echo = prompt if isinstance(prompt, str) else \
                     ctx.engine.tokenizer.decode(list(prompt))
             choices.append(_Choice(len(choices), req, prompt_index, echo=echo,
@@ -200,7 +205,7 @@ def _truncated(ctx: ServingContext, prompt: str | list[int], keep: int) -> list[
 def _num_prompt_logprobs(body: _GenerationRequest, num_logprobs: int | None) -> int | None:
     """Echo with logprobs scores the prompt too (lm-eval's loglikelihood); so does vLLM's
     prompt_logprobs. Both asked: the larger number of alternatives serves both."""
-    echoed = num_logprobs if getattr(body, "echo", False) else None
+    echoed = num_logprobs if isinstance(body, CompletionRequest) and body.echo else None
     asked: int | None = getattr(body, "prompt_logprobs", None)
     if echoed is None or asked is None:
         return echoed if asked is None else asked
