@@ -438,8 +438,11 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
     try:
         req = model.model_validate(strip_accepted(data, model.model_fields))
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
+        errors = exc.errors()
+        # A key nothing declares is the clearest thing to report, even inside a union (a
+        # content part with an extra key is first a "not a string" error).
+        err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+        loc = [str(p) for p in err.get("loc", ()) if not _union_branch(str(p))]
         param = loc[0] if loc else None
         detail = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         kind = str(err.get("type", ""))
@@ -458,6 +461,12 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
     if isinstance(req, _GenerationRequest):
         req.note_ignored(ignored)
     return req
+
+
+def _union_branch(part: str) -> bool:
+    """Whether a pydantic error location part names a union's branch (`str`,
+    `list[ContentPart]`, `NamedToolChoice`) rather than a field or an index."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
 
 
 # -- responses ----------------------------------------------------------------------------------
