@@ -50,7 +50,7 @@ def _scoring_only_model(base_url: str, model_name: str) -> Any:
     `max_tokens: 0` with echo, the prompt's logprobs and nothing generated."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    class ScoringOnly(LocalCompletionsAPI):  # type: ignore[misc]
+    class ScoringOnly(LocalCompletionsAPI):
         def _create_payload(self, messages: Any, generate: bool = False,
                             gen_kwargs: dict[str, Any] | None = None, seed: int = 1234,
                             eos: Any = None, **kwargs: Any) -> dict[str, Any]:
