@@ -3,6 +3,7 @@ names and with the `model_name` label it filters on; the default keeps ours alon
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,22 +15,11 @@ from .conftest import ServerProcess, start_toy_server
 
 pytestmark = pytest.mark.server
 
-# The series queried by vLLM's published dashboard, examples/online_serving/prometheus_grafana/
-# grafana.json in vllm-project/vllm (commit 004f771f), read from its panels' "expr" fields.
-DASHBOARD_SERIES = [
-    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
-    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
-    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
-    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
-    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
-    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
-    "vllm:request_max_num_generation_tokens_sum",
-]
-# Newer vLLM names the dashboards and alerts use beside those.
+# The series each version of vLLM's published Grafana dashboard queries (sources in the file).
+DASHBOARDS = json.loads((Path(__file__).parent / "data" / "vllm_grafana_series.json")
+                        .read_text())["dashboards"]
+DASHBOARD_SERIES = sorted({name for d in DASHBOARDS for name in d["series"]})
+# Other vLLM series its alert rules and newer dashboards query.
 NEWER_SERIES = ["vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_bucket",
                 "vllm:request_inference_time_seconds_sum", "vllm:num_preemptions_total",
                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",

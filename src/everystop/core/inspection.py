@@ -72,4 +72,5 @@ def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
         step_measured_s=sched.step_cost.last_measured_s,
         auto_tpot_target_s=sched.auto_tpot_target_s,
         spec_decode_num_draft_tokens=sched.num_draft_tokens,
-        spec_decode_num_accepted_tokens=sched.num_accepted_tokens)
+        spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
+        num_host_used_blocks=kv.num_swapped_blocks, num_host_blocks=kv.num_cpu_blocks)

@@ -235,6 +235,9 @@ class SchedulerStats:
     # (vLLM's spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens).
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # The host swap pool: blocks holding swapped-out KV, and its size (0 without swap space).
+    num_host_used_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 @dataclass
