@@ -67,3 +67,24 @@ def test_vllm_dashboard_series_are_exported_under_vllm_names(
     assert "everystop:event_loop_lag_seconds_count" in ours
     if mode == "both":
         assert found["vllm:prompt_tokens_total"] == found["everystop:prompt_tokens_total"]
+
+
+def test_host_swap_usage_follows_the_swap_pool() -> None:
+    """`vllm:cpu_cache_usage_perc` (ours: host_kv_cache_usage_perc): swapped-out KV blocks over
+    the host pool, while a starved device pool swaps requests out, and 0 once all are back."""
+    from everystop.server.metrics import host_kv_usage
+    from tests.core.helpers import make_harness
+
+    h = make_harness(num_blocks=40, block_size=4, num_cpu_blocks=200, max_num_seqs=16,
+                     max_num_batched_tokens=64, chunk_size=16, preemption_mode="swap")
+    for i in range(24):
+        h.add(f"r{i}", list(range(i, i + 6 + (i * 7) % 23)), 20)
+    seen = []
+    for _ in range(2000):
+        if not h.scheduler.requests:
+            break
+        h.step()
+        swapped = h.scheduler.kv.num_swapped_blocks
+        assert host_kv_usage(h.scheduler.stats()) == swapped / 200
+        seen.append(swapped)
+    assert max(seen) > 0 and host_kv_usage(h.scheduler.stats()) == 0.0

@@ -92,7 +92,10 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    if max_tokens == 0:  # score the prompt only: the one token sampled is not returned
+    if max_tokens == 0:
+        # Score the prompt only. The engine samples at least one token, but that one comes
+        # from the prefill pass's own last logits and ends the request in the same step: no
+        # decode step runs; the token is dropped from the response.
         max_tokens = 1
     opts: dict[str, Any] = dict(
         max_tokens=max_tokens or max(16, body.min_tokens or 0),  # room for min_tokens
