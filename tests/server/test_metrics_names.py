@@ -3,6 +3,7 @@ names and with the `model_name` label it filters on; the default keeps ours alon
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,22 +15,11 @@ from .conftest import ServerProcess, start_toy_server
 
 pytestmark = pytest.mark.server
 
-# The series queried by vLLM's published dashboard, examples/online_serving/prometheus_grafana/
-# grafana.json in vllm-project/vllm (commit 004f771f), read from its panels' "expr" fields.
-DASHBOARD_SERIES = [
-    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
-    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
-    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
-    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
-    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
-    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
-    "vllm:request_max_num_generation_tokens_sum",
-]
-# Newer vLLM names the dashboards and alerts use beside those.
+# The series each version of vLLM's published Grafana dashboard queries (sources in the file).
+DASHBOARDS = json.loads((Path(__file__).parent / "data" / "vllm_grafana_series.json")
+                        .read_text())["dashboards"]
+DASHBOARD_SERIES = sorted({name for d in DASHBOARDS for name in d["series"]})
+# Other vLLM series its alert rules and newer dashboards query.
 NEWER_SERIES = ["vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_bucket",
                 "vllm:request_inference_time_seconds_sum", "vllm:num_preemptions_total",
                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
@@ -77,3 +67,24 @@ def test_vllm_dashboard_series_are_exported_under_vllm_names(
     assert "everystop:event_loop_lag_seconds_count" in ours
     if mode == "both":
         assert found["vllm:prompt_tokens_total"] == found["everystop:prompt_tokens_total"]
+
+
+def test_host_swap_usage_follows_the_swap_pool() -> None:
+    """`vllm:cpu_cache_usage_perc` (ours: host_kv_cache_usage_perc): swapped-out KV blocks over
+    the host pool, while a starved device pool swaps requests out, and 0 once all are back."""
+    from everystop.server.metrics import host_kv_usage
+    from tests.core.helpers import make_harness
+
+    h = make_harness(num_blocks=40, block_size=4, num_cpu_blocks=200, max_num_seqs=16,
+                     max_num_batched_tokens=64, chunk_size=16, preemption_mode="swap")
+    for i in range(24):
+        h.add(f"r{i}", list(range(i, i + 6 + (i * 7) % 23)), 20)
+    seen = []
+    for _ in range(2000):
+        if not h.scheduler.requests:
+            break
+        h.step()
+        swapped = h.scheduler.kv.num_swapped_blocks
+        assert host_kv_usage(h.scheduler.stats()) == swapped / 200
+        seen.append(swapped)
+    assert max(seen) > 0 and host_kv_usage(h.scheduler.stats()) == 0.0

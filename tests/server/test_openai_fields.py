@@ -144,11 +144,37 @@ def test_field(row: Row, ep: str, request: pytest.FixtureRequest) -> None:
         assert text_of(ok(server, ep, {**base(ep, "toy"), row.field: row.example}), ep) == \
             text_of(plain, ep)
         return
+    key = effect_key(row.field, ep)
     if row.field in SAMPLING:
         server = request.getfixturevalue("model_server")
-        SAMPLING_EFFECTS[row.field](server, ep, row.example)
+        SAMPLING_EFFECTS[key](server, ep, row.example)
     else:
-        TOY_EFFECTS[row.field](request.getfixturevalue("toy_server"), ep, row.example)
+        TOY_EFFECTS[key](request.getfixturevalue("toy_server"), ep, row.example)
+
+
+def effect_key(field: str, ep: str) -> str | tuple[str, str]:
+    """A field honoured on one row checks with one effect; a field honoured on a row per
+    endpoint (their meanings differ) has one effect per endpoint."""
+    rows = sum(r.field == field and r.status == "honoured" for r in ROWS)
+    return (field, ep) if rows > 1 else field
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("ep", ["C", "CC"])
+def test_a_field_outside_the_table_is_refused_by_name(toy_server: ServerProcess,
+                                                      ep: str) -> None:
+    documented = {r.field for r in ROWS}
+    for field, value in (("no_such_field", 1), ("best_of_n", 2), ("logprob", 1)):
+        assert field not in documented
+        r = post(toy_server, ep, {**base(ep, "toy"), field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (field, "unsupported_parameter"), err
+        assert "unknown or unsupported field" in err["message"]
+    # Inside an object the table documents, an unknown key is refused the same way.
+    r = post(toy_server, ep, {**base(ep, "toy"), "stream": True,
+                              "stream_options": {"include_usage": True, "extra": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
 
 
 Effect = Callable[[ServerProcess, str, Any], None]
@@ -235,6 +261,16 @@ def _top_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
     assert all(len(e["top_logprobs"]) == v for e in lp["logprobs"]["content"])
 
 
+def _completion_top_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
+    """Chat's name on completions: it sets the alternatives per token, over `logprobs`."""
+    for logprobs in (0, 1, v + 1):
+        lp = ok(s, ep, {**base(ep, "toy"), "logprobs": logprobs, "top_logprobs": v})
+        tops = lp["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(tops) == 6 and all(len(t) == v for t in tops)
+    r = post(s, ep, {**base(ep, "toy"), "top_logprobs": v})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
 def _user(s: ServerProcess, ep: str, v: Any, priority: int | None = None) -> None:
     tenant = f"{v}-{ep}-{priority}"
     body = {**base(ep, "toy"), "user": tenant}
@@ -263,6 +299,27 @@ def _echo(s: ServerProcess, ep: str, v: Any) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == "fields" + plain
     streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == lp["token_logprobs"]
+
+
+def _chat_echo(s: ServerProcess, ep: str, v: Any) -> None:
+    """vLLM's: a reply continuing the assistant's turn starts with that turn's text."""
+    messages = [{"role": "user", "content": "fields"},
+                {"role": "assistant", "content": "part"}]
+    body = {**base(ep, "toy"), "messages": messages, "continue_final_message": True,
+            "add_generation_prompt": False}
+    continued = _toy_from("<user>fields\n<assistant>part")
+    assert text_of(ok(s, ep, body), ep) == continued
+    assert text_of(ok(s, ep, {**body, "echo": v}), ep) == "part" + continued
+    with httpx.stream("POST", s.url + PATHS[ep], json={**body, "echo": v, "stream": True},
+                      timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line and line != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["delta"]["content"].startswith("part")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "part" + continued
+    # After the user's turn there is nothing to echo.
+    plain = text_of(ok(s, ep, base(ep, "toy")), ep)
+    assert text_of(ok(s, ep, {**base(ep, "toy"), "echo": v}), ep) == plain
 
 
 def _prompt_logprobs(s: ServerProcess, ep: str, v: Any) -> None:
@@ -356,7 +413,7 @@ def _disable_spec_decode(s: ServerProcess, ep: str, v: Any) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "disable_spec_decode"
 
 
-TOY_EFFECTS: dict[str, Effect] = {
+TOY_EFFECTS: dict[str | tuple[str, str], Effect] = {
     "include_stop_str_in_output": _include_stop_str,
     "disable_spec_decode": _disable_spec_decode,
     "return_tokens_as_token_ids": _tokens_as_ids, "add_special_tokens": _add_special_tokens,
@@ -367,8 +424,10 @@ TOY_EFFECTS: dict[str, Effect] = {
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_tokens, "n": _n, "stream": _stream,
     "stream_options": lambda s, ep, v: _stream(s, ep, True, v), "stop": _stop,
-    "stop_token_ids": _stop, "logprobs": _logprobs, "top_logprobs": _top_logprobs,
-    "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v), "echo": _echo,
+    "stop_token_ids": _stop, ("logprobs", "C"): _logprobs, ("logprobs", "CC"): _logprobs,
+    ("top_logprobs", "CC"): _top_logprobs, ("top_logprobs", "C"): _completion_top_logprobs,
+    "user": _user, "priority": lambda s, ep, v: _user(s, ep, "prio", v),
+    ("echo", "C"): _echo, ("echo", "CC"): _chat_echo,
 }
 
 # On the model: a story (its greedy text repeats words), and a question it answers and ends.
@@ -546,7 +605,7 @@ def _bad_words(s: ServerProcess, ep: str, v: Any) -> None:
     assert v[0] not in text_of(_gen(s, ep, prompt, bad_words=v), ep)
 
 
-SAMPLING_EFFECTS: dict[str, Effect] = {
+SAMPLING_EFFECTS: dict[str | tuple[str, str], Effect] = {
     "skip_special_tokens": _special_tokens, "spaces_between_special_tokens": _special_tokens,
     "allowed_token_ids": _allowed_token_ids, "bad_words": _bad_words,
     "parallel_tool_calls": _parallel_tool_calls,
@@ -569,5 +628,9 @@ SAMPLING_EFFECTS: dict[str, Effect] = {
 
 
 def test_every_honoured_row_has_an_effect_check() -> None:
-    honoured = {r.field for r in ROWS if r.status == "honoured"}
+    """A new honoured row (or a row for another endpoint) fails until its check is written;
+    a check whose row went away fails too."""
+    honoured = {effect_key(r.field, ep) for r in ROWS if r.status == "honoured"
+                for ep in r.endpoints}
     assert honoured == set(TOY_EFFECTS) | set(SAMPLING_EFFECTS)
+    assert not set(TOY_EFFECTS) & set(SAMPLING_EFFECTS)

@@ -74,4 +74,5 @@ def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
         spec_decode_num_drafts=sched.num_drafts,
         spec_decode_num_draft_tokens=sched.num_draft_tokens,
         spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
-        spec_decode_num_accepted_tokens_per_pos=list(sched.num_accepted_tokens_per_pos))
+        spec_decode_num_accepted_tokens_per_pos=list(sched.num_accepted_tokens_per_pos),
+        num_host_used_blocks=kv.num_swapped_blocks, num_host_blocks=kv.num_cpu_blocks)

@@ -250,6 +250,9 @@ class SchedulerStats:
         """Accepted over proposed tokens since start (0 before any proposal)."""
         drafted = self.spec_decode_num_draft_tokens
         return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+    # The host swap pool: blocks holding swapped-out KV, and its size (0 without swap space).
+    num_host_used_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 @dataclass

@@ -168,7 +168,7 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext, guards: RouteGuards
         prompt = await ctx.prep.run(render_chat, async_engine, body,
                                     size=len(await http.body()))
         fmt = ChatFormat(guards.response_model(body.model), tokenizer, body.tool_names(),
-                         body.parallel)
+                         body.parallel, body.echoed_text())
         return await generate(ctx, http, body, [prompt], fmt, default_max_tokens_to_len=True)
 
 

@@ -108,8 +108,9 @@ class ChatFormat:
     kind = "chat"
 
     def __init__(self, model: str, tokenizer: Any, tool_names: set[str] | None = None,
-                 parallel_tool_calls: bool = True) -> None:
+                 parallel_tool_calls: bool = True, echo: str = "") -> None:
         self.model = model
+        self.echo = echo  # vLLM's chat echo: the continued turn's text, before each reply
         self.id = protocol.new_id("chatcmpl")
         self.token_text = _Tokens(tokenizer)
         self.tool_names = tool_names
@@ -148,12 +149,16 @@ class ChatFormat:
                     "" if stream.mode == "content" else None)
             if "tool_calls" in pieces:
                 delta["tool_calls"] = pieces["tool_calls"]
+        if first and self.echo:
+            delta["content"] = self.echo + (delta.get("content") or "")
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     def final_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None) -> dict[str, Any]:
         message, finish_reason = self._message(text, finish_reason)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 

@@ -239,6 +239,8 @@ class _EngineCollector(Collector):
                 ("num_requests_waiting", "Queued or preempted requests", stats.num_waiting),
                 ("num_requests_swapped", "Requests whose KV sits in host swap", stats.num_swapped),
                 ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", stats.kv_usage),
+                ("host_kv_cache_usage_perc", "Fraction of host swap blocks in use (0-1)",
+                 host_kv_usage(stats)),
                 ("kv_cache_used_blocks", "KV blocks in use", stats.num_used_blocks),
                 ("kv_cache_total_blocks", "KV blocks in the pool", stats.num_total_blocks),
                 ("kv_cache_watermark_perc", "Fraction of KV blocks admissions leave free (0-1)",
@@ -293,6 +295,12 @@ def _spec_decode_metrics(stats: SchedulerStats) -> Iterator[Any]:
 def prefix_hit_rate(stats: SchedulerStats) -> float:
     """Hit tokens over queried tokens since start (0 before the first lookup)."""
     return stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens \
+        else 0.0
+
+
+def host_kv_usage(stats: SchedulerStats) -> float:
+    """Host swap blocks in use over the swap pool (0 without swap space)."""
+    return stats.num_host_used_blocks / stats.num_host_blocks if stats.num_host_blocks \
         else 0.0
 
 

@@ -23,6 +23,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "num_requests_waiting": ("num_requests_waiting",),
     "num_requests_swapped": ("num_requests_swapped",),
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    # vLLM's older dashboards plot its host (CPU) swap pool beside the device's.
+    "host_kv_cache_usage_perc": ("cpu_cache_usage_perc",),
     "prefix_cache_queries": ("prefix_cache_queries",),
     "prefix_cache_hits": ("prefix_cache_hits",),
     "num_preemptions": ("num_preemptions",),

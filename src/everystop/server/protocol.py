@@ -184,6 +184,8 @@ class CompletionRequest(_GenerationRequest):
     # 0 with echo: score the prompt only (lm-eval's and vLLM's idiom).
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Chat's name, accepted here too: the alternatives per token, over `logprobs`'s number.
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     # vLLM's: tokenize a text prompt with the tokenizer's special tokens (e.g. BOS).
     add_special_tokens: bool = False
@@ -192,6 +194,10 @@ class CompletionRequest(_GenerationRequest):
     def _zero_tokens_need_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo (score the prompt)")
+        if self.top_logprobs is not None:
+            if self.logprobs is None:
+                raise ValueError("top_logprobs: only allowed when logprobs is set")
+            self.logprobs = self.top_logprobs
         return self
 
     @property
@@ -303,6 +309,8 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: a reply that continues an assistant turn starts with that turn's text.
+    echo: bool = False
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -316,6 +324,12 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError("continue_final_message: the last message must be the "
                                  "assistant's")
         return self
+
+    def echoed_text(self) -> str:
+        """What vLLM's `echo` puts before the reply: the last message's text when that
+        message is the assistant's (the turn the reply continues), else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs` for the template, refused where they would replace the
@@ -428,8 +442,11 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
     try:
         req = model.model_validate(strip_accepted(data, model.model_fields))
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
+        errors = exc.errors()
+        # A key nothing declares is the clearest thing to report, even inside a union (a
+        # content part with an extra key is first a "not a string" error).
+        err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+        loc = [str(p) for p in err.get("loc", ()) if not _union_branch(str(p))]
         param = loc[0] if loc else None
         detail = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         kind = str(err.get("type", ""))
@@ -448,6 +465,12 @@ def parse_body(raw: bytes, model: type[BaseModel], max_json_depth: int = 32,
     if isinstance(req, _GenerationRequest):
         req.note_ignored(ignored)
     return req
+
+
+def _union_branch(part: str) -> bool:
+    """Whether a pydantic error location part names a union's branch (`str`,
+    `list[ContentPart]`, `NamedToolChoice`) rather than a field or an index."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
 
 
 # -- responses ----------------------------------------------------------------------------------

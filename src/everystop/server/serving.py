@@ -42,7 +42,12 @@ from everystop.server.errors import APIError, bad_request
 from everystop.server.formatting import CompletionFormat, Format, prompt_logprobs
 from everystop.server.metrics import ServerMetrics
 from everystop.server.offload import INLINE_SIZE, PrepPool, make_request
-from everystop.server.protocol import ChatCompletionRequest, _GenerationRequest, usage_dict
+from everystop.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _GenerationRequest,
+    usage_dict,
+)
 from everystop.server.streaming import DONE, SSEResponse, sse
 from everystop.server.tenants import clean_tenant
 
@@ -88,7 +93,10 @@ def sampling_params(body: _GenerationRequest, num_logprobs: int | None) -> Sampl
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    if max_tokens == 0:  # score the prompt only: the one token sampled is not returned
+    if max_tokens == 0:
+        # Score the prompt only. The engine samples at least one token, but that one comes
+        # from the prefill pass's own last logits and ends the request in the same step: no
+        # decode step runs; the token is dropped from the response.
         max_tokens = 1
     opts: dict[str, Any] = dict(
         max_tokens=max_tokens or max(16, body.min_tokens or 0),  # room for min_tokens
@@ -186,7 +194,7 @@ def _prepare(ctx: ServingContext, body: _GenerationRequest, prompts: list[str | 
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
             echo = None
-            if getattr(body, "echo", False):
+            if isinstance(body, CompletionRequest) and body.echo:
                 echo = prompt if isinstance(prompt, str) else \
                     ctx.engine.tokenizer.decode(list(prompt))
             choices.append(_Choice(len(choices), req, prompt_index, echo=echo,
@@ -206,7 +214,7 @@ def _truncated(ctx: ServingContext, prompt: str | list[int], keep: int) -> list[
 def _num_prompt_logprobs(body: _GenerationRequest, num_logprobs: int | None) -> int | None:
     """Echo with logprobs scores the prompt too (lm-eval's loglikelihood); so does vLLM's
     prompt_logprobs. Both asked: the larger number of alternatives serves both."""
-    echoed = num_logprobs if getattr(body, "echo", False) else None
+    echoed = num_logprobs if isinstance(body, CompletionRequest) and body.echo else None
     asked: int | None = getattr(body, "prompt_logprobs", None)
     if echoed is None or asked is None:
         return echoed if asked is None else asked
