@@ -63,8 +63,10 @@ def speculates(params: SamplingParams) -> bool:
 
 
 def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:
-    """The proposer a configuration names ('off': None)."""
-    if method == "off":
+    """The proposer a configuration names ('off': None). A draft model ('draft:PATH') is None
+    here too: it needs the executor's machinery, and the engine attaches it
+    (executor/draft_proposer.py)."""
+    if method == "off" or method.startswith("draft:"):
         return None
     if method == "ngram":
         return NgramProposer(min_n, max_n)

@@ -105,7 +105,7 @@ _MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], DecoderForCausa
 _MAX_SHARED_MODELS = 2
 
 
-def _shared_model(path: str | None, dtype: str, device: str,
+def shared_model(path: str | None, dtype: str, device: str,
                   backends: Backends, quantization: str = "auto") -> DecoderForCausalLM:
     key = (path, dtype, device, backends, quantization)
     model = _MODELS.get(key)
@@ -151,7 +151,7 @@ class ModelRunner:
                         gemm, "; batch-invariant" if model_config.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         self.model: DecoderForCausalLM = (
-            _shared_model(model_config.model, model_config.dtype, model_config.device,
+            shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
             if parallel.world_size == 1 else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
