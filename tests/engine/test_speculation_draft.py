@@ -14,7 +14,7 @@ from everystop import LLM, SamplingParams
 from everystop.config import ConfigError
 from everystop.executor.models.loader import default_model_path
 
-from ..models.family_builders import SPECS, Spec, hf_model, save_hf
+from ..models.family_builders import SPECS, Spec, hf_model, save_gguf, save_hf
 from .test_speculation_model import GREEDY, OPTIONS, PROMPTS
 
 
@@ -67,6 +67,12 @@ def test_a_smaller_draft_gives_the_plain_greedy_tokens(tiny_dir: Path) -> None:
     stats = spec.engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    # Seeded sampling draws output token i from (seed, i) with or without the draft.
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, seeded, use_tqdm=False)] == [
+        o.token_ids for o in plain.generate(prompts, seeded, use_tqdm=False)]
+    assert spec.engine.stats().spec_decode_num_draft_tokens > (
+        stats.spec_decode_num_draft_tokens)
     spec.engine.scheduler.check_integrity()
     assert spec.engine.kv.pool.num_used_blocks == 0
     # Hot reload: off and back re-attaches the loaded draft; another draft is refused by name.
@@ -80,6 +86,23 @@ def test_a_smaller_draft_gives_the_plain_greedy_tokens(tiny_dir: Path) -> None:
     assert engine.scheduler.proposer is draft_proposer
     with pytest.raises(ConfigError, match="speculative 'draft:/other': a draft model is loaded"):
         engine.update_config(sched_cfg.replace(speculative="draft:/other"), cache)
+
+
+def test_a_q8_0_copy_drafting_for_its_f16_file_gives_the_plain_greedy_tokens(
+        tiny_dir: Path) -> None:
+    spec, model = SPECS["qwen2"], hf_model(SPECS["qwen2"])
+    target, draft = tiny_dir / "f16.gguf", tiny_dir / "q8_0.gguf"
+    save_gguf(spec, model, target)
+    save_gguf(spec, model, draft, q8_0=True)
+    prompts = [[3 + i, 40, 41, 42 + i, 43] * 3 for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    options = dict(model=str(target), dtype="float32", max_num_seqs=4)
+    plain = LLM(**options)
+    spec_llm = LLM(**options, speculative=f"draft:{draft}", num_speculative_tokens=4)
+    expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)] == expected
+    # The same weights to 8 bits: the draft mostly guesses what the target decodes.
+    assert spec_llm.engine.stats().spec_decode_acceptance_rate > 0.5
 
 
 def test_a_draft_with_another_tokenizer_is_refused_by_name(tiny_dir: Path) -> None:
