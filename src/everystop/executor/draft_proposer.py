@@ -32,6 +32,7 @@ from everystop.core.outputs import ScheduledSequence
 from everystop.executor.inputs import build_inputs
 from everystop.executor.model_runner import ModelRunner, shared_model
 from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
+from everystop.executor.models.errors import ModelLoadError
 from everystop.executor.models.loader import resolve_model_path, weight_memory
 from everystop.sampling_params import SamplingParams
 
@@ -147,8 +148,12 @@ def draft_proposer_for(runner: ModelRunner, path: str) -> DraftModelProposer:
     ConfigError when it has more parameters than the target (the engine checks the
     tokenizers first)."""
     cfg = runner.model_config
-    device, path = torch.device(cfg.device), resolve_model_path(path)
-    model = shared_model(path, cfg.dtype, cfg.device, runner.backends)  # one copy for itself
+    device = torch.device(cfg.device)
+    try:
+        path = resolve_model_path(path)
+        model = shared_model(path, cfg.dtype, cfg.device, runner.backends)  # one copy for itself
+    except ModelLoadError as exc:
+        raise ConfigError(f"speculative: the draft model: {exc}") from None
     _, params = weight_memory(model)
     if params > runner.num_params:
         raise ConfigError(f"speculative: the draft model has more parameters than the target "
