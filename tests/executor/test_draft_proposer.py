@@ -76,3 +76,25 @@ def test_proposals_stop_at_what_the_pool_holds(tiny: str, reference) -> None:
     assert proposer.propose(list(range(10, 20)), 4) == reference(list(range(10, 20)), 3)
     assert proposer.propose(list(range(10, 23)), 4) == []
     assert proposer.propose([], 4) == []
+
+
+def test_a_batch_proposes_what_each_context_alone_would(tiny: str, reference) -> None:
+    rng = random.Random(5)
+    proposer = _proposer(tiny, num_blocks=64)
+    shared = [rng.randrange(256) for _ in range(5)]
+    contexts = [shared + [rng.randrange(256) for _ in range(rng.randint(1, 6))]
+                for _ in range(4)]
+    contexts.append(list(contexts[0]))  # two sequences at the same point: two entries
+    for _ in range(3):
+        ks = [rng.randint(1, 4) for _ in contexts]
+        proposals = proposer.propose_batch(contexts, ks)
+        assert proposals == [reference(c, k) for c, k in zip(contexts, ks)]
+        contexts = [c + p[:rng.randint(0, len(p))] + [rng.randrange(256)]
+                    for c, p in zip(contexts, proposals)]
+
+
+def test_a_batch_larger_than_the_pool_drafts_for_those_that_fit(tiny: str, reference) -> None:
+    proposer = _proposer(tiny, num_blocks=6)  # 24 positions: two of these 11
+    contexts = [list(range(10 * i, 10 * i + 10)) for i in range(1, 4)]
+    proposals = proposer.propose_batch(contexts, [2, 2, 2])
+    assert proposals == [reference(contexts[0], 2), reference(contexts[1], 2), []]

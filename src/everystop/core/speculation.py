@@ -16,7 +16,7 @@ structured output (they fall back to one token per pass).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from everystop.sampling_params import SamplingParams
 
@@ -26,6 +26,16 @@ class Proposer(Protocol):
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens guessed to follow `token_ids` (prompt then output); [] for none."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Proposer, Protocol):
+    """A proposer that drafts for many sequences at once more cheaply than one by one."""
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        """propose(contexts[i], ks[i]) for every i, in order."""
         ...
 
 

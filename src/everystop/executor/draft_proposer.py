@@ -47,6 +47,17 @@ class _Entry:
     block_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Job:
+    """One sequence of a propose_batch call: what the next forward pass feeds for it."""
+
+    index: int  # in the call's contexts
+    k: int
+    entry: _Entry
+    feed: list[int]  # tokens to run, at positions start_pos..
+    start_pos: int
+
+
 class DraftModelProposer:
     """Proposes by greedy decoding on a draft model, with K/V reused across calls."""
 
@@ -67,43 +78,66 @@ class DraftModelProposer:
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """k tokens (fewer near the draft's context limit) the draft decodes greedily after
         `token_ids`."""
-        tokens = list(token_ids)
-        n = len(tokens)
-        k = min(k, self.max_len - n + 1)
-        if k <= 0 or n == 0:
-            return []
-        key, entry = self._entry_for(tokens)
-        reuse = min(_common_prefix(entry.tokens, tokens), n - 1)
-        if not self._reserve(key, entry, n + k - 1):
-            self._drop(key)
-            return []
-        entry.tokens, entry.num_context = tokens, n
-        drafts = [self._run(tokens[reuse:], reuse, entry.block_ids)]
-        for _ in range(k - 1):
-            entry.tokens.append(drafts[-1])
-            drafts.append(self._run(drafts[-1:], n + len(drafts) - 1, entry.block_ids))
-        return drafts
+        return self.propose_batch([token_ids], [k])[0]
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        """propose() for several sequences at once: each of the k steps is one forward pass
+        over all of them (the first also runs each context's tokens the draft has not seen)."""
+        out: list[list[int]] = [[] for _ in contexts]
+        jobs: list[_Job] = []
+        pinned: set[int] = set()  # entries this batch writes: not reused twice, not evicted
+        for i, (context, k) in enumerate(zip(contexts, ks)):
+            tokens = list(context)
+            n = len(tokens)
+            k = min(k, self.max_len - n + 1)
+            if k <= 0 or n == 0:
+                continue
+            key, entry = self._entry_for(tokens, pinned)
+            reuse = min(_common_prefix(entry.tokens, tokens), n - 1)
+            pinned.add(key)
+            if not self._reserve(entry, n + k - 1, pinned):
+                pinned.discard(key)
+                self._drop(key)
+                continue
+            entry.tokens, entry.num_context = tokens, n
+            jobs.append(_Job(i, k, entry, tokens[reuse:], reuse))
+        while jobs:
+            for job, token in zip(jobs, self._run(jobs)):
+                out[job.index].append(token)
+                job.start_pos += len(job.feed)
+                job.feed = [token]
+            # Those with drafts to go feed their last one back (its K/V joins the entry's);
+            # the last draft of each is never fed.
+            jobs = [job for job in jobs if len(out[job.index]) < job.k]
+            for job in jobs:
+                job.entry.tokens.append(job.feed[0])
+        return out
 
     @torch.inference_mode()
-    def _run(self, token_ids: list[int], start_pos: int, block_ids: list[int]) -> int:
-        """Write K/V for token_ids at start_pos.. and return the greedy token after them."""
-        seq = ScheduledSequence(request_id="draft", token_ids=token_ids, start_pos=start_pos,
-                                block_ids=block_ids, sample=True, sampling_params=_GREEDY)
-        inputs = build_inputs([seq], self.block_size, self.device)
+    def _run(self, jobs: list[_Job]) -> list[int]:
+        """Write K/V for each job's feed at its start_pos.. and return the greedy token after
+        each."""
+        seqs = [ScheduledSequence(request_id=f"draft{j}", token_ids=job.feed,
+                                  start_pos=job.start_pos, block_ids=job.entry.block_ids,
+                                  sample=True, sampling_params=_GREEDY)
+                for j, job in enumerate(jobs)]
+        inputs = build_inputs(seqs, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                             inputs.sample_indices)
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # one process: it always has the LM head
-        return int(logits[0].argmax())
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
     # -- the entries ----------------------------------------------------------------------------
-    def _entry_for(self, tokens: list[int]) -> tuple[int, _Entry]:
-        """The entry whose context `tokens` extends (the longest), or a new empty one."""
+    def _entry_for(self, tokens: list[int], pinned: set[int]) -> tuple[int, _Entry]:
+        """The entry whose context `tokens` extends (the longest, not pinned), or a new empty
+        one."""
         best: tuple[int, _Entry] | None = None
         for key, entry in self._entries.items():
             m = entry.num_context
-            if m <= len(tokens) and (best is None or m > best[1].num_context) \
-                    and entry.tokens[:m] == tokens[:m]:
+            if key not in pinned and m <= len(tokens) and (
+                    best is None or m > best[1].num_context) and entry.tokens[:m] == tokens[:m]:
                 best = (key, entry)
         if best is None:
             best = (self._next_id, _Entry([], 0))
@@ -112,12 +146,12 @@ class DraftModelProposer:
         self._entries.move_to_end(best[0])
         return best
 
-    def _reserve(self, key: int, entry: _Entry, num_tokens: int) -> bool:
+    def _reserve(self, entry: _Entry, num_tokens: int, pinned: set[int]) -> bool:
         """Give the entry blocks for num_tokens positions, evicting the least recently used
-        others as needed; False when the pool cannot hold them even alone."""
+        entries not pinned as needed; False when the pool cannot hold them."""
         need = -(-num_tokens // self.block_size) - len(entry.block_ids)
         while need > len(self._free):
-            victim = next((other for other in self._entries if other != key), None)
+            victim = next((other for other in self._entries if other not in pinned), None)
             if victim is None:
                 return False
             self._drop(victim)
