@@ -211,6 +211,38 @@ def test_acceptance_is_counted_by_position_and_a_larger_k_extends_the_counts() -
     assert h.scheduler.stats().spec_decode_num_accepted_tokens_per_pos == per_pos + [0, 0]
 
 
+class BatchOracle(OracleProposer):
+    """The oracle, asked once per pass for every speculating row (as a draft model is)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.batches: list[list[int]] = []  # each call's ks
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        self.batches.append(list(ks))
+        return [self.propose(c, k) for c, k in zip(contexts, ks)]
+
+
+@pytest.mark.parametrize("budget", [64, 10])
+def test_a_batch_proposer_is_asked_once_per_pass_within_the_budget(budget: int) -> None:
+    h = make_harness(speculative="ngram", num_speculative_tokens=4,
+                     max_num_batched_tokens=budget)
+    oracle = h.scheduler.proposer = BatchOracle(0.3, 11)
+    prompts = {f"r{i}": [3 + i, 4, 5 + i, 6] * (i + 1) for i in range(6)}
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_tokens=17)
+    h.run()
+    for rid, prompt in prompts.items():
+        assert h.outputs[rid] == reference_output(prompt, 17), rid
+    assert oracle.batches and oracle.num_calls == sum(len(ks) for ks in oracle.batches)
+    assert any(len(ks) > 1 for ks in oracle.batches)
+    for sched in h.history:  # the drafts never push a pass past its token budget
+        assert sum(len(s.token_ids) for s in sched.scheduled) <= budget
+    assert h.scheduler.stats().spec_decode_num_accepted_tokens > 0
+    assert h.scheduler.kv.pool.num_used_blocks == 0
+
+
 def test_an_attached_draft_proposer_is_kept_while_the_method_is_unchanged() -> None:
     h = make_harness(speculative="draft:/models/small.gguf", num_speculative_tokens=4)
     sched = h.scheduler
