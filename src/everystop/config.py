@@ -112,11 +112,13 @@ class SchedulerConfig:
     tpot_max_stretch: float = 4.0
     # Speculative decoding (core/speculation.py): "ngram" proposes up to
     # num_speculative_tokens tokens per decoding sequence by prompt lookup (the last
-    # ngram_max .. ngram_min tokens found earlier in its tokens) and one pass verifies them.
+    # ngram_max .. ngram_min tokens found earlier in its tokens), "draft:PATH" by a smaller
+    # model with the target's tokenizer decoding greedily (executor/draft_proposer.py), and
+    # one pass verifies them.
     # Lossless: greedy and sampled output are what plain decoding gives (sampled: the same
     # distribution; seeded: the same tokens). NOTE: requests with structured output or
     # disable_spec_decode decode one token per pass. Off in static scheduling.
-    speculative: Literal["off", "ngram"] = "off"
+    speculative: str = "off"  # "off", "ngram" or "draft:PATH"
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
@@ -163,8 +165,10 @@ class SchedulerConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        if self.speculative not in ("off", "ngram"):
-            raise ConfigError(f"speculative must be 'off' or 'ngram', not {self.speculative!r}")
+        if not isinstance(self.speculative, str) or not (
+                self.speculative in ("off", "ngram") or draft_model_path(self.speculative)):
+            raise ConfigError(f"speculative must be 'off', 'ngram' or 'draft:PATH', "
+                              f"not {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens must be 1 .. {MAX_SPECULATIVE_TOKENS}, "
                               f"got {self.num_speculative_tokens!r}")
@@ -381,6 +385,12 @@ class EngineConfig:
                    parallel=ParallelConfig(**parts["parallel"]),  # type: ignore[arg-type]
                    structured=StructuredOutputConfig(
                        **parts["structured"]))  # type: ignore[arg-type]
+
+
+def draft_model_path(speculative: str) -> str | None:
+    """The draft model a `speculative` setting names ("draft:PATH"), else None."""
+    method, sep, path = speculative.partition(":")
+    return path if method == "draft" and sep and path else None
 
 
 def _positive(obj: object, *names: str) -> None:

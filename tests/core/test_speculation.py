@@ -85,6 +85,9 @@ def test_all_but_opted_out_and_structured_requests_speculate() -> None:
 
 def test_options_out_of_range_are_refused_by_name() -> None:
     for bad, name in ((dict(speculative="medusa"), "speculative"),
+                      (dict(speculative="draft:"), "speculative"),
+                      (dict(speculative="drafts:/m.gguf"), "speculative"),
+                      (dict(speculative=None), "speculative"),
                       (dict(num_speculative_tokens=0), "num_speculative_tokens"),
                       (dict(num_speculative_tokens=33), "num_speculative_tokens"),
                       (dict(ngram_min=3, ngram_max=2), "ngram_min"),
@@ -110,8 +113,10 @@ def test_the_flags_reach_the_config_and_bad_values_are_refused_by_name() -> None
         "ngram", 6, 2, 5)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         sched("--speculative", "ngram", "--num-speculative-tokens", "0")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative", "eagle"])
+    assert sched("--speculative", "draft:/models/small.gguf").speculative == (
+        "draft:/models/small.gguf")
+    with pytest.raises(ConfigError, match="speculative"):
+        sched("--speculative", "eagle")
 
 
 # -- verification in the scheduler -----------------------------------------------------------
@@ -204,6 +209,52 @@ def test_acceptance_is_counted_by_position_and_a_larger_k_extends_the_counts() -
     assert s.spec_decode_acceptance_rate == 1.0
     h.scheduler.update_config(dataclasses.replace(h.scheduler.config, num_speculative_tokens=5))
     assert h.scheduler.stats().spec_decode_num_accepted_tokens_per_pos == per_pos + [0, 0]
+
+
+class BatchOracle(OracleProposer):
+    """The oracle, asked once per pass for every speculating row (as a draft model is)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.batches: list[list[int]] = []  # each call's ks
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        self.batches.append(list(ks))
+        return [self.propose(c, k) for c, k in zip(contexts, ks)]
+
+
+@pytest.mark.parametrize("budget", [64, 10])
+def test_a_batch_proposer_is_asked_once_per_pass_within_the_budget(budget: int) -> None:
+    h = make_harness(speculative="ngram", num_speculative_tokens=4,
+                     max_num_batched_tokens=budget)
+    oracle = h.scheduler.proposer = BatchOracle(0.3, 11)
+    prompts = {f"r{i}": [3 + i, 4, 5 + i, 6] * (i + 1) for i in range(6)}
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_tokens=17)
+    h.run()
+    for rid, prompt in prompts.items():
+        assert h.outputs[rid] == reference_output(prompt, 17), rid
+    assert oracle.batches and oracle.num_calls == sum(len(ks) for ks in oracle.batches)
+    assert any(len(ks) > 1 for ks in oracle.batches)
+    for sched in h.history:  # the drafts never push a pass past its token budget
+        assert sum(len(s.token_ids) for s in sched.scheduled) <= budget
+    assert h.scheduler.stats().spec_decode_num_accepted_tokens > 0
+    assert h.scheduler.kv.pool.num_used_blocks == 0
+
+
+def test_an_attached_draft_proposer_is_kept_while_the_method_is_unchanged() -> None:
+    h = make_harness(speculative="draft:/models/small.gguf", num_speculative_tokens=4)
+    sched = h.scheduler
+    assert sched.proposer is None  # core cannot load a model: the engine attaches it
+    draft = OracleProposer(wrong=0.0, seed=1)
+    sched.proposer = draft
+    sched.update_config(dataclasses.replace(sched.config, num_speculative_tokens=6))
+    assert sched.proposer is draft
+    sched.update_config(dataclasses.replace(sched.config, speculative="ngram"))
+    assert isinstance(sched.proposer, NgramProposer)
+    sched.update_config(dataclasses.replace(sched.config, speculative="off"))
+    assert sched.proposer is None
 
 
 def test_an_executor_that_does_not_verify_turns_speculation_off() -> None:

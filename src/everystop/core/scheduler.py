@@ -137,8 +137,11 @@ class Scheduler:
 
     def update_config(self, config: SchedulerConfig) -> None:
         """Hot reload: takes effect at the next schedule()."""
-        self.config = config
-        self.proposer = self._make_proposer(config)
+        old, self.config = self.config, config
+        # A draft model stays attached while the method is unchanged (it cannot be loaded
+        # here); the n-gram proposer is rebuilt, its sizes may have changed.
+        if config.speculative != old.speculative or not config.speculative.startswith("draft:"):
+            self.proposer = self._make_proposer(config)
         per_pos = self.num_accepted_tokens_per_pos  # counters only grow: they are exported
         per_pos.extend([0] * (config.num_speculative_tokens - len(per_pos)))
         for queue in (self.waiting, self.preempted, self.swapped):

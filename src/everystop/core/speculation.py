@@ -16,7 +16,7 @@ structured output (they fall back to one token per pass).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from everystop.sampling_params import SamplingParams
 
@@ -26,6 +26,16 @@ class Proposer(Protocol):
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens guessed to follow `token_ids` (prompt then output); [] for none."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Proposer, Protocol):
+    """A proposer that drafts for many sequences at once more cheaply than one by one."""
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        """propose(contexts[i], ks[i]) for every i, in order."""
         ...
 
 
@@ -63,8 +73,10 @@ def speculates(params: SamplingParams) -> bool:
 
 
 def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:
-    """The proposer a configuration names ('off': None)."""
-    if method == "off":
+    """The proposer a configuration names ('off': None). A draft model ('draft:PATH') is None
+    here too: it needs the executor's machinery, and the engine attaches it
+    (executor/draft_proposer.py)."""
+    if method == "off" or method.startswith("draft:"):
         return None
     if method == "ngram":
         return NgramProposer(min_n, max_n)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
-from everystop.core.speculation import speculates
+from everystop.core.speculation import BatchProposer, speculates
 
 if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState as Scheduler
@@ -55,21 +55,41 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
     watermark: proposals never take room running sequences may need) allow."""
     proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
     assert proposer is not None
-    budget, kv, requests = step.budget, sched.kv, sched.requests
+    # A proposer that drafts many sequences in one go (a draft model: one forward pass per
+    # step for all) is asked once, with each row's k planned against the budget up front.
+    batch = proposer.propose_batch if isinstance(proposer, BatchProposer) else None
+    budget, requests = step.budget, sched.requests
+    planned: list[tuple[ScheduledSequence, Request, int]] = []
+    left = budget.tokens_left
     for rid, entry in list(step.decodes.items()):
         if entry.padding or not speculates(entry.sampling_params):
             continue
         req = requests[rid]
         # Room for every proposal accepted plus the model's next token within max_tokens and
         # the model length (the stop checks would cut the excess, but it is wasted work).
-        k = min(k_max, budget.tokens_left,
+        k = min(k_max, left if batch else budget.tokens_left,
                 entry.sampling_params.max_tokens - len(req.output_token_ids) - 1,
                 max_len - entry.start_pos - 2)
         if k <= 0:
             continue
-        drafts = proposer.propose(req.prompt_token_ids + req.output_token_ids, k)[:k]
-        if drafts and kv.allocate(req, 1 + len(drafts), reserve_watermark=True):
-            step.add_drafts(entry, drafts, kv.block_ids(rid), req.priority)
+        if batch:
+            planned.append((entry, req, k))
+            left -= k
+        else:
+            _add(sched, step, entry, req,
+                 proposer.propose(req.prompt_token_ids + req.output_token_ids, k)[:k])
+    if batch and planned:
+        contexts = [req.prompt_token_ids + req.output_token_ids for _, req, _ in planned]
+        for (entry, req, k), drafts in zip(planned, batch(contexts, [k for *_, k in planned])):
+            _add(sched, step, entry, req, drafts[:k])
+
+
+def _add(sched: Scheduler, step: PassBuilder, entry: ScheduledSequence, req: Request,
+         drafts: list[int]) -> None:
+    """Put a row's proposals in the pass, where the KV pool has room above the watermark."""
+    kv = sched.kv
+    if drafts and kv.allocate(req, 1 + len(drafts), reserve_watermark=True):
+        step.add_drafts(entry, drafts, kv.block_ids(req.request_id), req.priority)
 
 
 def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,

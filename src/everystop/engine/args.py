@@ -179,11 +179,13 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tpot-max-stretch", dest="tpot_max_stretch", type=float, default=None,
                    help="the most a TTFT-aged step may stretch its TPOT target (default 4; "
                    "1: never)")
-    g.add_argument("--speculative", choices=["off", "ngram"], default=None,
+    g.add_argument("--speculative", default=None, metavar="off|ngram|draft:PATH",
                    help="speculative decoding: ngram proposes each decoding sequence's next "
-                   "tokens by prompt lookup and one pass verifies them (default off); the "
-                   "output is what plain decoding gives, greedy or sampled. Requests with "
-                   "structured output or disable_spec_decode decode one token per pass")
+                   "tokens by prompt lookup, draft:PATH by a smaller model with the same "
+                   "tokenizer (GGUF file or HF directory), and one pass verifies them "
+                   "(default off); the output is what plain decoding gives, greedy or "
+                   "sampled. Requests with structured output or disable_spec_decode decode "
+                   "one token per pass")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most tokens proposed per sequence per pass (default 4, at most 32)")
     g.add_argument("--ngram-min", type=int, default=None,

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeVar
 
-from everystop.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from everystop.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    draft_model_path,
+)
 from everystop.core.intake import model_len_limit, peak_blocks
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.listeners import FinishListener, IterationListener
@@ -29,6 +35,7 @@ from everystop.core.outputs import (
 from everystop.core.preemption import PreemptionCostModel
 from everystop.core.request import Request, RequestStatus
 from everystop.core.scheduler import Scheduler
+from everystop.core.speculation import Proposer
 from everystop.core.step_cost import SEED_PROMPT_TOKENS
 from everystop.engine.engine_state import EngineMemory
 from everystop.engine.fault_isolation import forward_error, isolate_faults
@@ -77,6 +84,10 @@ class LLMEngine:
         self.num_steps = 0
         self._prefill_passes = 0  # counted up to LIVE_RATE_CHECK_PASSES, then the check runs
         self.loras = LoraRegistry(config.model.lora_modules)
+        # The draft model of --speculative draft:PATH, attached by from_config.
+        self.draft_proposer: Proposer | None = None
+        self._draft_method = (config.scheduler.speculative
+                              if draft_model_path(config.scheduler.speculative) else None)
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
                                                   sorted(tokenizer.eos_token_ids),
                                                   config.structured)
@@ -98,6 +109,10 @@ class LLMEngine:
         engine = cls(config, executor, tokenizer, cost_model=cost_model,
                      model_path=executor.model_path)
         sched = engine.scheduler
+        draft = draft_model_path(config.scheduler.speculative)
+        if draft is not None:
+            sched.proposer = engine.draft_proposer = _load_draft(config, executor, tokenizer,
+                                                                 draft)
         logger.info("step cost prior (s per unit): %s; TPOT target when none is set: %.0f ms "
                     "(configured: %s ms, per tier %s)", sched.step_cost.coefficients.to_dict(),
                     1e3 * sched.auto_tpot_target_s, config.scheduler.tpot_target_ms,
@@ -395,8 +410,15 @@ class LLMEngine:
 
     def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
         """Hot reload; the next schedule() uses the new values. Returns the step count at the
-        switch."""
+        switch. A draft model is loaded at start-up only: switching back to it re-attaches
+        it, naming another is refused."""
+        method, before = scheduler.speculative, self.config.scheduler.speculative
+        if draft_model_path(method) and method != self._draft_method:
+            raise ConfigError(f"speculative {method!r}: a draft model is loaded at start-up "
+                              f"only (this engine's: {self._draft_method or 'none'})")
         self.scheduler.update_config(scheduler)
+        if method == self._draft_method and method != before:
+            self.scheduler.proposer = self.draft_proposer
         self.kv.set_watermark(cache.watermark)
         self.config = dataclasses.replace(self.config, scheduler=scheduler, cache=cache)
         return self.num_steps
@@ -415,6 +437,32 @@ class LLMEngine:
             self.iteration_listeners.remove(on_iteration)
         if on_finish is not None and on_finish in self.finish_listeners:
             self.finish_listeners.remove(on_finish)
+
+
+def _load_draft(config: EngineConfig, executor: Executor, tokenizer: EngineTokenizer,
+                path: str) -> Proposer:
+    """The draft model proposer for --speculative draft:PATH, run as the target's runner runs;
+    ConfigError where it may not draft for this target: a tokenizer vocabulary other than the
+    target's, more parameters than the target, or a tensor-parallel target."""
+    from everystop.executor.draft_proposer import draft_proposer_for
+    from everystop.tokenizer import TokenizerLoadError, load_tokenizer
+
+    runner = getattr(executor, "runner", None)
+    if runner is None or config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("speculative draft:PATH needs the in-process executor "
+                          "(tensor_parallel_size 1)")
+    try:
+        draft_vocab = load_tokenizer(path).hf_tokenizer.get_vocab()
+    except TokenizerLoadError as exc:  # a missing or unreadable path, named as the option
+        raise ConfigError(f"speculative: the draft model: {exc}") from None
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    target_vocab = hf.get_vocab() if hf is not None else {}
+    if draft_vocab != target_vocab:
+        differ = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
+        raise ConfigError(f"speculative: the draft model's tokenizer differs from the target's "
+                          f"({len(draft_vocab)} vs {len(target_vocab)} tokens; {differ} "
+                          f"(token, id) pairs not in both): {path}")
+    return draft_proposer_for(runner, path)
 
 
 def _detokenizer_factory(tokenizer: EngineTokenizer

@@ -107,7 +107,7 @@ _MODELS: OrderedDict[tuple[str | None, str, str, Backends, str], DecoderForCausa
 _MAX_SHARED_MODELS = 2
 
 
-def _shared_model(path: str | None, dtype: str, device: str,
+def shared_model(path: str | None, dtype: str, device: str,
                   backends: Backends, quantization: str = "auto") -> DecoderForCausalLM:
     key = (path, dtype, device, backends, quantization)
     model = _MODELS.get(key)
@@ -155,7 +155,7 @@ class ModelRunner:
         # NOTE: a model serving LoRA adapters is never shared either: its bank is its own.
         serves_lora = bool(model_config.lora_modules) or model_config.enable_lora
         self.model: DecoderForCausalLM = (
-            _shared_model(model_config.model, model_config.dtype, model_config.device,
+            shared_model(model_config.model, model_config.dtype, model_config.device,
                           self.backends, model_config.quantization)
             if parallel.world_size == 1 and not serves_lora else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,

@@ -1,0 +1,198 @@
+"""The draft-model proposer (--speculative draft:PATH): a smaller model with the target's
+tokenizer guesses each speculating sequence's next k tokens by decoding greedily.
+
+Greedy drafting makes each proposal a point mass (q(d) = 1), so the scheduler's equality rule
+(core/verification.py) is the exact rejection rule and sampled output keeps the target's
+distribution.
+
+The draft keeps K/V of its own, in a small paged pool, per context it has seen::
+
+    entry:   c1 .. cn   d1 .. d(k-1)        (K/V of the context it was asked about, then of
+             num_context                     the drafts it fed back; dk is never fed)
+    next:    c1 .. cn   d1 .. da  g  ...    (the same sequence a pass later: the accepted
+                                             drafts, then the target's token)
+
+A new context reuses the entry whose num_context tokens it starts with (the longest such),
+keeps the K/V of their common prefix, and prefills only the rest before its k greedy steps;
+a context no entry starts (a new sequence, or one after preemption) is prefilled whole. Entries
+are evicted least recently used when the pool runs out of blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from everystop.config import ConfigError
+from everystop.core.outputs import ScheduledSequence
+from everystop.executor.inputs import build_inputs
+from everystop.executor.model_runner import ModelRunner, shared_model
+from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
+from everystop.executor.models.errors import ModelLoadError
+from everystop.executor.models.loader import resolve_model_path, weight_memory
+from everystop.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]  # whose K/V the entry's blocks hold, in order
+    num_context: int  # how many of them were the context it was last asked about
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    """One sequence of a propose_batch call: what the next forward pass feeds for it."""
+
+    index: int  # in the call's contexts
+    k: int
+    entry: _Entry
+    feed: list[int]  # tokens to run, at positions start_pos..
+    start_pos: int
+
+
+class DraftModelProposer:
+    """Proposes by greedy decoding on a draft model, with K/V reused across calls."""
+
+    def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.block_size, self.device = model, block_size, device
+        args = model.args
+        shape = (num_blocks, block_size, model.num_local_kv_heads, args.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device),
+             torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(args.num_layers)]
+        self.max_len = min(args.max_position_embeddings, num_blocks * block_size)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._next_id = 0
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """k tokens (fewer near the draft's context limit) the draft decodes greedily after
+        `token_ids`."""
+        return self.propose_batch([token_ids], [k])[0]
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                      ) -> list[list[int]]:
+        """propose() for several sequences at once: each of the k steps is one forward pass
+        over all of them (the first also runs each context's tokens the draft has not seen)."""
+        out: list[list[int]] = [[] for _ in contexts]
+        jobs: list[_Job] = []
+        pinned: set[int] = set()  # entries this batch writes: not reused twice, not evicted
+        for i, (context, k) in enumerate(zip(contexts, ks)):
+            tokens = list(context)
+            n = len(tokens)
+            k = min(k, self.max_len - n + 1)
+            if k <= 0 or n == 0:
+                continue
+            key, entry = self._entry_for(tokens, pinned)
+            reuse = min(_common_prefix(entry.tokens, tokens), n - 1)
+            pinned.add(key)
+            if not self._reserve(entry, n + k - 1, pinned):
+                pinned.discard(key)
+                self._drop(key)
+                continue
+            entry.tokens, entry.num_context = tokens, n
+            jobs.append(_Job(i, k, entry, tokens[reuse:], reuse))
+        while jobs:
+            for job, token in zip(jobs, self._run(jobs)):
+                out[job.index].append(token)
+                job.start_pos += len(job.feed)
+                job.feed = [token]
+            # Those with drafts to go feed their last one back (its K/V joins the entry's);
+            # the last draft of each is never fed.
+            jobs = [job for job in jobs if len(out[job.index]) < job.k]
+            for job in jobs:
+                job.entry.tokens.append(job.feed[0])
+        return out
+
+    @torch.inference_mode()
+    def _run(self, jobs: list[_Job]) -> list[int]:
+        """Write K/V for each job's feed at its start_pos.. and return the greedy token after
+        each."""
+        seqs = [ScheduledSequence(request_id=f"draft{j}", token_ids=job.feed,
+                                  start_pos=job.start_pos, block_ids=job.entry.block_ids,
+                                  sample=True, sampling_params=_GREEDY)
+                for j, job in enumerate(jobs)]
+        inputs = build_inputs(seqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            inputs.sample_indices)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None  # one process: it always has the LM head
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    # -- the entries ----------------------------------------------------------------------------
+    def _entry_for(self, tokens: list[int], pinned: set[int]) -> tuple[int, _Entry]:
+        """The entry whose context `tokens` extends (the longest, not pinned), or a new empty
+        one."""
+        best: tuple[int, _Entry] | None = None
+        for key, entry in self._entries.items():
+            m = entry.num_context
+            if key not in pinned and m <= len(tokens) and (
+                    best is None or m > best[1].num_context) and entry.tokens[:m] == tokens[:m]:
+                best = (key, entry)
+        if best is None:
+            best = (self._next_id, _Entry([], 0))
+            self._next_id += 1
+            self._entries[best[0]] = best[1]
+        self._entries.move_to_end(best[0])
+        return best
+
+    def _reserve(self, entry: _Entry, num_tokens: int, pinned: set[int]) -> bool:
+        """Give the entry blocks for num_tokens positions, evicting the least recently used
+        entries not pinned as needed; False when the pool cannot hold them."""
+        need = -(-num_tokens // self.block_size) - len(entry.block_ids)
+        while need > len(self._free):
+            victim = next((other for other in self._entries if other not in pinned), None)
+            if victim is None:
+                return False
+            self._drop(victim)
+        for _ in range(max(need, 0)):
+            entry.block_ids.append(self._free.pop())
+        return True
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self._free.extend(entry.block_ids)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (a binary search over C-speed slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def draft_proposer_for(runner: ModelRunner, path: str) -> DraftModelProposer:
+    """The draft model at `path` loaded as the target's runner runs (dtype, device, kernels,
+    KV element type and block size), with a KV pool of as many tokens as the target's.
+    ConfigError when it has more parameters than the target (the engine checks the
+    tokenizers first)."""
+    cfg = runner.model_config
+    device = torch.device(cfg.device)
+    try:
+        path = resolve_model_path(path)
+        model = shared_model(path, cfg.dtype, cfg.device, runner.backends)  # one copy for itself
+    except ModelLoadError as exc:
+        raise ConfigError(f"speculative: the draft model: {exc}") from None
+    _, params = weight_memory(model)
+    if params > runner.num_params:
+        raise ConfigError(f"speculative: the draft model has more parameters than the target "
+                          f"({params:,} > {runner.num_params:,}): {path}")
+    logger.info("draft model %s: %.1fM parameters, KV pool of %d blocks", path, params / 1e6,
+                runner.num_gpu_blocks)
+    return DraftModelProposer(model, runner.num_gpu_blocks, runner.block_size, runner.kv_dtype,
+                              device)
