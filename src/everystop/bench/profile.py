@@ -174,18 +174,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _weight_stream(engine: Any, picked: dict[str, Any]) -> dict[str, Any]:
-    """A single-stream decode step reads every weight once (a tied embedding as the LM head),
-    and its sequence's K/V: those bytes over the step's time (min wall, and the weight kernels'
+    """A single-stream decode step reads its weights once (every dense weight, one embedding
+    row, an MoE block's chosen experts; as the model counted them for the step), and its
+    sequence's K/V: the weight bytes over the step's time (min wall, and the weight kernels'
     profiled time alone), against the read bandwidth measured right after, same threads."""
     from everystop.bench.roofline import read_bandwidth_gb_s
 
-    weight_bytes = engine.executor.weight_bytes
+    weight_bytes = picked["weight_bytes_per_step"] or engine.executor.weight_bytes
     read_gb_s = read_bandwidth_gb_s()
     step_gb_s = weight_bytes / picked["execute_ms_min"] / 1e6
     kernels_ms = sum(picked["breakdown_ms"].get(k, 0.0) for k in
                      ("decoder_stack", "lm_head", "linear"))
     kernels_gb_s = weight_bytes / kernels_ms / 1e6 if kernels_ms else None
-    return {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": read_gb_s,
+    return {"weight_bytes": engine.executor.weight_bytes,
+            "weight_bytes_per_step": weight_bytes, "read_bandwidth_gb_s": read_gb_s,
             "step_gb_s": step_gb_s, "step_share_of_read_bandwidth": step_gb_s / read_gb_s,
             "weight_kernels_ms": kernels_ms, "weight_kernels_gb_s": kernels_gb_s,
             "weight_kernels_share_of_read_bandwidth":
@@ -209,6 +211,8 @@ def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, An
         t0 = time.perf_counter()
         execute(sched)
         profiled_wall = time.perf_counter() - t0
+    # The weight bytes that step read (a sparse MoE model: its chosen experts only).
+    step_bytes = runner.weight_bytes_last_pass() if runner is not None else None
     cats = _categorize(prof.events())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
           file=sys.stderr)
@@ -216,7 +220,7 @@ def _profile(engine: Any, runner: Any, sched: Any, repeats: int) -> dict[str, An
     return {"num_seqs": len(sched.scheduled), "prefill_tokens": sched.num_prefill_tokens,
             "decode_tokens": sched.num_decode_tokens,
             "execute_ms_min": 1e3 * min(walls), "execute_ms_all": [1e3 * w for w in walls],
-            "profiled_wall_ms": 1e3 * profiled_wall,
+            "profiled_wall_ms": 1e3 * profiled_wall, "weight_bytes_per_step": step_bytes,
             "breakdown_ms": {k: round(v, 3) for k, v in sorted(cats.items(),
                                                                 key=lambda kv: -kv[1])},
             "breakdown_frac": {k: round(v / total, 4) for k, v in sorted(

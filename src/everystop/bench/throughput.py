@@ -25,6 +25,8 @@ from everystop.workload import Workload
 
 def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     """The engine flags the in-process measurements (throughput, profile) share."""
+    ap.add_argument("--model", default=None,
+                    help="GGUF file or Hugging Face directory (default: the bundled model)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
@@ -39,7 +41,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """LLM(...) options from add_engine_arguments' flags, plus `more`."""
-    options: dict[str, Any] = {"dtype": args.dtype, "cpu_kernels": args.cpu_kernels,
+    options: dict[str, Any] = {"model": args.model, "dtype": args.dtype,
+                               "cpu_kernels": args.cpu_kernels,
                                "kv_cache_dtype": args.kv_cache_dtype,
                                "quantization": args.quantization,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}

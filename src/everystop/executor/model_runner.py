@@ -203,6 +203,10 @@ class ModelRunner:
                         model_config.quantization,
                         self.num_gpu_blocks * self.bytes_per_block / 2**20)
 
+    def weight_bytes_last_pass(self) -> int:
+        """Bytes of weights the last forward pass read (DecoderForCausalLM's count)."""
+        return self.model.weight_bytes_last_pass()
+
     @property
     def num_gpu_blocks(self) -> int:
         return self.pool.num_device_blocks

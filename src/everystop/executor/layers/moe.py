@@ -22,6 +22,7 @@ from torch import nn
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.layers.weight_reads import WeightReads
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -59,12 +60,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts in two stacked matrices (see the module docstring)."""
+    """E SwiGLU experts in two stacked matrices (see the module docstring). With `reads`,
+    each pass adds there the bytes of the experts it ran (their gate/up/down rows as held)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 ctx: ParallelContext = SINGLE, kernels: CpuKernels | None = None) -> None:
+                 ctx: ParallelContext = SINGLE, kernels: CpuKernels | None = None,
+                 reads: WeightReads | None = None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.reads = reads
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.gate_up_proj = ColumnParallelLinear(hidden_size,
@@ -99,15 +103,28 @@ class Experts(nn.Module):
         slot_weights = weights.reshape(-1, 1)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         start = 0
+        chosen = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
+            chosen += 1
             slots = order[start:start + n]
             start += n
             rows = slots // top_k
             y = self.expert(e, x[rows])
             out.index_add_(0, rows, y.float() * slot_weights[slots])
+        if self.reads is not None:
+            self.reads.add_partial(chosen * self.expert_bytes())
         return out
+
+    def expert_bytes(self) -> int:
+        """The bytes of one expert's weights on this rank, as held (blocks or float)."""
+        return ((self.gate_up_proj.weight.nbytes + self.down_proj.weight.nbytes)
+                // self.num_experts)
+
+    def stacked_weights(self) -> list[torch.Tensor]:
+        """The stacked expert matrices, which a pass reads only in part."""
+        return [self.gate_up_proj.weight, self.down_proj.weight]
 
 
 class SparseMoeBlock(nn.Module):
@@ -115,7 +132,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, ctx: ParallelContext = SINGLE,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, reads: WeightReads | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"experts per token ({top_k}) must be in 1..{num_experts}")
@@ -123,7 +140,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Router(hidden_size, num_experts)
-        self.experts = Experts(hidden_size, intermediate_size, num_experts, ctx, kernels)
+        self.experts = Experts(hidden_size, intermediate_size, num_experts, ctx, kernels, reads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

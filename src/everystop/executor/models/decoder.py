@@ -43,6 +43,7 @@ from everystop.executor.layers.rotary import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from everystop.executor.layers.weight_reads import WeightReads, pass_bytes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
 logger = logging.getLogger(__name__)
@@ -272,6 +273,7 @@ class DecoderForCausalLM(nn.Module):
         self.ctx = ctx
         self.backends = backends
         self.model = DecoderModel(args, ctx, backends)
+        self.weight_reads = WeightReads()
         self.lm_head = (None if args.tie_word_embeddings else
                         ParallelLMHead(args.vocab_size, args.hidden_size, ctx, backends.kernels))
         self.inv_freq: torch.Tensor = rope_inv_freq(args.head_dim, args.rope_theta,
@@ -317,6 +319,7 @@ class DecoderForCausalLM(nn.Module):
         Given output rows, the last layer runs its attention, MLP and norms on those rows alone:
         the other rows only need their K/V written there (as llama.cpp does; a 280-token
         prompt's prefill saves ~94% of one layer's work)."""
+        self.weight_reads.begin(input_ids.shape[0])
         x = self.model.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:
             # As the reference: the scale rounded to the activation dtype first.
@@ -449,11 +452,26 @@ class DecoderForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the N hidden rows given (only the rows to sample);
         under tensor parallelism on rank 0 only (None on the other ranks)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if hidden.shape[0]:
+            self.weight_reads.mark_logits()
         logits = head.logits(hidden)
         cap = self.args.final_softcap
         if logits is None or cap <= 0:
             return logits
         return torch.tanh(logits / cap) * cap
+
+
+    def partly_read_weights(self) -> list[torch.Tensor]:
+        """Weights a pass reads only in part, reporting what it read to `weight_reads`."""
+        return []
+
+    def weight_bytes_last_pass(self) -> int:
+        """Bytes of weights (this rank's, as held) the last forward pass and its logits
+        read: every weight whole, the embedding's rows of the pass's tokens, and of a sparse
+        MoE block only the experts its rows chose."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return pass_bytes(self.weight_reads, self.parameters(), self.partly_read_weights(),
+                          self.model.embed_tokens.weight, head.weight)
 
 
 def hf_sources(args: DecoderArgs) -> dict[str, list[str]]:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from everystop.executor.layers.moe import SparseMoeBlock
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.decoder import (
@@ -62,7 +64,12 @@ class MoeForCausalLM(DecoderForCausalLM):
             if args.is_moe_layer(i):
                 layer.mlp = SparseMoeBlock(args.hidden_size, args.expert_intermediate_size,
                                            args.num_experts, args.experts_per_token,
-                                           args.norm_topk_prob, ctx, backends.kernels)
+                                           args.norm_topk_prob, ctx, backends.kernels,
+                                           self.weight_reads)
+
+    def partly_read_weights(self) -> list[torch.Tensor]:
+        return [w for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)
+                for w in layer.mlp.experts.stacked_weights()]
 
 
 def moe_hf_sources(block: str, gate: str, up: str, down: str
