@@ -18,6 +18,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+HEAVY_MARKS = ("model", "slow", "server")  # in order: the default model, long runs, a server
+
+
+def _weight(item: pytest.Item) -> int:
+    return next((i for i, mark in enumerate(HEAVY_MARKS) if item.get_closest_marker(mark)),
+                len(HEAVY_MARKS))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heavy modules first, then the rest by size, largest first: `make test` hands whole modules
+    to two workers in this order (--dist loadfile --no-loadscope-reorder), so the quick modules
+    fill in at the end and neither worker waits long on a model test at the other's finish."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(modules.values(), key=lambda group: (min(map(_weight, group)), -len(group)))
+    items[:] = [item for group in order for item in group]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _refreeze_imports() -> None:
     """Freeze again after a test unfroze the heap (the fleet simulator and the runtime-stats test
