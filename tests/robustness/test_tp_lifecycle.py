@@ -28,6 +28,9 @@ print("RESULT", [o.outputs[0].token_ids for o in outs])
 """
 
 
+pytestmark = pytest.mark.slow  # five runs of a two-process engine: ~30 s
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_llama_dir(tmp_path_factory, "tiny_tp_script", kv_heads=2)
