@@ -13,9 +13,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (torch, transformers, every test module: ~1M objects), so
     the per-test collection below walks only what tests allocate: a full pass over the imports
     took 0.5-8 s, after every one of ~2,000 tests. Frozen objects are still freed by reference
-    counting; only cycles among them would stay."""
-    gc.collect()
-    gc.freeze()
+    counting; only cycles among them would stay. PyPy (tests/sim/test_fleet_pypy.py runs this
+    suite's fleet tests there) has no permanent generation: nothing to freeze."""
+    if hasattr(gc, "freeze"):
+        gc.collect()
+        gc.freeze()
 
 
 HEAVY_MARKS = ("model", "slow", "server")  # in order: the default model, long runs, a server
@@ -41,7 +43,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _refreeze_imports() -> None:
     """Freeze again after a test unfroze the heap (the fleet simulator and the runtime-stats test
     do): at a module's start no earlier module's fixtures are alive, so no engine is frozen."""
-    if gc.get_freeze_count() == 0:
+    if hasattr(gc, "freeze") and gc.get_freeze_count() == 0:
         gc.collect()
         gc.freeze()
 
