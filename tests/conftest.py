@@ -39,21 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for group in order for item in group]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _refreeze_imports() -> None:
-    """Freeze again after a test unfroze the heap (the fleet simulator and the runtime-stats test
-    do): at a module's start no earlier module's fixtures are alive, so no engine is frozen."""
-    if hasattr(gc, "freeze") and gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
-
-
 @pytest.fixture(autouse=True)
 def _release_engines() -> Iterator[None]:
     """Engines hold KV pools of hundreds of MiB; collect any left in reference cycles after each
-    test so a long suite's memory stays flat on a 24 GiB machine."""
+    test so a long suite's memory stays flat on a 24 GiB machine. Then freeze again if the test
+    unfroze the heap (the fleet simulator does, and the runtime-stats test): otherwise every
+    later test in the module walked it all again. What this freezes is only what is still alive
+    (the module's fixtures: no module that runs the simulator holds an engine in one)."""
     yield
     gc.collect()
+    if hasattr(gc, "freeze") and gc.get_freeze_count() == 0:
+        gc.freeze()
 
 
 @pytest.fixture(scope="session")
