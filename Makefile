@@ -33,9 +33,10 @@ lint: $(STAMP)
 	$(VPY) -m mypy
 
 # Two workers, a test module each at a time (module-scoped servers stay in one worker): most
-# tests wait on a server or a subprocess, so the two cores overlap them.
+# tests wait on a server or a subprocess, so the two cores overlap them. Modules go out in
+# tests/conftest.py's order (heavy ones first), not xdist's (most tests first).
 test: lint
-	$(VPY) -m pytest -x -n 2 --dist loadfile --durations=40
+	$(VPY) -m pytest -x -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not model and not server"

@@ -111,7 +111,7 @@ def _solve_by_rounds(a, b, prev, d) -> list[float]:
             return theta
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 256), st.integers(0, 10**6),
                           st.floats(1e-4, 2.0), st.booleans()), min_size=1, max_size=40),
        st.sampled_from([0.05, 1e-6, 3.0]))
@@ -135,7 +135,7 @@ def test_a_feature_that_makes_steps_cheaper_is_pinned_at_zero() -> None:
     assert model.coefficients.prefill_token == 0.0 and model.coefficients.fixed > 0
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6, allow_subnormal=False) | st.sampled_from([0.0, 1.0, -1.0]),
                 min_size=20, max_size=20))
 def test_the_written_out_elimination_is_the_general_one(entries) -> None:

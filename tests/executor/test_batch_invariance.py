@@ -17,6 +17,7 @@ from everystop.executor.layers.linear import linear
 from everystop.executor.layers.quant import FORMATS, quantize
 from everystop.executor.model_runner import ModelRunner
 from everystop.sampling_params import SamplingParams
+from tests.tiny_llama import llama_config, save_random_llama
 
 KERNELS = load_cpu_kernels("auto", batch_invariant=True)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no CPU kernel build on this machine")
@@ -151,17 +152,7 @@ def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str)
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random Llama with head_dim 64 (the attention kernel's compiled layouts, the prefill
     tiles included), small enough for hundreds of engine steps in seconds."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=None)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.05)
     path = tmp_path_factory.mktemp("tiny_llama_bi")
-    model.save_pretrained(path, safe_serialization=True)
+    save_random_llama(llama_config(vocab_size=512, hidden_size=256, intermediate_size=512),
+                      path, std=0.05)
     return str(path)

@@ -9,35 +9,24 @@ import torch
 from everystop.config import CacheConfig, ModelConfig
 from everystop.executor.model_runner import ModelRunner
 from everystop.executor.models.loader import load_model
+from tests.tiny_llama import llama_config, save_random_llama
 
 from .conftest import greedy_generate
 
-transformers = pytest.importorskip("transformers")
-
 
 def _tiny_config(**overrides):
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                max_position_embeddings=512, rms_norm_eps=1e-5,
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                rope_theta=10000.0, eos_token_id=None)  # no EOS: generate all 16 tokens
-    base.update(overrides)
-    return transformers.LlamaConfig(**base)
+                rope_theta=10000.0)
+    return llama_config(**(base | overrides))
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(_tiny_config())
-    # Larger weights than the default init, so logits are far from ties and rope matters.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
     path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path), model.eval()
+    # Larger weights than the default init, so logits are far from ties and rope matters.
+    return str(path), save_random_llama(_tiny_config(), path, std=0.2)
 
 
 def test_tiny_llama_logits_and_greedy_match(tiny_dir):

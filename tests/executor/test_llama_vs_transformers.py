@@ -6,12 +6,9 @@ alone 5.3e-5 (tolerance 1e-3).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from everystop.executor.models.loader import default_model_path
 from everystop.tokenizer import load_tokenizer
 
 from .conftest import greedy_generate
@@ -35,12 +32,8 @@ def runner(default_runner):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_float32_model):
+    return hf_float32_model  # the suite's one load, shared with the server-side logprob tests
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from everystop.core.outputs import ScheduledSequence, SchedulerOutput
 from everystop.executor.layers.parallel import HeadShard, shard_heads, shard_range
 from everystop.executor.models.loader import ModelLoadError, default_model_path
 from everystop.executor.tp_executor import TensorParallelError, TensorParallelExecutor
+from tests.tiny_llama import tiny_llama_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,30 +115,14 @@ def test_default_model_tp2_matches_tp1():
     _compare(None, None, None)
 
 
-def _tiny_dir(tmp_path_factory, name: str, kv_heads: int) -> str:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=False,
-        max_position_embeddings=512, eos_token_id=None)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)  # far from ties: greedy tokens are a sharp test
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_gqa(tmp_path_factory) -> str:
-    return _tiny_dir(tmp_path_factory, "tiny_gqa", kv_heads=2)
+    return tiny_llama_dir(tmp_path_factory, "tiny_gqa", kv_heads=2)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_tiny_model_tp2_matches_tp1(tmp_path_factory, tiny_gqa, kv_heads):
-    path = tiny_gqa if kv_heads == 2 else _tiny_dir(tmp_path_factory, "tiny_mqa", 1)
+    path = tiny_gqa if kv_heads == 2 else tiny_llama_dir(tmp_path_factory, "tiny_mqa", 1)
     # The tiny vocabulary (250) sits inside the default tokenizer's: prompts are token ids.
     _compare(path, default_model_path(), vocab=250)
 

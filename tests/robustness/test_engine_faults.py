@@ -19,7 +19,7 @@ from everystop.executor.model_runner import _drop_non_finite
 from everystop.sampling_params import SamplingParams
 from everystop.server.app import build_app
 from tests.core.toy_executor import ToyExecutor, reference_output
-from tests.engine.toy_engine import make_toy_engine
+from tests.engine.toy_engine import make_toy_engine, run_all
 from tests.server.fakes import ChatCharTokenizer
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -43,16 +43,6 @@ def faulty_engine(fault: Callable[[SchedulerOutput, ModelOutput], None]) -> LLME
     eng = make_toy_engine(num_blocks=64, max_num_seqs=4)
     eng.executor = FaultyExecutor(eng.executor, fault)
     return eng
-
-
-def run_all(eng: LLMEngine) -> dict[str, object]:
-    final = {}
-    while eng.has_work():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        eng.scheduler.check_integrity()
-    return final
 
 
 def with_victim(text: str) -> Callable[[ScheduledSequence], bool]:

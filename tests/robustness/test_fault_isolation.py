@@ -10,14 +10,12 @@ from collections.abc import Callable
 
 import pytest
 
-from everystop.config import CacheConfig, EngineConfig, SchedulerConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.engine.fault_isolation import search_budget
 from everystop.engine.llm_engine import LLMEngine
 from everystop.sampling_params import SamplingParams
 from tests.core.toy_executor import ToyExecutor, reference_output
-from tests.engine.toy_engine import CharTokenizer
-from tests.robustness.test_engine_faults import run_all
+from tests.engine.toy_engine import CharTokenizer, run_all, toy_engine_config
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -48,11 +46,7 @@ class CulpritExecutor(ToyExecutor):
 
 def engine(raises: Callable[[SchedulerOutput], bool], num_blocks: int = 256,
            num_cpu_blocks: int = 0, **sched: object) -> tuple[LLMEngine, CulpritExecutor]:
-    cfg: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64,
-                                  max_model_len=4096)
-    cfg.update(sched)
-    config = EngineConfig(cache=CacheConfig(block_size=4, watermark=0.0),
-                          scheduler=SchedulerConfig(**cfg))  # type: ignore[arg-type]
+    config = toy_engine_config(4, **(dict(max_num_batched_tokens=128, chunk_size=64) | sched))
     executor = CulpritExecutor(raises, num_blocks, num_cpu_blocks)
     return LLMEngine(config, executor, CharTokenizer()), executor
 

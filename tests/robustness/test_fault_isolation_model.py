@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from everystop import LLM, SamplingParams
-from everystop.core.outputs import ModelOutput, RequestOutput, SchedulerOutput
-from everystop.engine.llm_engine import LLMEngine
+from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.executor.models.loader import default_model_path
-from tests.executor.test_tensor_parallel import _tiny_dir
+from tests.engine.toy_engine import run_all
+from tests.tiny_llama import tiny_llama_dir
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(tokenizer=default_model_path(), kv_cache_memory=16 << 20, swap_space_gib=0.01,
@@ -42,17 +42,7 @@ class RaisesFor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _tiny_dir(tmp_path_factory, "tiny_fault_isolation", kv_heads=2)
-
-
-def run(engine: LLMEngine) -> dict[str, RequestOutput]:
-    final = {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.scheduler.check_integrity()
-    return final
+    return tiny_llama_dir(tmp_path_factory, "tiny_fault_isolation", kv_heads=2)
 
 
 def test_one_raising_request_among_16_fails_alone_and_the_rest_match_solo(tiny: str) -> None:
@@ -66,7 +56,7 @@ def test_one_raising_request_among_16_fails_alone_and_the_rest_match_solo(tiny: 
     engine.executor = faulty  # type: ignore[assignment]
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, GREEDY, request_id=f"r{i}")
-    final = run(engine)
+    final = run_all(engine)
     engine.shutdown()
 
     assert faulty.pass_sizes[0] == 16  # all sixteen shared the pass that raised

@@ -89,7 +89,7 @@ def row(rid: str, prompt: list[int], output: list[int], params: SamplingParams
     return seq
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=bodies(), prompt=PROMPTS, output=st.lists(st.integers(0, VOCAB - 1), max_size=5),
        logits_seed=st.integers(0, 2**16))
 def test_an_accepted_request_never_fails_the_sampling_step(

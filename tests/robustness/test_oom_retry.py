@@ -11,14 +11,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from everystop.config import CacheConfig, EngineConfig, SchedulerConfig
 from everystop.core.oom_backoff import SeatCap
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.engine.llm_engine import LLMEngine, is_out_of_memory
 from everystop.sampling_params import SamplingParams
 from tests.core.toy_executor import ToyExecutor, reference_output
-from tests.engine.toy_engine import CharTokenizer
-from tests.robustness.test_engine_faults import run_all
+from tests.engine.toy_engine import CharTokenizer, run_all, toy_engine_config
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -49,11 +47,7 @@ class OomExecutor(ToyExecutor):
 def oom_engine(too_big: Callable[[SchedulerOutput], bool], num_blocks: int = 64,
                num_cpu_blocks: int = 0, error: Exception | None = None,
                **sched: object) -> tuple[LLMEngine, OomExecutor]:
-    cfg: dict[str, object] = dict(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=16,
-                                  max_model_len=4096)
-    cfg.update(sched)
-    config = EngineConfig(cache=CacheConfig(block_size=4, watermark=0.0),
-                          scheduler=SchedulerConfig(**cfg))  # type: ignore[arg-type]
+    config = toy_engine_config(4, **(dict(max_num_seqs=4) | sched))
     executor = OomExecutor(too_big, num_blocks, 4, num_cpu_blocks, error)
     return LLMEngine(config, executor, CharTokenizer()), executor
 

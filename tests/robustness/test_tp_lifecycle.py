@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from everystop.executor.models.loader import default_model_path
-from tests.executor.test_tensor_parallel import _tiny_dir
+from tests.tiny_llama import tiny_llama_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = 5
@@ -28,9 +28,12 @@ print("RESULT", [o.outputs[0].token_ids for o in outs])
 """
 
 
+pytestmark = pytest.mark.slow  # five runs of a two-process engine: ~30 s
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _tiny_dir(tmp_path_factory, "tiny_tp_script", kv_heads=2)
+    return tiny_llama_dir(tmp_path_factory, "tiny_tp_script", kv_heads=2)
 
 
 def test_tp_script_from_stdin_without_main_guard_ends_silently_with_0(tiny: str) -> None:

@@ -66,8 +66,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        log = self.log()  # before stop() closes it
         self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log()}")
+        raise RuntimeError(f"server not ready after {timeout_s}s:\n{log}")
 
     def log(self) -> str:
         self._log.flush()

@@ -221,6 +221,8 @@ def test_server_healthy_after_bad_inputs(toy_server: ServerProcess) -> None:
 
 
 def test_metrics_are_prometheus_text_with_vllm_style_names(toy_server: ServerProcess) -> None:
+    # One request of its own, so the per-request series have samples whatever ran before.
+    client(toy_server).completions.create(model="toy", prompt="metrics", max_tokens=2)
     r = httpx.get(toy_server.url + "/metrics", timeout=5)
     assert r.headers["content-type"].startswith("text/plain")
     for name in ("everystop:num_requests_running", "everystop:num_requests_waiting",
