@@ -174,6 +174,26 @@ def sim_section(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def hostile_section(r: dict[str, Any] | None) -> list[str]:
+    """/health latency while each hostile request is served (`everystop bench hostile`)."""
+    if not r:
+        return []
+    t = r["target"]
+    lines = ["## Isolation: /health while hostile requests are served", "",
+             f"`everystop bench hostile` on a loaded machine (load average "
+             f"{r['machine']['load_avg'][0]:.0f}); {_machine_line(r['machine'])} Target: p99 "
+             f"under {t['health_p99_ms_under']:g} ms, worst under "
+             f"{t['health_worst_ms_under']:g} ms.", "",
+             "| case | status | innocent failed | /health p99 | worst | target met |",
+             "|---|---|---|---|---|---|"]
+    for name, c in r["cases"].items():
+        h = c["health"]
+        lines.append(f"| {name} | {c.get('status', '-')} | {c.get('innocent_failed', 0)} "
+                     f"| {h['p99_ms']:.0f} ms "
+                     f"| {h['worst_ms']:.0f} ms | {'yes' if c['pass'] else 'no'} |")
+    return lines + [""]
+
+
 def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
     """The whole page from the results under `results`, for a page in `page_dir` (the
     plots are linked relative to it)."""
@@ -189,5 +209,6 @@ def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
     ]
     for kind_dir in kinds:
         lines += kind_section(kind_dir, page_dir)
+    lines += hostile_section(_load(results / "hostile_health_latency.json"))
     lines += sim_section(_load(results / "sim/report.json"))
     return "\n".join(lines)
