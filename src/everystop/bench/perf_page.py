@@ -180,8 +180,8 @@ def hostile_section(r: dict[str, Any] | None) -> list[str]:
         return []
     t = r["target"]
     lines = ["## Isolation: /health while hostile requests are served", "",
-             f"`everystop bench hostile` on a loaded machine (load average "
-             f"{r['machine']['load_avg'][0]:.0f}); {_machine_line(r['machine'])} Target: p99 "
+             f"`everystop bench hostile`, 1-minute load average "
+             f"{r['machine']['load_avg'][0]:.0f} at the start; {_machine_line(r['machine'])} Target: p99 "
              f"under {t['health_p99_ms_under']:g} ms, worst under "
              f"{t['health_worst_ms_under']:g} ms.", "",
              "| case | status | innocent failed | /health p99 | worst | target met |",
