@@ -181,8 +181,8 @@ def hostile_section(r: dict[str, Any] | None) -> list[str]:
     t = r["target"]
     lines = ["## Isolation: /health while hostile requests are served", "",
              f"`everystop bench hostile`, 1-minute load average "
-             f"{r['machine']['load_avg'][0]:.0f} at the start; {_machine_line(r['machine'])} Target: p99 "
-             f"under {t['health_p99_ms_under']:g} ms, worst under "
+             f"{r['machine']['load_avg'][0]:.0f} at the start; {_machine_line(r['machine'])} "
+             f"Target: p99 under {t['health_p99_ms_under']:g} ms, worst under "
              f"{t['health_worst_ms_under']:g} ms.", "",
              "| case | status | innocent failed | /health p99 | worst | target met |",
              "|---|---|---|---|---|---|"]
