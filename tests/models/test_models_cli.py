@@ -30,3 +30,15 @@ def test_lists_every_family_and_its_names(capsys) -> None:
     assert "paged attention (window)" in sections["mistral"]
     assert "decode: decoder stack" in sections["gemma3"] and "GeGLU" in sections["gemma3"]
     assert "layer by layer (the stack lacks experts)" in sections["qwen3_moe"]
+
+
+def test_a_llama_gguf_is_claimed_by_its_experts_or_its_window() -> None:
+    from everystop.executor.models.registry import family_for_gguf
+
+    def family(**fields: int) -> str:
+        return family_for_gguf("llama", "f.gguf", fields).name
+
+    assert family() == "llama"
+    assert family(**{"llama.attention.sliding_window": 4096}) == "mistral"
+    assert family(**{"llama.expert_count": 8}) == "mixtral"
+    assert family(**{"llama.expert_count": 8, "llama.attention.sliding_window": 4096}) == "mixtral"

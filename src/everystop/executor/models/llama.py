@@ -1,6 +1,6 @@
-"""Llama 2/3 (and SmolLM, and Mistral GGUF files, which llama.cpp exports as "llama"): the
-shared decoder as it is, SwiGLU, RMSNorm, rotary (default, linear or llama3 scaling), and a
-sliding window on every layer where the GGUF records `llama.attention.sliding_window`."""
+"""Llama 2/3 (and SmolLM): the shared decoder as it is, SwiGLU, RMSNorm, rotary (default,
+linear or llama3 scaling), and a sliding window on every layer where the GGUF records
+`llama.attention.sliding_window` (such a file is claimed by the Mistral family first)."""
 
 from __future__ import annotations
 

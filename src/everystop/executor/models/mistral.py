@@ -1,14 +1,16 @@
 """Mistral: the Llama decoder with sliding-window attention on every layer (a query at p
 attends keys p-W+1..p; the context is not capped by the window). llama.cpp exports Mistral as
-GGUF architecture "llama": those files load as Llama, which reads the window where the file
-records it (`llama.attention.sliding_window`)."""
+GGUF architecture "llama"; a "llama" file that records a window
+(`llama.attention.sliding_window`) is this family's, read as Llama reads it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from everystop.executor.models import llama
 from everystop.executor.models.decoder import DecoderArgs
-from everystop.executor.models.family import Family, GGUFMeta, hf_common_args, hf_layer_windows
+from everystop.executor.models.family import Family, hf_common_args, hf_layer_windows
 
 
 def _hf_args(config: dict[str, Any]) -> DecoderArgs:
@@ -17,10 +19,13 @@ def _hf_args(config: dict[str, Any]) -> DecoderArgs:
     return DecoderArgs(**fields, layer_windows=windows)
 
 
-def _no_gguf(meta: GGUFMeta) -> DecoderArgs:
-    raise AssertionError("Mistral has no GGUF architecture of its own")
+def is_mistral_gguf(fields: Mapping[str, Any]) -> bool:
+    """A dense "llama" GGUF file with a sliding window is a Mistral."""
+    return (int(fields.get("llama.attention.sliding_window") or 0) > 0
+            and not int(fields.get("llama.expert_count") or 0))
 
 
 FAMILY = Family(name="mistral", hf_architectures=("MistralForCausalLM",),
-                hf_model_types=("mistral",), gguf_architectures=(),
-                hf_args=_hf_args, gguf_args=_no_gguf, notes="sliding window")
+                hf_model_types=("mistral",), gguf_architectures=("llama",),
+                hf_args=_hf_args, gguf_args=llama.FAMILY.gguf_args, gguf_permuted_qk=True,
+                gguf_accepts=is_mistral_gguf, notes="sliding window")

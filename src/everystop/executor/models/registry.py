@@ -20,8 +20,9 @@ from everystop.executor.models import (
 from everystop.executor.models.errors import ModelLoadError
 from everystop.executor.models.family import Family
 
-# NOTE: first match wins: Mixtral before Llama, whose GGUF architecture it shares.
-FAMILIES: tuple[Family, ...] = (mixtral.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
+# NOTE: first match wins: Mixtral and Mistral before Llama, whose GGUF architecture they share
+# (a "llama" file with experts, or with a sliding window).
+FAMILIES: tuple[Family, ...] = (mixtral.FAMILY, mistral.FAMILY, llama.FAMILY, qwen2.FAMILY,
                                 qwen3.FAMILY, qwen3_moe.FAMILY, phi3.FAMILY, gemma2.FAMILY,
                                 gemma3.FAMILY)
 
