@@ -1,4 +1,4 @@
-"""oneDNN's caches of compiled GEMMs are bounded (issue #17's soak: malloc'd memory grew with
+"""oneDNN's caches of compiled GEMMs are bounded (unbounded, a soak's malloc'd memory grows with
 every new batch shape): the setting, its route from the CLI, and its effect on a process."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A decode step of a sparse MoE model reads only the experts its rows chose: the weight bytes
 the model counts for one single-sequence step of a Q8_0 Qwen3-MoE GGUF lie within 1.3x of
-the active parameters' bytes (issue 41's bound), computed here from the file's own tensor
-sizes: every non-expert tensor whole, one embedding row, and top-k of each layer's experts."""
+the active parameters' bytes (the bound the MoE path must meet), computed here from the
+file's own tensor sizes: every non-expert tensor whole, one embedding row, and top-k of each
+layer's experts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A huge prompt is tokenized off the event loop: while its encode() is still running, /health
-and other clients are answered (issue #17: a 10 MB prompt froze every client for 16-18 s).
+and other clients are answered (on the loop, a 10 MB prompt would freeze every client for
+seconds).
 
 No timing: the tokenizer blocks inside encode() until the test has had /health answered, so
 an encode() on the loop would hang /health outright.

@@ -1,5 +1,5 @@
 """A tensor-parallel worker that fails while starting: the user reads the worker's own error
-(issue #17: it used to be only "rank 1 exited during start-up"), and nothing is left running.
+(not only "rank 1 exited during start-up"), and nothing is left running.
 
 The real executor spawns real workers; one fault is injected into what the worker is given."""
 

@@ -28,6 +28,8 @@ MEASUREMENTS = [
     ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
     ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
+    ("served", "everystop.bench.served", "everystop serve's defaults against llama.cpp's server "
+     "over one client: 128 at once, a single stream, memory, start-up"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
     ("fleet-report", "everystop.sim.fleet_report", "every number in docs/fleet-simulation.md: "
@@ -38,8 +40,8 @@ MEASUREMENTS = [
      "replicas (skewed and shared-prefix workloads)"),
     ("soak", "everystop.bench.soak", "20 minutes of mixed, hostile traffic against a live server"),
     ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
-    ("hostile", "everystop.bench.hostile", "/health latency while each hostile request of "
-     "issue 40 is served, at full size"),
+    ("hostile", "everystop.bench.hostile", "/health latency while each hostile request "
+     "of the robustness suite is served, at full size"),
 ]
 
 

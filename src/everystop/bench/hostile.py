@@ -1,6 +1,6 @@
-"""/health's latency while each hostile request of issue 40 is served, at the issue's full sizes
-(everystop.bench.hostile_cases), against one `everystop serve` of the default model on loopback,
-never restarted between cases.
+"""/health's latency while each hostile request of the robustness suite is served, at full
+size (everystop.bench.hostile_cases), against one `everystop serve` of the default model on
+loopback, never restarted between cases.
 
 For each case a prober asks /health every --probe-interval-ms (one keep-alive connection,
 the next probe one interval after the last began, or at once if it took longer) from the

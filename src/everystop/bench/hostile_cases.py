@@ -1,5 +1,6 @@
-"""The hostile requests of issue 40, each with the answer it must get: the sizes that froze or
-crashed a server whose preparation ran on the event loop, or whose intake trusted token ids.
+"""The hostile requests of the robustness suite, each with the answer it must get: the sizes
+that froze or crashed a server whose preparation ran on the event loop, or whose intake
+trusted token ids.
 Shared by the hostile test suite (tests/robustness/test_hostile.py) and its benchmark
 (`everystop bench hostile`), which measures /health's latency while each one is served.
 

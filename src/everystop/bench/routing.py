@@ -16,7 +16,7 @@ Two workloads (prompts are token ids cut from a fixed English corpus, sent as-is
 `--dtype` and `--server-flag` go to every cluster's `everystop serve`, after the workload's own
 limits (so they win where they repeat one), and into the JSON's `server_flags`.
 
-Targets (issue #20): skewed: least-loaded p99 TTFT <= 0.7x round-robin's and <= power-of-two's,
+Targets: skewed: least-loaded p99 TTFT <= 0.7x round-robin's and <= power-of-two's,
 output tok/s not lower; shared-prefix: prefix-affinity's hit rate >= 1.5x least-loaded's at
 equal or better p99 TTFT. The JSON's `verdict` computes each from this run. The skewed default
 is 4 long prompts in 404 (1%: "a few among many"), where the p99 is a short request's and so

@@ -1,5 +1,5 @@
 """Soak: a live `everystop serve` under mixed Poisson traffic with hostile and unlucky clients,
-judged on what must hold over time (issue #17). Not in CI: 20 minutes on a quiet machine.
+judged on what must hold over time. Not in CI: 20 minutes on a quiet machine.
 
 Phases: start the server (default model, small limits); calibrate capacity with a closed loop
 of --max-num-seqs streaming clients; then --minutes of open-loop Poisson arrivals at

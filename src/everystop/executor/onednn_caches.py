@@ -8,8 +8,8 @@ two LRU caches of 1,024 entries each: oneDNN's own primitive cache
 entry is ~0.3-0.45 MiB (the default model's four projections, measured with mallinfo2), and a
 step's row count is whatever the scheduler packed (up to max_num_batched_tokens), so a server
 meets new shapes for a long time: one process grew 451 MiB of malloc'd memory over rows 9..256
-(992 shapes), and an engine fed new prompt sets kept growing ~30 MiB per set (issue #17's
-soak). Either cache alone keeps the primitives alive, so both are bounded.
+(992 shapes), and an engine fed new prompt sets kept growing ~30 MiB per set (a soak).
+Either cache alone keeps the primitives alive, so both are bounded.
 
 The bound's cost: a shape that fell out is compiled again, ~0.6-0.8 ms per GEMM on a 2-core
 Zen 5 (1.66 vs 1.05 ms per call, new vs cached shapes), a few per prefill step of 100+ ms; a

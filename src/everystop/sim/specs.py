@@ -36,7 +36,7 @@ class HardwareSpec:
 
     def __post_init__(self) -> None:
         # An efficiency above 1 or a non-positive rate would let the model predict passes faster
-        # than the physical roofline it prints beside them (issue #22): refuse, by name.
+        # than the physical roofline it prints beside them: refuse, by name.
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "link_bandwidth",
                      "pcie_bandwidth"):
             if not getattr(self, name) > 0:

@@ -1,0 +1,41 @@
+"""`everystop bench served` end to end on the everystop side (llama.cpp is not built here): a
+fresh default-flag server per scenario, the same client as llama.cpp's run, every figure the
+comparison reads present and sane."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from everystop.bench import served
+from everystop.cli import main
+from everystop.executor.models.loader import default_model_path
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
+
+def test_tensor_bytes_are_the_weights_of_the_file() -> None:
+    path = str(default_model_path())
+    weights = served.gguf_tensor_bytes(path)
+    # The Q4_1 file: ~92 MiB of tensors, a little less than the file (header, vocabulary).
+    assert 80 << 20 < weights < Path(path).stat().st_size
+
+
+def test_everystop_side_runs_both_scenarios_with_its_defaults(tmp_path: Path) -> None:
+    out = tmp_path / "served.json"
+    assert main(["bench", "served", "--llama-server", "unused", "--gguf", str(default_model_path()),
+                 "--model", "default", "--order", "everystop", "--num-requests", "3",
+                 "--single-requests", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for scenario, n in (("concurrent", 3), ("single", 2)):
+        run = r[scenario]["everystop"]
+        assert run["command"] == ["everystop", "serve"]  # no flags: the defaults
+        assert run["completed"] == n and run["failed"] == 0
+        assert run["output_tokens"] > 0 and run["peak_rss_bytes"] > 50 << 20
+        assert 0 < run["start_to_health_s"] < 300
+    single = r["single"]["everystop"]
+    assert 0 < single["bound_share"] < 1
+    assert r["weight_stream_floor_ms"] == pytest.approx(
+        r["weight_bytes"] / (r["read_bandwidth_gb_s"] * 1e9) * 1e3)
