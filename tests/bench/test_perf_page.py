@@ -51,3 +51,26 @@ def test_bench_all_render_only_writes_the_page_next_to_other_results(tmp_path: P
     results = _copy_results(tmp_path)
     assert main(["bench", "all", "--out", str(results), "--render-only"]) == 0
     assert (results / "performance.md").read_text() == perf_page.render(results, results)
+
+
+def _served_run(tok_s: float, tpot_ms: float, rss_mib: float, share: float) -> dict:
+    return {"command": ["x"], "output_throughput": tok_s, "start_to_health_s": 4.0,
+            "tpot_ms": {"p50": tpot_ms}, "ttft_ms": {"p50": 100.0},
+            "peak_rss_bytes": rss_mib * 2**20, "bound_share": share}
+
+
+def test_the_served_table_reads_both_servers_and_their_ratio(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    served = {"bench": "served", "command": "everystop bench served", "machine": {"model": "Intel"},
+              "read_bandwidth_gb_s": 31.5,
+              "concurrent": {"num_requests": 128, "everystop": _served_run(300.0, 0, 1, 0),
+                             "llamacpp": _served_run(100.0, 0, 1, 0)},
+              "single": {"everystop": _served_run(0, 6.0, 500, 0.45),
+                         "llamacpp": _served_run(0, 8.0, 400, 0.34)}}
+    path = results / "cpu" / "intel_amx" / perf_page.SERVED["F16"]
+    path.write_text(json.dumps(served))
+    page = perf_page.render(results)
+    assert "| F16 | 128 at once, output tok/s | 300.0 | 100.0 | 3.00x |" in page
+    assert "| F16 | single stream, TPOT p50 (ms) | 6.00 | 8.00 | 0.75x |" in page
+    assert "| F16 | single stream, peak RSS (MiB) | 500 | 400 | 1.25x |" in page
+    assert "(31.5 GB/s)" in page

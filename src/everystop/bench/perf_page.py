@@ -16,6 +16,8 @@ PAGE = ROOT / "docs/performance.md"
 VS_LLAMACPP, THROUGHPUT = "vs_llamacpp.json", "throughput.json"
 SINGLE = {"everystop": "single_stream_everystop.json", "llama.cpp": "single_stream_llamacpp.json"}
 LOAD_SWEEP = "latency_vs_load.json"
+# `everystop bench served` per file: everystop serve's defaults beside llama.cpp's server.
+SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json"}
 
 
 def cpu_kind(machine: dict[str, Any]) -> str:
@@ -79,6 +81,38 @@ def single_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def served_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """`everystop serve` with no flags beside llama.cpp's server, per file: the same client,
+    each scenario on freshly started servers."""
+    out = ["| file | measure | everystop | llama.cpp | everystop / llama.cpp |",
+           "|---|---|---|---|---|"]
+    for label, r in runs.items():
+        rows: list[tuple[str, float, float, str]] = []
+        if "concurrent" in r:
+            c = r["concurrent"]
+            rows.append((f"{c['num_requests']} at once, output tok/s",
+                         c["everystop"]["output_throughput"], c["llamacpp"]["output_throughput"],
+                         ",.1f"))
+        if "single" in r:
+            e, ll = r["single"]["everystop"], r["single"]["llamacpp"]
+            rows += [("single stream, TPOT p50 (ms)", e["tpot_ms"]["p50"], ll["tpot_ms"]["p50"],
+                      ".2f"),
+                     ("single stream, TTFT p50 (ms)", e["ttft_ms"]["p50"], ll["ttft_ms"]["p50"],
+                      ",.0f"),
+                     ("single stream, peak RSS (MiB)", e["peak_rss_bytes"] / 2**20,
+                      ll["peak_rss_bytes"] / 2**20, ",.0f"),
+                     ("single stream, share of the weight-streaming bound", e["bound_share"],
+                      ll["bound_share"], ".2f"),
+                     ("start to /health (s)", e["start_to_health_s"], ll["start_to_health_s"],
+                      ".1f")]
+        for name, a, b, fmt in rows:
+            out.append(f"| {label} | {name} | {a:{fmt}} | {b:{fmt}} | {a / b:.2f}x |")
+    first = next(iter(runs.values()))
+    out += ["", f"Weight-streaming bound: the file's tensor bytes over the read bandwidth "
+                f"measured in the same run ({first['read_bandwidth_gb_s']:.1f} GB/s)."]
+    return out
+
+
 def load_table(r: dict[str, Any]) -> list[str]:
     """Poisson arrivals at fractions of a measured capacity, every server through one client."""
     out = ["| server | load | offered req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
@@ -103,11 +137,16 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     vs, offline = _load(kind_dir / VS_LLAMACPP), _load(kind_dir / THROUGHPUT)
     single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
     sweep = _load(kind_dir / LOAD_SWEEP)
-    present = [r for r in (vs, offline, *single.values(), sweep) if r is not None]
+    served = {n: r for n, f in SERVED.items() if (r := _load(kind_dir / f)) is not None}
+    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep)
+               if r is not None]
     if not present:
         return []
     rel = kind_dir.relative_to(ROOT).as_posix() if kind_dir.is_relative_to(ROOT) else kind_dir
     out = [f"## {kind_dir.name}", "", _machine_line(present[0]["machine"]), ""]
+    if served:
+        out += ["### everystop serve with its defaults, beside llama.cpp's server", "",
+                *served_table(served), ""]
     if vs:
         out += ["### 128 concurrent requests", "", *concurrent_table(vs), ""]
     if offline:
@@ -128,6 +167,8 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     commands += list((sweep or {}).get("meta", {}).get("server_commands", {}).values())
     commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
         else []
+    commands += [" ".join(r[s][n]["command"]) for r in served.values()
+                 for s in ("concurrent", "single") if s in r for n in ("everystop", "llamacpp")]
     unique = list(dict.fromkeys(commands))  # a server started twice is listed once
     out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
     return out

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     for scenario in args.scenarios.split(","):
         workload, concurrency = workloads[scenario]
         ids = tokenize_prompts(workload, tokenizer)
-        out[scenario] = {"workload": workload.name, "max_concurrency": concurrency}
+        out[scenario] = {"workload": workload.name, "num_requests": len(workload.requests),
+                         "max_concurrency": concurrency}
         for name in args.order.split(","):
             out[scenario][name] = _scenario(starters[name], workload, ids, concurrency)
     bandwidth = read_bandwidth_gb_s()
