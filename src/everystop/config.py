@@ -268,8 +268,8 @@ class ModelConfig:
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
     # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
     onednn_cache_capacity: int | None = None
-    # LoRA adapters served beside the base, (name, PEFT directory) each; a request picks one
-    # by its `model` field. Their rank may not exceed max_lora_rank.
+    # LoRA adapters served beside the base, (name, PEFT directory or llama.cpp GGUF adapter)
+    # each; a request picks one by its `model` field. Their rank may not exceed max_lora_rank.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
     # Adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter);

@@ -124,8 +124,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    "if set): larger recompiles less often and holds more memory")
     g.add_argument("--lora", dest="lora_modules", type=_lora_module, action="append",
                    default=None, metavar="NAME=PATH",
-                   help="serve a LoRA adapter (a PEFT directory) under NAME beside the base "
-                   "model: a request picks it by its `model` field (repeatable)")
+                   help="serve a LoRA adapter (a PEFT directory or a llama.cpp GGUF adapter "
+                   "file) under NAME beside the base model: a request picks it by its `model` "
+                   "field (repeatable)")
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="load and unload LoRA adapters while serving (POST "
                    "/v1/load_lora_adapter and /v1/unload_lora_adapter, operator routes)")

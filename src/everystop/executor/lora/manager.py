@@ -17,6 +17,7 @@ import torch
 
 from everystop.core.outputs import ScheduledSequence
 from everystop.executor.layers.lora import LoraPass
+from everystop.executor.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from everystop.executor.lora.peft_adapter import (
     DEFAULT_MAX_LORA_RANK,
     LoraAdapter,
@@ -39,13 +40,14 @@ class LoraManager:
         self.adapters: dict[int, LoraAdapter] = {}
 
     def load(self, lora_id: int, path: str) -> LoraAdapter:
-        """Read the adapter at `path` and serve it as `lora_id` (LoraLoadError if it does not
-        fit this base model)."""
+        """Read the adapter at `path` (a PEFT directory or a llama.cpp GGUF file) and serve it
+        as `lora_id` (LoraLoadError if it does not fit this base model)."""
         if lora_id < 0:
             raise ValueError(f"adapter ids are non-negative, not {lora_id}")
         if lora_id in self.adapters:
             raise ValueError(f"adapter id {lora_id} is already loaded")
-        adapter = load_peft_adapter(path, self.model.args, self.dtype, self.max_rank)
+        read = load_gguf_adapter if is_gguf_file(path) else load_peft_adapter
+        adapter = read(path, self.model.args, self.dtype, self.max_rank)
         device = self.model.model.norm.weight.device
         for name, pair in adapter.pairs.items():
             if name not in self.bank.names:
