@@ -362,6 +362,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
+    def __post_init__(self) -> None:
+        # Each rank would need its shard of every adapter's B (and A of row-parallel layers);
+        # refused before any worker starts rather than failing inside one.
+        if self.parallel.tensor_parallel_size > 1 and (self.model.lora_modules
+                                                       or self.model.enable_lora):
+            raise ConfigError("LoRA adapters (--lora, --enable-lora) are not served with "
+                              "--tensor-parallel-size > 1")
+
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from flat keyword options (CLI flags, `LLM(**kwargs)`), routing each to its
