@@ -275,10 +275,17 @@ class ModelConfig:
     # Adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter);
     # implied by lora_modules.
     enable_lora: bool = False
+    # Most adapters whose weights are held in memory (0: no cap): beyond it the least recently
+    # used adapter no running request uses is dropped, and read again from its path when used.
+    # Running requests' adapters stay even above it (max_loras bounds how many those are).
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < 0:
+            raise ConfigError(f"max_cpu_loras must be >= 0 (0: no cap), got "
+                              f"{self.max_cpu_loras}")
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ConfigError(f"LoRA adapter names must be distinct: {names}")
@@ -369,6 +376,11 @@ class EngineConfig:
                                                        or self.model.enable_lora):
             raise ConfigError("LoRA adapters (--lora, --enable-lora) are not served with "
                               "--tensor-parallel-size > 1")
+        max_cpu, max_running = self.model.max_cpu_loras, self.scheduler.max_loras
+        if max_cpu and max_running > max_cpu:
+            # Running requests' adapters stay in memory: the cap must hold max_loras of them.
+            raise ConfigError(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras "
+                              f"({max_running})")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

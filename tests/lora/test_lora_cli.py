@@ -17,9 +17,10 @@ def _args(*flags: str):
 
 def test_lora_flags_reach_the_model_config():
     config = engine_config_from_args(_args("--lora", "a=/x", "--lora", "b = /y",
-                                           "--max-lora-rank", "16"))
+                                           "--max-lora-rank", "16", "--max-cpu-loras", "3"))
     assert config.model.lora_modules == (("a", "/x"), ("b", "/y"))
     assert config.model.max_lora_rank == 16
+    assert config.model.max_cpu_loras == 3
 
 
 def test_a_lora_flag_without_a_path_is_refused(capsys):

@@ -99,6 +99,9 @@ class SchedulerOutput:
     # Proposed tokens the speculating decode rows verify (each such row also counts one decode
     # token, its last real one).
     num_draft_tokens: int = 0
+    # The LoRA adapters of every running request after this schedule (scheduled or not): the
+    # executor keeps them in memory (--max-cpu-loras evicts others).
+    running_lora_ids: frozenset[int] = frozenset()
 
     @property
     def num_scheduled_tokens(self) -> int:

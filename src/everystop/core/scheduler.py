@@ -184,6 +184,7 @@ class Scheduler:
         self.num_swap_out_blocks += len(out.blocks_to_swap_out)
         self.num_swap_in_blocks += len(out.blocks_to_swap_in)
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
+        out.running_lora_ids = frozenset(r.lora_id for r in self.running if r.lora_id >= 0)
         return step.finish()
 
     def _schedule_decodes(self, step: PassBuilder) -> list[Request]:

@@ -133,6 +133,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-loras", type=int, default=None,
                    help="most LoRA adapters the running requests may use at once; requests for "
                    "others wait their turn in queue order (default 0: no cap)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="most LoRA adapters whose weights are held in memory; beyond N the "
+                   "least recently used one no running request uses is dropped and read again "
+                   "from its path on its next use (default 0: no cap; at least --max-loras)")
     g.add_argument("--max-lora-rank", type=int, default=None,
                    help="largest LoRA rank an adapter may have (default 64)")
 
@@ -232,7 +236,7 @@ ENGINE_OPTIONS = (
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
     "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s", "lora_modules",
-    "max_lora_rank", "enable_lora", "max_loras")
+    "max_lora_rank", "enable_lora", "max_loras", "max_cpu_loras")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
