@@ -247,6 +247,11 @@ class SchedulerStats:
     # [i]: rows whose proposal at position i (0-based) was accepted (vLLM's
     # spec_decode_num_accepted_tokens_per_pos); as long as --num-speculative-tokens.
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA: the adapters of the running and of the waiting (queued or preempted) requests, by
+    # name, and the cap on adapters running at once (0: none); vLLM's lora_requests_info.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
