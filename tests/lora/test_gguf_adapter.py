@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import quantize
 from safetensors.torch import load_file
 
 from everystop.executor.lora.gguf_adapter import load_gguf_adapter
@@ -39,7 +40,7 @@ def interleave_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_adapter(peft_dir: str, out: Path, dtype: type = np.float32,
+def write_gguf_adapter(peft_dir: str, out: Path, dtype: str = "F32",
                        general_type: str = "adapter", extra: dict | None = None) -> Path:
     config = json.loads((Path(peft_dir) / "adapter_config.json").read_text())
     tensors = load_file(str(Path(peft_dir) / "adapter_model.safetensors"))
@@ -55,8 +56,15 @@ def write_gguf_adapter(peft_dir: str, out: Path, dtype: type = np.float32,
         w = t.numpy()
         if which == "b" and proj in ("q_proj", "k_proj"):
             w = interleave_rope_rows(w, NUM_HEADS if proj == "q_proj" else NUM_KV_HEADS)
-        writer.add_tensor(f"blk.{layer}.{GGUF_KINDS[proj]}.weight.lora_{which}",
-                          np.ascontiguousarray(w.astype(dtype)))
+        name = f"blk.{layer}.{GGUF_KINDS[proj]}.weight.lora_{which}"
+        w = np.ascontiguousarray(w)
+        if dtype == "F32":
+            writer.add_tensor(name, w)
+        elif dtype == "F16":
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[dtype]
+            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -110,9 +118,10 @@ def test_gguf_adapters_generate_what_peft_does(lora_dirs, gguf_files):
         assert (first[i] - logits).abs().max().item() < 1e-4, name
 
 
-def test_an_f16_gguf_adapter_is_read(lora_dirs, tmp_path):
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_a_16_bit_gguf_adapter_is_read(lora_dirs, tmp_path, dtype):
     base, adapters = lora_dirs
-    path = write_gguf_adapter(adapters["qv"], tmp_path / "qv16.gguf", np.float16)
+    path = write_gguf_adapter(adapters["qv"], tmp_path / "qv16.gguf", dtype)
     args = _args(base)
     ours = load_gguf_adapter(str(path), args, torch.float32, 64)
     peft = load_peft_adapter(adapters["qv"], args, torch.float32)
