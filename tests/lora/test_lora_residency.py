@@ -5,6 +5,7 @@ again from its path on its next use, with the same outputs as peft's."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 
@@ -134,3 +135,19 @@ def test_max_cpu_loras_below_max_loras_is_refused_by_name():
         EngineConfig(model=ModelConfig(max_cpu_loras=2), scheduler=SchedulerConfig(max_loras=3))
     with pytest.raises(ConfigError, match="max_cpu_loras must be >= 0"):
         ModelConfig(max_cpu_loras=-1)
+
+
+def test_an_evicted_adapter_whose_files_are_gone_fails_only_its_requests(lora_dirs, tmp_path):
+    base, adapters = lora_dirs
+    copies = {n: shutil.copytree(adapters[n], tmp_path / n) for n in NAMES}
+    engine = _engine(base, {n: str(p) for n, p in copies.items()})  # all7 evicted at start
+    shutil.rmtree(copies["all7"])
+    finished = {}
+    for name in ("all7", None):
+        engine.add_request(engine.make_request([5, 6, 7], SamplingParams(max_tokens=3),
+                                               request_id=str(name), lora=name))
+    while engine.has_work():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["all7"].finish_reason == "error"
+    assert "cannot read adapter_config.json" in (finished["all7"].error or "")
+    assert finished["None"].finish_reason == "length"
