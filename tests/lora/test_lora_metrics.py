@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 from everystop.engine.async_engine import AsyncEngine
 from everystop.sampling_params import SamplingParams
 from everystop.server.app import build_app
+from everystop.server.dashboard import install_dashboard
 from everystop.server.lora_metrics import LoraInfoCollector
 from everystop.server.metrics import ServerMetrics
 
@@ -118,3 +119,21 @@ def test_a_server_without_adapters_has_no_lora_series(lora_dirs):
     finally:
         front.shutdown()
     assert [name for (name, _) in _parse(text) if "lora" in name] == []
+
+
+def test_the_live_page_data_counts_requests_per_adapter(lora_dirs):
+    base, adapters = lora_dirs
+    front = AsyncEngine(_engine(base, lora_modules=(("qv", adapters["qv"]),)))
+    metrics = ServerMetrics()
+    app = build_app(front, "tiny-base", metrics=metrics, admin_key="k",
+                    extensions=[lambda app, f: install_dashboard(app, f, metrics)])
+    try:
+        with TestClient(app, headers={"X-Admin-Key": "k"}) as client:
+            for model in ("qv", "qv", "tiny-base"):
+                assert client.post("/v1/completions", json={
+                    "model": model, "prompt": "page", "max_tokens": 3}).status_code == 200
+            lora = client.get("/dashboard/data").json()["lora"]
+    finally:
+        front.shutdown()
+    assert lora == {"served": ["qv"], "running": [], "waiting": [], "max_loras": 0,
+                    "adapters": {"qv": {"requests": 2, "generation_tokens": 6}}}

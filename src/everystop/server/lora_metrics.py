@@ -9,6 +9,7 @@ operator-only load route); requests on the base model are not counted here.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +39,14 @@ class LoraMetrics:
         self.e2e = Histogram("everystop:lora_e2e_request_latency_seconds",
                              "Arrival to finish, per LoRA adapter", _LABELS,
                              buckets=latency_buckets, registry=r)
+        # The same counts for the live page (/dashboard/data), per adapter.
+        self._totals: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: finished requests and generated tokens since start."""
+        with self._lock:
+            return {name: dict(t) for name, t in self._totals.items()}
 
     def on_finished(self, req: Request, out: RequestOutput) -> None:
         name = req.lora_name
@@ -46,6 +55,10 @@ class LoraMetrics:
         self.requests.labels(name).inc()
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(name).inc(len(out.token_ids))
+        with self._lock:
+            t = self._totals.setdefault(name, {"requests": 0, "generation_tokens": 0})
+            t["requests"] += 1
+            t["generation_tokens"] += len(out.token_ids)
         m = out.metrics
         if m is not None and m.finished_time is not None:
             self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
