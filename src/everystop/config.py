@@ -268,17 +268,24 @@ class ModelConfig:
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
     # LRU_CACHE_CAPACITY say. The libraries' own default (1,024) grew a server by ~0.4 GiB.
     onednn_cache_capacity: int | None = None
-    # LoRA adapters served beside the base, (name, PEFT directory) each; a request picks one
-    # by its `model` field. Their rank may not exceed max_lora_rank.
+    # LoRA adapters served beside the base, (name, PEFT directory or llama.cpp GGUF adapter)
+    # each; a request picks one by its `model` field. Their rank may not exceed max_lora_rank.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
     # Adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter);
     # implied by lora_modules.
     enable_lora: bool = False
+    # Most adapters whose weights are held in memory (0: no cap): beyond it the least recently
+    # used adapter no running request uses is dropped, and read again from its path when used.
+    # Running requests' adapters stay even above it (max_loras bounds how many those are).
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < 0:
+            raise ConfigError(f"max_cpu_loras must be >= 0 (0: no cap), got "
+                              f"{self.max_cpu_loras}")
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ConfigError(f"LoRA adapter names must be distinct: {names}")
@@ -361,6 +368,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+
+    def __post_init__(self) -> None:
+        # Each rank would need its shard of every adapter's B (and A of row-parallel layers);
+        # refused before any worker starts rather than failing inside one.
+        if self.parallel.tensor_parallel_size > 1 and (self.model.lora_modules
+                                                       or self.model.enable_lora):
+            raise ConfigError("LoRA adapters (--lora, --enable-lora) are not served with "
+                              "--tensor-parallel-size > 1")
+        max_cpu, max_running = self.model.max_cpu_loras, self.scheduler.max_loras
+        if max_cpu and max_running > max_cpu:
+            # Running requests' adapters stay in memory: the cap must hold max_loras of them.
+            raise ConfigError(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras "
+                              f"({max_running})")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -58,3 +58,17 @@ def test_without_a_cap_every_adapter_runs_at_once() -> None:
 def test_a_negative_cap_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="max_loras"):
         SchedulerConfig(max_loras=-1)
+
+
+def test_each_pass_names_the_running_requests_adapters() -> None:
+    """What the executor keeps in memory under --max-cpu-loras (executor/lora/manager.py)."""
+    h = make_harness(max_loras=1)
+    _add(h, "first", 0, max_tokens=3)
+    _add(h, "other", 1, max_tokens=2)
+    _add(h, "base", -1, max_tokens=2)
+    sched, _ = h.step()
+    assert sched.running_lora_ids == {0}  # "other" waits: not running
+    while "first" not in h.finish:
+        sched, _ = h.step()
+    sched, _ = h.step()
+    assert sched.running_lora_ids == {1}

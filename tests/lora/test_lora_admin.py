@@ -4,6 +4,8 @@ made for an adapter unloaded before it was queued is refused by name."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +20,8 @@ from everystop.sampling_params import SamplingParams
 from everystop.server.app import build_app
 from everystop.server.lora_admin import install_lora_routes
 
-from .conftest import peft_reference
+from .conftest import peft_reference, save_adapter, tiny_config, transformers
+from .test_gguf_adapter import write_gguf_adapter
 from .test_lora_serving import SmallCharTokenizer
 
 ADMIN_KEY = "the-admin-key"  # operator routes: loopback only without one
@@ -121,3 +124,47 @@ def test_loaded_adapters_count_in_the_weight_memory(lora_dirs):
     assert engine.memory().weight_bytes == before + added
     engine.unload_lora("qv")
     assert engine.memory().weight_bytes == before
+
+
+def test_an_adapter_of_another_base_is_a_400_naming_the_tensor(client, tmp_path):
+    other = transformers.LlamaForCausalLM(tiny_config(hidden_size=32, intermediate_size=64))
+    other.save_pretrained(str(tmp_path / "other"))
+    save_adapter(str(tmp_path / "other"), str(tmp_path / "wrong"), 1, r=4, lora_alpha=8,
+                 target_modules=["v_proj"])
+    r = _load(client, "wrong", str(tmp_path / "wrong"))
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_lora_adapter")
+    assert "v_proj.lora_A.weight' has shape (4, 32)" in r.json()["error"]["message"]
+
+
+def test_a_gguf_adapter_loads_at_run_time_and_serves_as_peft_does(client, lora_dirs, tmp_path):
+    base, adapters = lora_dirs
+    path = write_gguf_adapter(adapters["qv"], tmp_path / "qv.gguf")
+    assert _load(client, "qv-gguf", str(path)).status_code == 200
+    prompt = "from a gguf file"
+    r = client.post("/v1/completions", json={"model": "qv-gguf", "prompt": prompt,
+                                             "max_tokens": 6, "temperature": 0})
+    theirs, _ = peft_reference(base, adapters["qv"], [ord(c) for c in prompt], 6)
+    assert [ord(c) for c in r.json()["choices"][0]["text"]] == theirs
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "qv-gguf"}).status_code \
+        == 200
+
+
+def test_unloading_an_adapter_a_request_is_using_is_a_409(client, lora_dirs):
+    assert _load(client, "busy", lora_dirs[1]["all7"]).status_code == 200
+    # Long enough to still be generating when the unload arrives (the context is 512).
+    body = {"model": "busy", "prompt": "in use", "max_tokens": 500, "temperature": 0}
+    done: list[int] = []
+    worker = threading.Thread(target=lambda: done.append(
+        client.post("/v1/completions", json=body).status_code))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while 'running_lora_adapters="busy"' not in client.get("/metrics").text:
+            assert not done and time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.005)
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
+    finally:
+        worker.join()
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "lora_adapter_in_use")
+    assert done == [200]
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200

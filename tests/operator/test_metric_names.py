@@ -24,7 +24,8 @@ def _attached(eng: object, name: str = "m") -> ServerMetrics:
         add_listeners=eng.add_listeners, stats=eng.stats,  # type: ignore[attr-defined]
         memory=eng.memory,  # type: ignore[attr-defined]
         cache_config=eng.config.cache, num_in_flight=0,  # type: ignore[attr-defined]
-        draining=False, num_watchdog_aborts=0), model_name=name)
+        draining=False, num_watchdog_aborts=0,
+        lora_adapters=eng.lora_adapters), model_name=name)  # type: ignore[attr-defined]
     return metrics
 
 

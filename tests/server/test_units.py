@@ -172,7 +172,8 @@ def test_step_budget_gauges_show_the_fit_and_the_budget() -> None:
     # What ServerMetrics reads of an AsyncEngine, served by the LLMEngine underneath.
     metrics.attach(SimpleNamespace(add_listeners=eng.add_listeners, stats=eng.stats,
                                    memory=eng.memory, cache_config=eng.config.cache,
-                                   num_in_flight=0, draining=False, num_watchdog_aborts=0))
+                                   num_in_flight=0, draining=False, num_watchdog_aborts=0,
+                                   lora_adapters=eng.lora_adapters))
     got = {(s.name, s.labels.get("term")): s.value
            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     stats = eng.stats()

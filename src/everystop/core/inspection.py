@@ -3,10 +3,11 @@ every step, and the stats snapshot the engine and /metrics read."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from everystop.core.outputs import SchedulerStats
-from everystop.core.request import RequestStatus
+from everystop.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState
@@ -75,4 +76,12 @@ def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
         spec_decode_num_draft_tokens=sched.num_draft_tokens,
         spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=list(sched.num_accepted_tokens_per_pos),
-        num_host_used_blocks=kv.num_swapped_blocks, num_host_blocks=kv.num_cpu_blocks)
+        num_host_used_blocks=kv.num_swapped_blocks, num_host_blocks=kv.num_cpu_blocks,
+        running_lora_adapters=_adapter_names(sched.running) if sched.serves_lora else (),
+        waiting_lora_adapters=_adapter_names([*sched.waiting, *sched.preempted])
+        if sched.serves_lora else (),
+        max_loras=sched.config.max_loras)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))

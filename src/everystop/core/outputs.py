@@ -99,6 +99,9 @@ class SchedulerOutput:
     # Proposed tokens the speculating decode rows verify (each such row also counts one decode
     # token, its last real one).
     num_draft_tokens: int = 0
+    # The LoRA adapters of every running request after this schedule (scheduled or not): the
+    # executor keeps them in memory (--max-cpu-loras evicts others).
+    running_lora_ids: frozenset[int] = frozenset()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -244,6 +247,11 @@ class SchedulerStats:
     # [i]: rows whose proposal at position i (0-based) was accepted (vLLM's
     # spec_decode_num_accepted_tokens_per_pos); as long as --num-speculative-tokens.
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA: the adapters of the running and of the waiting (queued or preempted) requests, by
+    # name, and the cap on adapters running at once (0: none); vLLM's lora_requests_info.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -50,6 +50,7 @@ class Request:
     tenant: str = "default"
     # The LoRA adapter it runs with (the engine's id for it); -1: the base model.
     lora_id: int = -1
+    lora_name: str | None = None  # the adapter's served name (metrics' label)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

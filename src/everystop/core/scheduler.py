@@ -86,6 +86,9 @@ class Scheduler:
         self.num_swap_out_blocks = 0
         self.num_swap_in_blocks = 0
         self.num_steps = 0
+        # Whether any request has named a LoRA adapter: stats list the adapters in use only then
+        # (a walk of the queues every step is not worth it for a base-only server).
+        self.serves_lora = False
         # Lowered after a pass runs out of memory (shrink_after_oom), regrown as passes succeed.
         self.oom_seat_cap = SeatCap()
         # What a forward pass costs here, learnt from every result (update_from_output), and
@@ -120,6 +123,7 @@ class Scheduler:
             req.arrival_time = self.clock()
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        self.serves_lora = self.serves_lora or req.lora_id >= 0
         self.waiting.push(req)
         self._queued.add(req, +1, self.clock())
 
@@ -184,6 +188,7 @@ class Scheduler:
         self.num_swap_out_blocks += len(out.blocks_to_swap_out)
         self.num_swap_in_blocks += len(out.blocks_to_swap_in)
         self.last_prefill_budget_tokens = budget.prefill_budget_tokens
+        out.running_lora_ids = frozenset(r.lora_id for r in self.running if r.lora_id >= 0)
         return step.finish()
 
     def _schedule_decodes(self, step: PassBuilder) -> list[Request]:

@@ -39,6 +39,7 @@ class SchedulerState(Protocol):
     last_prefill_budget_tokens: int
     step_cost: StepCostModel
     auto_tpot_target_s: float
+    serves_lora: bool
 
     @property
     def num_seats(self) -> int: ...

@@ -124,14 +124,19 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    "if set): larger recompiles less often and holds more memory")
     g.add_argument("--lora", dest="lora_modules", type=_lora_module, action="append",
                    default=None, metavar="NAME=PATH",
-                   help="serve a LoRA adapter (a PEFT directory) under NAME beside the base "
-                   "model: a request picks it by its `model` field (repeatable)")
+                   help="serve a LoRA adapter (a PEFT directory or a llama.cpp GGUF adapter "
+                   "file) under NAME beside the base model: a request picks it by its `model` "
+                   "field (repeatable)")
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="load and unload LoRA adapters while serving (POST "
                    "/v1/load_lora_adapter and /v1/unload_lora_adapter, operator routes)")
     g.add_argument("--max-loras", type=int, default=None,
                    help="most LoRA adapters the running requests may use at once; requests for "
                    "others wait their turn in queue order (default 0: no cap)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="most LoRA adapters whose weights are held in memory; beyond N the "
+                   "least recently used one no running request uses is dropped and read again "
+                   "from its path on its next use (default 0: no cap; at least --max-loras)")
     g.add_argument("--max-lora-rank", type=int, default=None,
                    help="largest LoRA rank an adapter may have (default 64)")
 
@@ -231,7 +236,7 @@ ENGINE_OPTIONS = (
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override",
     "watermark", "enable_prefix_caching", "swap_space_gib", "tensor_parallel_size",
     "quantization", "onednn_cache_capacity", "grammar_compile_timeout_s", "lora_modules",
-    "max_lora_rank", "enable_lora", "max_loras")
+    "max_lora_rank", "enable_lora", "max_loras", "max_cpu_loras")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

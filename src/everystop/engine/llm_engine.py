@@ -134,10 +134,12 @@ class LLMEngine:
         if params is not None and params.structured_output is not None:
             self.structured.compile(params.structured_output)  # a bad spec raises here
         lora_id = BASE if lora is None else self.loras.id_for(lora)
-        return new_request(self.tokenizer, self.max_model_len, prompt, params,
-                           request_id=request_id, priority=priority, tenant=tenant,
-                           arrival_time=self.clock() if arrival_time is None else arrival_time,
-                           max_tokens_to_context=max_tokens_to_context, lora_id=lora_id)
+        req = new_request(self.tokenizer, self.max_model_len, prompt, params,
+                          request_id=request_id, priority=priority, tenant=tenant,
+                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          max_tokens_to_context=max_tokens_to_context, lora_id=lora_id)
+        req.lora_name = lora
+        return req
 
     def lora_adapters(self) -> list[str]:
         """The names of the LoRA adapters served beside the base model."""

@@ -50,7 +50,7 @@ class LoraExecutor(Protocol):
     """An executor that loads and unloads LoRA adapters while it runs (ids are the engine's)."""
 
     def load_lora(self, lora_id: int, path: str) -> None:
-        """Serve the PEFT adapter at `path` as `lora_id`; ValueError naming why it cannot."""
+        """Serve the adapter at `path` (PEFT or GGUF) as `lora_id`; ValueError naming why."""
         ...
 
     def unload_lora(self, lora_id: int) -> None:

@@ -192,7 +192,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
         self.lora: LoraManager | None = None
         if serves_lora:
-            self.lora = LoraManager(self.model, self.dtype, model_config.max_lora_rank)
+            self.lora = LoraManager(self.model, self.dtype, model_config.max_lora_rank,
+                                    model_config.max_cpu_loras)
             for lora_id, (_, path) in enumerate(model_config.lora_modules):
                 self.lora.load(lora_id, path)
         self.weight_bytes, self.num_params = weight_memory(self.model)
@@ -339,7 +340,8 @@ class ModelRunner:
                 [inputs.sample_indices, plan.rows])
             # NOTE: every tensor-parallel rank runs the same rows through the last layer and
             # the LM head.
-            logits = self.model.compute_logits(self._forward_rows(inputs, rows, seqs))
+            logits = self.model.compute_logits(self._forward_rows(inputs, rows, seqs,
+                                                                  sched.running_lora_ids))
             if plan is not None and logits is not None:
                 output.prompt_logprobs = score(logits[len(sampled):], plan)
                 logits = logits[:len(sampled)]
@@ -378,7 +380,8 @@ class ModelRunner:
         return [seqs[i] for i in inputs.sample_seq_indices], logits
 
     def _forward_rows(self, inputs: ModelInputs, rows: torch.Tensor,
-                      seqs: list[ScheduledSequence]) -> torch.Tensor:
+                      seqs: list[ScheduledSequence],
+                      running_lora_ids: frozenset[int] = frozenset()) -> torch.Tensor:
         """The final hidden states of `rows` (in that order, repeats allowed): the model
         computes its last layer for those rows only, so it is given them sorted and unique.
         Rows of requests with a LoRA adapter get its deltas."""
@@ -390,7 +393,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
                                 inputs.meta, wanted)
         else:
-            with self.lora.running(seqs, wanted):
+            with self.lora.running(seqs, wanted, running_lora_ids):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches,
                                     inputs.meta, wanted)
         return hidden if order is None else hidden[order]

@@ -69,6 +69,13 @@ def _engine_state(front: EngineClient) -> dict[str, Any]:
             "draining": bool(front.draining)}
 
 
+def _lora_state(front: EngineClient, metrics: ServerMetrics) -> dict[str, Any]:
+    s = front.stats()
+    return {"served": front.lora_adapters(), "running": list(s.running_lora_adapters),
+            "waiting": list(s.waiting_lora_adapters), "max_loras": s.max_loras,
+            "adapters": metrics.lora.totals()}
+
+
 def _guardrails(app: FastAPI) -> dict[str, Any] | None:
     telemetry = getattr(app.state, "telemetry", None)
     if telemetry is None:
@@ -127,6 +134,7 @@ def install_dashboard(app: FastAPI, front: EngineClient, metrics: ServerMetrics)
         return JSONResponse({
             "object": "dashboard", "time": time.time(), "version": __version__,
             "model_name": metrics.model_name, "engine": _engine_state(front),
+            "lora": _lora_state(front, metrics),
             "window": window, "guardrails": guard,
             "scheduler_config": None if admin is None else admin.snapshot(),
             "config_history": [] if admin is None else await admin.history()})

@@ -32,6 +32,7 @@ from everystop.core.request import Request
 from everystop.engine.client import EngineClient
 from everystop.server.heap_trim import HEAP_TRIMMER
 from everystop.server.live_window import LiveWindow
+from everystop.server.lora_metrics import LoraInfoCollector, LoraMetrics
 from everystop.server.metrics_names import MetricNames, renamed
 from everystop.server.runtime_stats import gc_pause_metrics, install_gc_pause_recorder
 from everystop.server.tenants import clean_tenant
@@ -128,6 +129,7 @@ class ServerMetrics:
                                   "How late the event loop woke a sleeping task (sampled every "
                                   "100 ms): the stall every stream and /health saw",
                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.lora = LoraMetrics(r, _LATENCY_BUCKETS)
         # Fed each loop-lag sample after the histogram (the guardrails' loop_lag alert).
         self.loop_lag_listeners: list[Callable[[float], None]] = []
 
@@ -137,6 +139,7 @@ class ServerMetrics:
             self.model_name = model_name
         async_engine.add_listeners(self.on_iteration, self.on_finished)
         self.registry.register(_EngineCollector(async_engine))
+        self.registry.register(LoraInfoCollector(async_engine))
 
     # -- engine thread ---------------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord, _: SchedulerOutput) -> None:
@@ -174,6 +177,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(tier, tenant).inc(num_prompt)
         self.generation_tokens.labels(tier, tenant).inc(num_generated)
         self.window.on_finished(tenant, req.priority, m, tpot, num_generated)
+        self.lora.on_finished(req, out)
 
     # -- event loop -----------------------------------------------------------------------------
     def observe_itl(self, priority: int, tenant: str, gap_s: float, num_tokens: int) -> None:

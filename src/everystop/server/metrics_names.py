@@ -51,6 +51,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "request_generation_tokens": ("request_generation_tokens",
                                   "request_max_num_generation_tokens"),
     "request_success": ("request_success",),
+    "lora_requests_info": ("lora_requests_info",),
 }
 
 

@@ -68,6 +68,12 @@ class LoraAdapter:
         return sum(p.a.nbytes + p.b.nbytes for p in self.pairs.values())
 
 
+def check_rank(path: str, rank: int, max_rank: int) -> None:
+    if rank > max_rank:
+        raise LoraLoadError(f"{path}: rank {rank} is above the maximum LoRA rank {max_rank} "
+                            "(--max-lora-rank)")
+
+
 def load_peft_adapter(path: str, args: DecoderArgs, dtype: torch.dtype,
                       max_rank: int = DEFAULT_MAX_LORA_RANK) -> LoraAdapter:
     """Read and check the adapter at `path` against a base model with `args`."""
@@ -75,19 +81,29 @@ def load_peft_adapter(path: str, args: DecoderArgs, dtype: torch.dtype,
     rank, alpha = config["r"], config["lora_alpha"]
     if not isinstance(rank, int) or rank <= 0:
         raise LoraLoadError(f"{path}: r must be a positive integer, not {rank!r}")
-    if rank > max_rank:
-        raise LoraLoadError(f"{path}: rank {rank} is above the maximum LoRA rank {max_rank} "
-                            "(--max-lora-rank)")
+    check_rank(path, rank, max_rank)
     scale = peft_scale(float(alpha), rank, bool(config.get("use_rslora")))
     tensors = _read_tensors(path)
-    shapes = _projection_shapes(args)
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    named: list[tuple[str, int, str, str, torch.Tensor]] = []
     for name, tensor in tensors.items():
         m = TENSOR_NAME.match(name)
         if m is None:
             raise LoraLoadError(f"{path}: tensor {name!r} is not a LoRA weight of a decoder "
                                 f"layer's {', '.join(PARTS)}")
-        layer, proj, which = int(m.group(1)), m.group(3), m.group(4)
+        named.append((name, int(m.group(1)), m.group(3), m.group(4), tensor))
+    if not named:
+        raise LoraLoadError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
+    return build_adapter(path, named, rank, scale, args, dtype)
+
+
+def build_adapter(path: str, named: list[tuple[str, int, str, str, torch.Tensor]], rank: int,
+                  scale: float, args: DecoderArgs, dtype: torch.dtype) -> LoraAdapter:
+    """Check an adapter's tensors against the base and fuse them. `named`: (the tensor's name
+    in its file, layer, PEFT projection name, "A" or "B", tensor as PEFT orients it: A [r, in],
+    B [out, r])."""
+    shapes = _projection_shapes(args)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, layer, proj, which, tensor in named:
         if proj not in PARTS:
             raise LoraLoadError(f"{path}: tensor {name!r} targets {proj!r}; supported target "
                                 f"modules: {', '.join(PARTS)}")
@@ -105,8 +121,6 @@ def load_peft_adapter(path: str, args: DecoderArgs, dtype: torch.dtype,
         if len(pair) != 2:
             raise LoraLoadError(f"{path}: layer {layer} {proj} has lora_{next(iter(pair))} "
                                 "but not its other half")
-    if not parts:
-        raise LoraLoadError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoraAdapter(path, rank, scale, _fuse(parts, shapes, scale, dtype))
 
 

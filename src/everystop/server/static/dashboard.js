@@ -68,6 +68,11 @@ const CHARTS = [
       ["swap", counterRate((x) => x.engine.preemptions.swap)(d, prev, dt)]] },
   { id: "prefix", title: "Prefix-cache hit rate (tokens, since start)", series: (d) => [
       ["hit rate", d.engine.prefix_hit_rate]] },
+  { id: "lora", title: "LoRA requests/s by adapter", series: (d, prev, dt) => {
+      const r = Object.keys(d.lora.adapters).map((name) => [name, counterRate(
+        (x) => (x.lora.adapters[name] ? x.lora.adapters[name].requests : 0))(d, prev, dt)]);
+      return r.length ? r : [["none", 0]];
+    } },
   { id: "rejected", title: "429s/s by reason", series: (d) => {
       const r = Object.entries(d.window.rejected_per_s);
       return r.length ? r : [["none", 0]];
