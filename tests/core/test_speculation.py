@@ -72,13 +72,14 @@ def test_ngram_without_a_match_or_below_min_n_proposes_nothing() -> None:
         NgramProposer(3, 2)
 
 
-def test_all_but_opted_out_and_structured_requests_speculate() -> None:
+def test_all_but_opted_out_requests_speculate() -> None:
     for changed in (dict(), dict(temperature=0.7, seed=3), dict(logprobs=1),
                     dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
-                    dict(stop=["."])):
+                    dict(stop=["."]), dict(structured_output=StructuredOutput("json_object"))):
         assert speculates(SamplingParams(**changed)), changed
     assert not speculates(SamplingParams(disable_spec_decode=True))
-    assert not speculates(SamplingParams(structured_output=StructuredOutput("json_object")))
+    assert not speculates(SamplingParams(disable_spec_decode=True,
+                                         structured_output=StructuredOutput("json_object")))
     with pytest.raises(SamplingParamsError, match="disable_spec_decode"):
         SamplingParams(disable_spec_decode="no")  # type: ignore[arg-type]
 
