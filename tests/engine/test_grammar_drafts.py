@@ -121,3 +121,17 @@ def test_positions_past_a_rejected_proposal_get_a_mask_that_allows_something(
     plain = _row(output, [])
     manager.fill_bitmasks(SchedulerOutput(scheduled=[plain]), {"r": req})
     assert torch.equal(plain.token_bitmask, _mask_after(manager, output))
+
+
+def test_after_the_grammar_ends_only_stop_tokens_follow(tokenizer, manager) -> None:
+    """A request that ignores EOS goes on past its grammar's end: it gets stop tokens only,
+    and nothing is proposed for it."""
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    output = _ids(tokenizer, '{"name": "Ann", "age": 3}') + [eos_ids[0]]
+    req = _request(output)
+    assert manager.valid_drafts(req, _ids(tokenizer, "}") + eos_ids) == []
+    row = _row(output, [])
+    manager.fill_bitmasks(SchedulerOutput(scheduled=[row]), {"r": req})
+    bits = row.token_bitmask
+    allowed = [t for t in range(len(manager._hf)) if bits[t // 32] >> (t % 32) & 1]
+    assert allowed == eos_ids

@@ -34,6 +34,7 @@ class StructuredOutputManager:
         `stop_token_ids`: what ends a finished text (EOS and end-of-turn ids)."""
         self._hf = hf_tokenizer
         self.compiler = GrammarCompiler(hf_tokenizer, stop_token_ids, config)
+        self._stop_ids = sorted(stop_token_ids)
         # request id -> [matcher, tokens consumed]
         self._matchers: dict[str, list[Any]] = {}
         # request id -> its compiled grammar, held from admission to finish, so that an LRU
@@ -85,7 +86,7 @@ class StructuredOutputManager:
         for seq in rows:
             matcher = self._synced(seq.request_id, seq.sampling_params.structured_output,
                                    requests[seq.request_id].output_token_ids)
-            matcher.fill_next_token_bitmask(masks, i)
+            self._fill(matcher, masks, i)
             if not seq.num_draft_tokens:
                 seq.token_bitmask = masks[i]
                 i += 1
@@ -106,9 +107,21 @@ class StructuredOutputManager:
             seq.token_bitmask = masks[i:i + 1 + len(drafts)]
             i += 1 + len(drafts)
 
+    def _fill(self, matcher: Any, masks: Any, i: int) -> None:
+        """Row i of `masks`: what the grammar allows next. Once it has ended (a request that
+        ignores EOS goes on past it) only the stop tokens are, as the text is complete."""
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(masks, i)
+            return
+        masks[i] = 0
+        for token in self._stop_ids:
+            bit = 1 << (token % 32)  # as a signed 32-bit word
+            masks[i, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+
     def _accepts(self, matcher: Any, token: int) -> bool:
         """Whether the matcher takes `token` without ending (an ending token is undone)."""
-        if not 0 <= token < len(self._hf) or not matcher.accept_token(token):
+        if (matcher.is_terminated() or not 0 <= token < len(self._hf)
+                or not matcher.accept_token(token)):
             return False
         if matcher.is_terminated():
             matcher.rollback(1)
@@ -128,6 +141,8 @@ class StructuredOutputManager:
             state = self._matchers[request_id] = [xgrammar.GrammarMatcher(compiled), 0]
         matcher, consumed = state
         for token in output[consumed:]:
+            if matcher.is_terminated():  # stop tokens after the end (EOS ignored)
+                break
             if not matcher.accept_token(token):  # cannot happen while the mask is applied
                 logger.warning("request %s: token %d left its grammar", request_id, token)
         state[1] = len(output)
