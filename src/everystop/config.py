@@ -116,8 +116,9 @@ class SchedulerConfig:
     # model with the target's tokenizer decoding greedily (executor/draft_proposer.py), and
     # one pass verifies them.
     # Lossless: greedy and sampled output are what plain decoding gives (sampled: the same
-    # distribution; seeded: the same tokens). NOTE: requests with structured output or
-    # disable_spec_decode decode one token per pass. Off in static scheduling.
+    # distribution; seeded: the same tokens); structured output's proposals are cut at their
+    # grammar. NOTE: requests with disable_spec_decode decode one token per pass. Off in
+    # static scheduling.
     speculative: str = "off"  # "off", "ngram" or "draft:PATH"
     num_speculative_tokens: int = 4
     ngram_min: int = 1

@@ -11,7 +11,7 @@ from everystop.core.outputs import RequestUpdate, SchedulerOutput
 from everystop.core.request import Request
 from everystop.core.scheduler import Scheduler
 from everystop.core.step_cost import StepCostModel, StepShape
-from everystop.sampling_params import SamplingParams
+from everystop.sampling_params import SamplingParams, StructuredOutput
 
 from .toy_executor import ToyExecutor
 
@@ -34,11 +34,14 @@ class Harness:
     history: list[SchedulerOutput] = field(default_factory=list)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 1,
-            tenant: str = "t", eos: int | None = None, seed: int | None = None) -> Request:
-        """`seed`: a sampled request (temperature 1) on that seed; else greedy."""
+            tenant: str = "t", eos: int | None = None, seed: int | None = None,
+            structured_output: StructuredOutput | None = None) -> Request:
+        """`seed`: a sampled request (temperature 1) on that seed; else greedy.
+        `structured_output`: marks the request so (the toy executor applies no grammar)."""
         req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens,
                                                         temperature=0 if seed is None else 1,
-                                                        seed=seed, ignore_eos=eos is None),
+                                                        seed=seed, ignore_eos=eos is None,
+                                                        structured_output=structured_output),
                       eos_token_id=eos, priority=priority, tenant=tenant)
         self.scheduler.add_request(req)
         self.outputs[rid] = []

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from everystop.core.block_pool import BlockPool
 from everystop.core.intake import peak_blocks
+from everystop.sampling_params import StructuredOutput
 
 from .helpers import make_harness
 from .toy_executor import reference_output
@@ -50,12 +51,14 @@ def test_invariants_hold_under_a_sliding_window(window, scheduling, **workload) 
 
 def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, chunk_size,
                  mode, prefix_caching, aborts, sliding_window=None,
-                 scheduling="continuous", proposer=None, seeds=(), **speculation) -> None:
+                 scheduling="continuous", proposer=None, seeds=(), draft_check=None,
+                 **speculation) -> None:
     """Run the requests through the toy executor, checking the invariants after every step
     (Harness.step) and more here; every request not aborted must produce what it produces
     alone. `proposer` (with the speculative options in `speculation`): decode rows carry its
     proposals. `seeds`: request i samples on seeds[i] where given (None or past the end:
-    greedy)."""
+    greedy). `draft_check`: installed as the scheduler's, every request then marked as
+    structured output (its check cuts their proposals)."""
     h = make_harness(**speculation, num_blocks=num_blocks, block_size=block_size,
                      num_cpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
@@ -66,6 +69,10 @@ def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, c
                      max_batch_size=max_num_seqs, static_batch_timeout_s=0.05)
     if proposer is not None:
         h.scheduler.proposer = proposer
+    structured = None
+    if draft_check is not None:
+        h.scheduler.draft_check = draft_check
+        structured = StructuredOutput("json_object")
     kv = h.scheduler.kv
     pool = kv.pool
     null = kv.null_block.block_id if kv.null_block is not None else None
@@ -78,7 +85,8 @@ def run_workload(requests, num_blocks, block_size, max_num_seqs, extra_budget, c
             i, (_, prompt, max_tokens, prio) = pending.pop(0)
             seed = seeds[i] if i < len(seeds) else None
             try:
-                h.add(f"r{i}", prompt, max_tokens, priority=prio, seed=seed)
+                h.add(f"r{i}", prompt, max_tokens, priority=prio, seed=seed,
+                      structured_output=structured)
                 accepted[f"r{i}"] = (prompt, max_tokens, seed)
             except ValueError:  # RequestRejected: too big for this pool
                 needed = peak_blocks(len(prompt), max_tokens, h.scheduler.config, kv)

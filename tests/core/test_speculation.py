@@ -72,13 +72,14 @@ def test_ngram_without_a_match_or_below_min_n_proposes_nothing() -> None:
         NgramProposer(3, 2)
 
 
-def test_all_but_opted_out_and_structured_requests_speculate() -> None:
+def test_all_but_opted_out_requests_speculate() -> None:
     for changed in (dict(), dict(temperature=0.7, seed=3), dict(logprobs=1),
                     dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
-                    dict(stop=["."])):
+                    dict(stop=["."]), dict(structured_output=StructuredOutput("json_object"))):
         assert speculates(SamplingParams(**changed)), changed
     assert not speculates(SamplingParams(disable_spec_decode=True))
-    assert not speculates(SamplingParams(structured_output=StructuredOutput("json_object")))
+    assert not speculates(SamplingParams(disable_spec_decode=True,
+                                         structured_output=StructuredOutput("json_object")))
     with pytest.raises(SamplingParamsError, match="disable_spec_decode"):
         SamplingParams(disable_spec_decode="no")  # type: ignore[arg-type]
 
@@ -308,6 +309,49 @@ def test_invariants_hold_while_speculating(k, wrong, seed, window, seeds, **work
     at random positions: the toy model's sampled_token)."""
     run_workload(**workload, sliding_window=window, speculative="ngram", seeds=seeds,
                  num_speculative_tokens=k, proposer=OracleProposer(wrong, seed, window))
+
+
+class RandomCut:
+    """A stand-in for a grammar's draft check: keeps a random prefix of each proposal."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.num_cut = 0
+
+    def __call__(self, req: Request, drafts: list[int]) -> list[int]:
+        assert req.sampling_params.structured_output is not None
+        kept = drafts[:self.rng.randint(0, len(drafts))]
+        self.num_cut += len(kept) < len(drafts)
+        return kept
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**workload_st, k=st.integers(1, 6), wrong=st.sampled_from([0.0, 0.3]),
+       seed=st.integers(0, 1000))
+def test_invariants_hold_while_a_draft_check_cuts_proposals(k, wrong, seed, **workload) -> None:
+    """Structured output's grammar cut (core/verification.py) under random accept/reject,
+    preemption and aborts: only the kept proposals take KV blocks, and the output is the
+    same."""
+    run_workload(**workload, speculative="ngram", num_speculative_tokens=k,
+                 proposer=OracleProposer(wrong, seed, always_k=True), draft_check=RandomCut(seed))
+
+
+def test_a_draft_check_cuts_structured_proposals_only() -> None:
+    h = spec_harness(wrong=0.0, seed=4, k=4)
+    h.scheduler.proposer.always_k = True
+    cut = h.scheduler.draft_check = RandomCut(4)
+    h.add("s", [3, 4, 5], 12, structured_output=StructuredOutput("json_object"))
+    h.add("p", [6, 7, 8], 12)
+    h.run()
+    assert cut.num_cut > 0
+    drafted: dict[str, list[int]] = {"s": [], "p": []}
+    for sched in h.history:
+        for e in sched.scheduled:
+            if e.num_draft_tokens:
+                drafted[e.request_id].append(e.num_draft_tokens)
+    assert max(drafted["p"]) == 4 and min(drafted["s"]) < 4  # the plain one's are never cut
+    assert h.outputs["s"] == reference_output([3, 4, 5], 12)
+    assert h.outputs["p"] == reference_output([6, 7, 8], 12)
 
 
 def test_seeded_sampled_requests_give_their_own_tokens_while_speculating() -> None:

@@ -29,7 +29,7 @@ def plain() -> list[list[int]]:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("max_num_seqs, num_prompts", [(1, 8), (16, 32)])
+@pytest.mark.parametrize("max_num_seqs, num_prompts", [(1, 32), (16, 32)])
 def test_the_default_model_drafting_for_itself_gives_the_plain_greedy_tokens(
         plain, max_num_seqs: int, num_prompts: int) -> None:
     path = default_model_path()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from everystop import LLM, SamplingParams
+from everystop.sampling_params import StructuredOutput
 
 pytestmark = pytest.mark.model
 
@@ -63,6 +64,10 @@ FEATURES = {
     "min-tokens-and-eos": dict(temperature=0.0, min_tokens=6, ignore_eos=False,
                                logit_bias={2: 3.0}),
     "stop-string": dict(temperature=0.0, stop=[" at ", "o'clock"]),
+    # Sampled under a grammar: each verified position samples under its own mask.
+    "seeded-structured-output": dict(
+        temperature=0.8, seed=17, ignore_eos=False,
+        structured_output=StructuredOutput("regex", r"[a-z' ]+ at [0-9]+ o'clock")),
 }
 
 

@@ -50,6 +50,7 @@ class ScheduledSequence:
     eos_token_id: int | None = None
     # Structured output: the tokens this row may sample, a packed bitmask (bit t of 32-bit
     # word t // 32 set = token t allowed) filled by the engine before the pass; None: any.
+    # A speculating row's holds one mask per verified position: [1 + num_draft_tokens, words].
     token_bitmask: Any = None
     # Speculative decoding: the trailing tokens of `token_ids` that are proposals, not yet
     # part of the request (0: a plain row).

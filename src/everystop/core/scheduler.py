@@ -55,7 +55,7 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
-from everystop.core.speculation import Proposer, make_proposer
+from everystop.core.speculation import DraftCheck, Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
 from everystop.core.step_cost import StepCostModel, StepShape
@@ -104,6 +104,8 @@ class Scheduler:
         # Speculative decoding (core/verification.py): the proposer, and the proposals
         # verified and accepted so far.
         self.proposer: Proposer | None = self._make_proposer(config)
+        # Structured output's grammar check on proposals, set by the engine that owns it.
+        self.draft_check: DraftCheck | None = None
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -9,16 +9,22 @@ kept while they equal those tokens (core/verification.py); with sampling that is
 rejection rule for a point-mass proposal, so the output distribution is the target's. Stop
 strings cut a pass's tokens where the text first holds one (engine/output_processor.py).
 
-Which requests speculate: all but those that set disable_spec_decode and those with
-structured output (they fall back to one token per pass).
+Which requests speculate: all but those that set disable_spec_decode. With structured output
+a `DraftCheck` (the engine's grammar matcher, engine/structured_output.py) cuts the proposals
+at the first token the grammar rejects, and each verified position samples under the grammar's
+mask for the state after the proposals before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from everystop.core.request import Request
 from everystop.sampling_params import SamplingParams
+
+# Given a structured-output request and its proposals, the longest prefix its grammar accepts.
+DraftCheck = Callable[[Request, list[int]], list[int]]
 
 
 class Proposer(Protocol):
@@ -67,9 +73,8 @@ class NgramProposer:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's next tokens may be verified k at a time: all but those that opt
-    out (disable_spec_decode) and those with structured output, which decode one token per
-    pass (their grammar's token mask is built for one position at a time)."""
-    return not params.disable_spec_decode and params.structured_output is None
+    out (disable_spec_decode)."""
+    return not params.disable_spec_decode
 
 
 def make_proposer(method: str, min_n: int, max_n: int) -> Proposer | None:

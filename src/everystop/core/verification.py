@@ -86,8 +86,12 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
 
 def _add(sched: Scheduler, step: PassBuilder, entry: ScheduledSequence, req: Request,
          drafts: list[int]) -> None:
-    """Put a row's proposals in the pass, where the KV pool has room above the watermark."""
+    """Put a row's proposals in the pass, where the KV pool has room above the watermark;
+    a structured-output row's only as far as its grammar accepts them."""
     kv = sched.kv
+    if drafts and sched.draft_check is not None and (
+            entry.sampling_params.structured_output is not None):
+        drafts = sched.draft_check(req, drafts)
     if drafts and kv.allocate(req, 1 + len(drafts), reserve_watermark=True):
         step.add_drafts(entry, drafts, kv.block_ids(req.request_id), req.priority)
 

@@ -189,8 +189,8 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
                    "tokens by prompt lookup, draft:PATH by a smaller model with the same "
                    "tokenizer (GGUF file or HF directory), and one pass verifies them "
                    "(default off); the output is what plain decoding gives, greedy or "
-                   "sampled. Requests with structured output or disable_spec_decode decode "
-                   "one token per pass")
+                   "sampled, structured output included. Requests with disable_spec_decode "
+                   "decode one token per pass")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most tokens proposed per sequence per pass (default 4, at most 32)")
     g.add_argument("--ngram-min", type=int, default=None,

@@ -91,6 +91,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(getattr(tokenizer, "hf_tokenizer", None),
                                                   sorted(tokenizer.eos_token_ids),
                                                   config.structured)
+        self.scheduler.draft_check = self.structured.valid_drafts
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
