@@ -28,6 +28,8 @@ MEASUREMENTS = [
     ("profile", "everystop.bench.profile", "where one engine step's time goes, at 128 sequences"),
     ("roofline", "everystop.bench.roofline", "this machine's roofline; MFU and bound of results"),
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
+    ("speculative", "everystop.bench.speculative", "speculative decoding off, ngram and draft "
+     "(and llama.cpp's), single stream and 32 streams, on input-grounded and chat requests"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
     ("fleet-report", "everystop.sim.fleet_report", "every number in docs/fleet-simulation.md: "
