@@ -51,3 +51,34 @@ def test_bench_all_render_only_writes_the_page_next_to_other_results(tmp_path: P
     results = _copy_results(tmp_path)
     assert main(["bench", "all", "--out", str(results), "--render-only"]) == 0
     assert (results / "performance.md").read_text() == perf_page.render(results, results)
+
+
+def _spec_run(engine: str, method: str, tok_s: float, ttft_p99_ms: float,
+              acceptance: float | None) -> dict:
+    scenario = {"output_tok_s": tok_s, "ttft_ms": {"p99": ttft_p99_ms}}
+    return {"engine": engine, "method": method, "command": f"{engine} --{method}",
+            "acceptance_rate": acceptance,
+            "scenarios": {n: scenario for n in ("grounded_single", "chat_single",
+                                                "grounded_concurrent")}}
+
+
+def test_the_speculative_section_shows_each_method_against_its_server_without(
+        tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    kind = results / "cpu" / "intel_amx"
+    machine = json.loads((kind / perf_page.VS_LLAMACPP).read_text())["machine"]
+    runs = {"everystop/off": _spec_run("everystop", "off", 10.0, 900.0, None),
+            "everystop/ngram": _spec_run("everystop", "ngram", 25.0, 800.0, 0.6),
+            "llamacpp/off": _spec_run("llamacpp", "off", 40.0, 700.0, None),
+            "llamacpp/draft": _spec_run("llamacpp", "draft", 30.0, 1200.0, None)}
+    (kind / perf_page.SPECULATIVE).write_text(json.dumps({
+        "command": "everystop bench speculative", "machine": machine, "runs": runs,
+        "target": "/x/f16.gguf", "draft": "/x/q4_1.gguf", "num_speculative_tokens": 4,
+        "dtype": "float32", "same_tokens_as_off": {"everystop": {"ngram": False}},
+        "scenarios": {"grounded_concurrent": {"concurrency": 32}}}))
+    page = perf_page.render(results)
+    assert "### Speculative decoding" in page and "grounded, 32 streams" in page
+    assert "| everystop | off | 10.0 tok/s | 10.0 tok/s | 10.0 tok/s | 900 ms | n/a |" in page
+    assert "| everystop | ngram | 25.0 tok/s (2.50x) |" in page and "| 800 ms | 60% |" in page
+    assert "| llama.cpp | draft | 30.0 tok/s (0.75x) |" in page
+    assert "(everystop): ngram no." in page and "llamacpp --draft" in page
