@@ -14,7 +14,7 @@ from gguf import GGUFReader, GGUFWriter
 
 from everystop.bench import perf_page
 from everystop.bench.gguf_f16 import write_f16_copy
-from everystop.bench.random_gguf import add_default_tokenizer, write_random_tensors
+from everystop.bench.random_gguf import TensorSpec, add_default_tokenizer, write_random_tensors
 from everystop.bench.speculative import everystop_flags, llamacpp_flags
 from everystop.cli import main
 from everystop.executor.models.loader import default_model_path
@@ -37,7 +37,7 @@ def tiny_llama(path: Path, layers: int, kind: str) -> str:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     add_default_tokenizer(w, vocab)
-    specs = [("token_embd.weight", (vocab, HIDDEN))]
+    specs: list[TensorSpec] = [("token_embd.weight", (vocab, HIDDEN))]
     for i in range(layers):
         b = f"blk.{i}."
         specs += [(b + "attn_norm.weight", (HIDDEN,)), (b + "ffn_norm.weight", (HIDDEN,)),
