@@ -93,7 +93,7 @@ def test_llamacpp_flags_use_its_own_speculation_on_the_same_files() -> None:
     args = argparse.Namespace(threads=8, num_speculative_tokens=5, dtype="bfloat16",
                               everystop_flags="--max-num-seqs 32")
     assert llamacpp_flags("off", "d.gguf", args, longest=600) == [
-        "-np", "32", "-c", "19200", "-t", "8", "-tb", "8"]
+        "-np", "32", "-c", "19200", "-t", "8", "-tb", "8", "--metrics"]
     ngram = llamacpp_flags("ngram", "d.gguf", args, longest=600)
     assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple"
     assert ngram[ngram.index("--spec-ngram-simple-size-m") + 1] == "5"

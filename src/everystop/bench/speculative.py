@@ -22,7 +22,7 @@ model writes text its input does not contain, which is not what this workload me
 speculation is lossless, so every everystop configuration emits the same tokens (the JSON says
 whether it did, request by request); rates are per emitted token. The chat scenario keeps the
 client's `ignore_eos` (64 tokens each). Recorded: each server's exact command, its peak RSS,
-everystop's draft acceptance (from /metrics), the CPU's flags (the result's envelope); a PNG of
+the draft acceptance (each server's /metrics), the CPU's flags (the result's envelope); a PNG of
 output tok/s per scenario goes next to the JSON. `--quick`: 2-4 requests of at most 16 tokens
 per scenario and the default model as its own target (a smoke test, not a result).
 """
@@ -67,8 +67,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/everystop-speculative"),
                     help="where the F16 copy is written (kept: a rerun reuses it)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="K for every method")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="everystop's dtype")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="everystop's dtype (auto: bfloat16 where the CPU has bf16 units)")
     ap.add_argument("--methods", default=",".join(METHODS), help="a subset of off,ngram,draft")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="llama.cpp's threads (-t, -tb)")
@@ -121,7 +121,7 @@ def llamacpp_flags(method: str, draft: str, args: argparse.Namespace,
     its prompt lookup (`ngram-simple`, looking up the last 4 tokens as everystop's longest
     n-gram, K tokens guessed), draft its draft model (`-md`, at most K a step)."""
     t, k = str(args.threads), str(args.num_speculative_tokens)
-    flags = ["-np", str(slots), "-c", str(slots * longest), "-t", t, "-tb", t]
+    flags = ["-np", str(slots), "-c", str(slots * longest), "-t", t, "-tb", t, "--metrics"]
     if method == "ngram":
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                   "--spec-ngram-simple-size-m", k]
@@ -132,7 +132,8 @@ def llamacpp_flags(method: str, draft: str, args: argparse.Namespace,
 
 
 def spec_counters(url: str) -> dict[str, float]:
-    """everystop's draft and accepted token counters from /metrics (zeros where absent)."""
+    """The draft and accepted token counters from /metrics, as everystop and llama.cpp (with
+    --metrics) both name them (zeros where absent)."""
     out = {"draft": 0.0, "accepted": 0.0}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if (m := _SPEC_COUNTER.match(line)) is not None:
@@ -189,17 +190,15 @@ def run_one(engine: str, method: str, target: str, draft: str, args: argparse.Na
                   for r in wl.requests) + 64
     print(f"+ {engine} {method}", flush=True)
     with _server(engine, method, target, draft, args, longest) as (url, command, pid):
-        before = spec_counters(url) if engine == "everystop" else None
+        before = spec_counters(url)
         scenarios = measure(url, workloads)
-        run: dict[str, Any] = {"engine": engine, "method": method, "command": command,
-                               "scenarios": scenarios, **process_memory(pid)}
-        if before is not None:
-            after = spec_counters(url)
-            drafted = after["draft"] - before["draft"]
-            run["draft_tokens"] = drafted
-            run["acceptance_rate"] = (after["accepted"] - before["accepted"]) / drafted \
-                if drafted else None
-    return run
+        after = spec_counters(url)
+        memory = process_memory(pid)
+    drafted = after["draft"] - before["draft"]
+    return {"engine": engine, "method": method, "command": command, "scenarios": scenarios,
+            **memory, "draft_tokens": drafted,
+            "acceptance_rate": (after["accepted"] - before["accepted"]) / drafted
+            if drafted else None}
 
 
 def same_tokens(runs: dict[str, dict[str, Any]], engine: str) -> dict[str, bool]:
@@ -219,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     if not methods or set(methods) - set(METHODS):
         raise SystemExit(f"--methods: a subset of {','.join(METHODS)}, not {args.methods!r}")
+    if args.dtype == "auto":
+        from everystop.bench.run_all import default_dtype
+        from everystop.results import cpu_info
+
+        args.dtype = default_dtype(cpu_info())
     target, draft = _models(args)
     workloads = _workloads(args.quick)
     out: dict[str, Any] = {"bench": "speculative", "quick": args.quick, "target": target,
