@@ -22,9 +22,11 @@ from everystop.executor.models.loader import default_model_path
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 
 
-def tiny_llama(path: Path, layers: int, kind: str) -> str:
-    """A random llama-shaped GGUF with the default model's tokenizer (`kind`: f16, q8_0)."""
+def tiny_llama(path: Path, layers: int, kind: str, extra_tokens: int = 0) -> str:
+    """A random llama-shaped GGUF with the default model's tokenizer (`kind`: f16, q8_0), its
+    vocabulary padded by `extra_tokens`."""
     vocab = len(GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    vocab += extra_tokens
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
     w.add_context_length(2048)
