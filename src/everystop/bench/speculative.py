@@ -1,7 +1,6 @@
 """`everystop bench speculative`: speculative decoding's speed, off / ngram / draft, in one run.
 
-    everystop bench speculative --out benchmarks/results/cpu/KIND/speculative.json \\
-        [--llama-server PATH] [--quick]
+    everystop bench speculative [--llama-server PATH] [--quick] [--out FILE]
 
 Each configuration is a server started on loopback, measured through one client
 (`everystop bench serve`'s) in three scenarios, then stopped:
@@ -58,7 +57,9 @@ _SPEC_COUNTER = re.compile(
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", type=Path, help="result JSON (the plot goes next to it, .png)")
+    ap.add_argument("--out", type=Path, help="result JSON, the plot next to it (.png); default: "
+                    "benchmarks/results/cpu/KIND/speculative.json for this CPU kind, where the "
+                    "performance page reads it (--quick: printed only)")
     ap.add_argument("--quick", action="store_true", help="a smoke test: a few short requests")
     ap.add_argument("--llama-server", help="a llama-server binary: measure llama.cpp too")
     ap.add_argument("--target", help="the target GGUF (default: an F16 copy of the default "
@@ -218,11 +219,15 @@ def run(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     if not methods or set(methods) - set(METHODS):
         raise SystemExit(f"--methods: a subset of {','.join(METHODS)}, not {args.methods!r}")
-    if args.dtype == "auto":
-        from everystop.bench.run_all import default_dtype
-        from everystop.results import cpu_info
+    from everystop.bench import perf_page
+    from everystop.bench.run_all import default_dtype
+    from everystop.results import cpu_info
 
-        args.dtype = default_dtype(cpu_info())
+    machine = cpu_info()
+    if args.dtype == "auto":
+        args.dtype = default_dtype(machine)
+    if args.out is None and not args.quick:
+        args.out = perf_page.RESULTS / "cpu" / perf_page.cpu_kind(machine) / perf_page.SPECULATIVE
     target, draft = _models(args)
     workloads = _workloads(args.quick)
     out: dict[str, Any] = {"bench": "speculative", "quick": args.quick, "target": target,
@@ -246,5 +251,6 @@ def run(args: argparse.Namespace) -> int:
         from everystop.plots import speculative_bars
 
         speculative_bars(out, Path(args.out).with_suffix(".png"))
-        print(f"wrote {args.out} and its plot")
+        print(f"wrote {args.out} and its plot (docs/performance.md: `everystop bench all "
+              "--render-only`)")
     return 0
