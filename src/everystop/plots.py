@@ -1,9 +1,11 @@
-"""Every PNG the project draws: latency CDFs, batch occupancy, throughput vs offered load.
+"""Every PNG the project draws: latency CDFs, batch occupancy, throughput vs offered load,
+speculative decoding's tok/s.
 
 The drawing takes plain data (lists of numbers, the compare JSON), so the bench, the simulator
 and the benchmark commands share one look: `cdf_axes` and `occupancy_axes` draw on an axis;
 `ttft_cdf`, `throughput_vs_load` and `occupancy` render a compare result (`everystop bench
-compare`); `latency_cdfs` and `occupancy_plot` are the simulator's run plots.
+compare`); `latency_cdfs` and `occupancy_plot` are the simulator's run plots;
+`speculative_bars` is `everystop bench speculative`'s.
 """
 
 from __future__ import annotations
@@ -162,3 +164,21 @@ def write_compare_plots(data: dict[str, Any], out_dir: Path) -> list[Path]:
     return [ttft_cdf(data, out_dir / "ttft_cdf.png"),
             throughput_vs_load(data, out_dir / "throughput_vs_load.png"),
             occupancy(data, out_dir / "occupancy.png")]
+
+
+def speculative_bars(data: dict[str, Any], path: Path) -> Path:
+    """`everystop bench speculative`: output tok/s of each server and method, per scenario."""
+    plt = pyplot()
+    scenarios = list(data["scenarios"])
+    runs = data["runs"]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        names = list(runs)
+        values = [runs[n]["scenarios"][scenario]["output_tok_s"] for n in names]
+        colors = ["tab:blue" if n.startswith("everystop") else "tab:gray" for n in names]
+        ax.barh(names, values, color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("output tok/s")
+        ax.set_title(f"{scenario} (x{data['scenarios'][scenario]['concurrency']})")
+        ax.grid(axis="x", alpha=0.3)
+    return save(fig, path)

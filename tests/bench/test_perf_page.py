@@ -61,8 +61,8 @@ def _served_run(tok_s: float, tpot_ms: float, rss_mib: float, share: float) -> d
 
 def test_the_served_table_reads_both_servers_and_their_ratio(tmp_path: Path) -> None:
     results = _copy_results(tmp_path)
-    served = {"bench": "served", "command": "everystop bench served", "machine": {"model": "Intel"},
-              "read_bandwidth_gb_s": 31.5,
+    served = {"bench": "served", "command": "everystop bench served",
+              "machine": {"model": "Intel"}, "read_bandwidth_gb_s": 31.5,
               "concurrent": {"num_requests": 128, "everystop": _served_run(300.0, 0, 1, 0),
                              "llamacpp": _served_run(100.0, 0, 1, 0)},
               "single": {"everystop": _served_run(0, 6.0, 500, 0.45),
@@ -74,3 +74,34 @@ def test_the_served_table_reads_both_servers_and_their_ratio(tmp_path: Path) -> 
     assert "| F16 | single stream, TPOT p50 (ms) | 6.00 | 8.00 | 0.75x |" in page
     assert "| F16 | single stream, peak RSS (MiB) | 500 | 400 | 1.25x |" in page
     assert "(31.5 GB/s)" in page
+
+
+def _spec_run(engine: str, method: str, tok_s: float, ttft_p99_ms: float,
+              acceptance: float | None) -> dict:
+    scenario = {"output_tok_s": tok_s, "ttft_ms": {"p99": ttft_p99_ms}}
+    return {"engine": engine, "method": method, "command": f"{engine} --{method}",
+            "acceptance_rate": acceptance,
+            "scenarios": {n: scenario for n in ("grounded_single", "chat_single",
+                                                "grounded_concurrent")}}
+
+
+def test_the_speculative_section_shows_each_method_against_its_server_without(
+        tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    kind = results / "cpu" / "intel_amx"
+    machine = json.loads((kind / perf_page.VS_LLAMACPP).read_text())["machine"]
+    runs = {"everystop/off": _spec_run("everystop", "off", 10.0, 900.0, None),
+            "everystop/ngram": _spec_run("everystop", "ngram", 25.0, 800.0, 0.6),
+            "llamacpp/off": _spec_run("llamacpp", "off", 40.0, 700.0, None),
+            "llamacpp/draft": _spec_run("llamacpp", "draft", 30.0, 1200.0, None)}
+    (kind / perf_page.SPECULATIVE).write_text(json.dumps({
+        "command": "everystop bench speculative", "machine": machine, "runs": runs,
+        "target": "/x/f16.gguf", "draft": "/x/q4_1.gguf", "num_speculative_tokens": 4,
+        "dtype": "float32", "same_tokens_as_off": {"everystop": {"ngram": False}},
+        "scenarios": {"grounded_concurrent": {"concurrency": 32}}}))
+    page = perf_page.render(results)
+    assert "### Speculative decoding" in page and "grounded, 32 streams" in page
+    assert "| everystop | off | 10.0 tok/s | 10.0 tok/s | 10.0 tok/s | 900 ms | n/a |" in page
+    assert "| everystop | ngram | 25.0 tok/s (2.50x) |" in page and "| 800 ms | 60% |" in page
+    assert "| llama.cpp | draft | 30.0 tok/s (0.75x) |" in page
+    assert "(everystop): ngram no." in page and "llamacpp --draft" in page

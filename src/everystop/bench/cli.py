@@ -30,6 +30,8 @@ MEASUREMENTS = [
     ("vs-llamacpp", "everystop.bench.vs_llamacpp", "head to head with llama.cpp's server"),
     ("served", "everystop.bench.served", "everystop serve's defaults against llama.cpp's server "
      "over one client: 128 at once, a single stream, memory, start-up"),
+    ("speculative", "everystop.bench.speculative", "speculative decoding off, ngram and draft "
+     "(and llama.cpp's), single stream and 32 streams, on input-grounded and chat requests"),
     ("sim-calibrate", "everystop.bench.sim_calibration", "fit the simulator's cost model to "
      "this machine's engine and check its predictions"),
     ("fleet-report", "everystop.sim.fleet_report", "every number in docs/fleet-simulation.md: "

@@ -18,6 +18,7 @@ SINGLE = {"everystop": "single_stream_everystop.json", "llama.cpp": "single_stre
 LOAD_SWEEP = "latency_vs_load.json"
 # `everystop bench served` per file: everystop serve's defaults beside llama.cpp's server.
 SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json"}
+SPECULATIVE = "speculative.json"
 
 
 def cpu_kind(machine: dict[str, Any]) -> str:
@@ -126,6 +127,36 @@ def load_table(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def speculative_table(r: dict[str, Any]) -> list[str]:
+    """`everystop bench speculative`: output tok/s per scenario, each method's speed-up over
+    its server without speculation, TTFT p99 at 32 streams, the draft acceptance."""
+    sc = r["scenarios"]
+    out = ["| server | speculation | grounded, 1 stream | chat, 1 stream | grounded, "
+           f"{sc['grounded_concurrent']['concurrency']} streams | TTFT p99, "
+           f"{sc['grounded_concurrent']['concurrency']} streams | acceptance |",
+           "|---|---|---|---|---|---|---|"]
+    for run in r["runs"].values():
+        base = r["runs"].get(f"{run['engine']}/off")
+        cells = []
+        for name in ("grounded_single", "chat_single", "grounded_concurrent"):
+            tok_s = run["scenarios"][name]["output_tok_s"]
+            gain = f" ({tok_s / base['scenarios'][name]['output_tok_s']:.2f}x)" \
+                if base is not None and run is not base else ""
+            cells.append(f"{tok_s:,.1f} tok/s{gain}")
+        rate = run.get("acceptance_rate")
+        ttft = run["scenarios"]["grounded_concurrent"]["ttft_ms"]["p99"]
+        server = "everystop" if run["engine"] == "everystop" else "llama.cpp"
+        out.append(f"| {server} | {run['method']} | {' | '.join(cells)} | {ttft:,.0f} ms | "
+                   f"{'n/a' if rate is None else f'{rate:.0%}'} |")
+    same = r.get("same_tokens_as_off", {}).get("everystop", {})
+    verdicts = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in same.items()) or "n/a"
+    out += ["", f"Target {Path(r['target']).name}, draft {Path(r['draft']).name}, at most "
+            f"{r['num_speculative_tokens']} guesses a step; everystop {r['dtype']}. Grounded "
+            "requests stop at the end of their answer. The same number of tokens for every "
+            f"request with speculation as without (everystop): {verdicts}."]
+    return out
+
+
 def throughput_line(r: dict[str, Any]) -> str:
     return (f"Offline, {r['num_requests']} requests in one engine ({r['dtype']}): "
             f"**{r['output_tok_s']:,.1f} output tok/s** ({r['total_tok_s']:,.1f} with prompts), "
@@ -136,9 +167,9 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     """Everything measured on one CPU kind; the commands that measured it."""
     vs, offline = _load(kind_dir / VS_LLAMACPP), _load(kind_dir / THROUGHPUT)
     single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
-    sweep = _load(kind_dir / LOAD_SWEEP)
+    sweep, spec = _load(kind_dir / LOAD_SWEEP), _load(kind_dir / SPECULATIVE)
     served = {n: r for n, f in SERVED.items() if (r := _load(kind_dir / f)) is not None}
-    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep)
+    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep, spec)
                if r is not None]
     if not present:
         return []
@@ -161,6 +192,11 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
                 *load_table(sweep), ""]
         if png.is_file():
             out += [f"![latency vs load]({os.path.relpath(png, page_dir)})", ""]
+    if spec:
+        png = (kind_dir / SPECULATIVE).with_suffix(".png")
+        out += ["### Speculative decoding", "", *speculative_table(spec), ""]
+        if png.is_file():
+            out += [f"![speculative decoding]({os.path.relpath(png, page_dir)})", ""]
     commands = [r["command"] for r in present]
     commands += [r["meta"]["server_command"] for r in single.values()
                  if "server_command" in r.get("meta", {})]
@@ -169,6 +205,7 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
         else []
     commands += [" ".join(r[s][n]["command"]) for r in served.values()
                  for s in ("concurrent", "single") if s in r for n in ("everystop", "llamacpp")]
+    commands += [run["command"] for run in (spec or {}).get("runs", {}).values()]
     unique = list(dict.fromkeys(commands))  # a server started twice is listed once
     out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
     return out

@@ -1,0 +1,124 @@
+"""`everystop bench speculative --quick` end to end on loopback: three servers (off, ngram, a
+smaller draft) of a tiny random-weight model with the default tokenizer, every scenario
+measured, one JSON with the commands and CPU flags, a plot, the page's section; and the
+llama.cpp command lines it would run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader, GGUFWriter
+
+from everystop.bench import perf_page
+from everystop.bench.gguf_f16 import write_f16_copy
+from everystop.bench.random_gguf import TensorSpec, add_default_tokenizer, write_random_tensors
+from everystop.bench.speculative import everystop_flags, llamacpp_flags
+from everystop.cli import main
+from everystop.executor.models.loader import default_model_path
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
+
+
+def tiny_llama(path: Path, layers: int, kind: str, extra_tokens: int = 0) -> str:
+    """A random llama-shaped GGUF with the default model's tokenizer (`kind`: f16, q8_0), its
+    vocabulary padded by `extra_tokens`."""
+    vocab = len(GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    vocab += extra_tokens
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    add_default_tokenizer(w, vocab)
+    specs: list[TensorSpec] = [("token_embd.weight", (vocab, HIDDEN))]
+    for i in range(layers):
+        b = f"blk.{i}."
+        specs += [(b + "attn_norm.weight", (HIDDEN,)), (b + "ffn_norm.weight", (HIDDEN,)),
+                  (b + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
+                  (b + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
+                  (b + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
+                  (b + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM)),
+                  (b + "ffn_gate.weight", (FFN, HIDDEN)), (b + "ffn_up.weight", (FFN, HIDDEN)),
+                  (b + "ffn_down.weight", (HIDDEN, FFN))]
+    write_random_tensors(w, [*specs, ("output_norm.weight", (HIDDEN,))], kind)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A 2-layer F16 target and a 1-layer Q8_0 draft."""
+    d = tmp_path_factory.mktemp("speculative")
+    return (tiny_llama(d / "target.gguf", layers=2, kind="f16"),
+            tiny_llama(d / "draft.gguf", layers=1, kind="q8_0"))
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_quick_mode_measures_every_method_and_scenario(models: tuple[str, str],
+                                                       tmp_path: Path) -> None:
+    target, draft = models
+    out = tmp_path / "cpu" / "kind" / "speculative.json"
+    assert main(["bench", "speculative", "--quick", "--target", target, "--draft", draft,
+                 "--everystop-flags", "--kv-cache-memory 64MiB", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bench"] == "speculative" and r["quick"] and "isa_flags" in r["machine"]
+    assert list(r["runs"]) == ["everystop/off", "everystop/ngram", "everystop/draft"]
+    for name, run in r["runs"].items():
+        method = name.split("/")[1]
+        assert ("--speculative " + (f"draft:{draft}" if method == "draft" else method)
+                in run["command"]), run["command"]
+        assert run["peak_rss_bytes"] > 0
+        for scenario, s in run["scenarios"].items():
+            wanted = r["scenarios"][scenario]["requests"]
+            assert s["completed"] == wanted and s["failed"] == 0, (name, scenario)
+            assert s["output_tok_s"] > 0 and len(s["output_tokens_per_request"]) == wanted
+    assert r["runs"]["everystop/off"]["draft_tokens"] == 0
+    assert r["runs"]["everystop/draft"]["draft_tokens"] > 0
+    assert 0 <= r["runs"]["everystop/draft"]["acceptance_rate"] <= 1
+    # Greedy speculation is lossless: each request emits what it does without.
+    assert r["same_tokens_as_off"]["everystop"] == {"ngram": True, "draft": True}
+    assert out.with_suffix(".png").stat().st_size > 0
+    page = perf_page.render(tmp_path)
+    assert "### Speculative decoding" in page and "| everystop | draft |" in page
+
+
+def test_llamacpp_flags_use_its_own_speculation_on_the_same_files() -> None:
+    args = argparse.Namespace(threads=8, num_speculative_tokens=5, dtype="bfloat16",
+                              everystop_flags="--max-num-seqs 32")
+    assert llamacpp_flags("off", "d.gguf", args, longest=600) == [
+        "-np", "32", "-c", "19200", "-t", "8", "-tb", "8", "--metrics"]
+    ngram = llamacpp_flags("ngram", "d.gguf", args, longest=600)
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple"
+    assert ngram[ngram.index("--spec-ngram-simple-size-m") + 1] == "5"
+    draft = llamacpp_flags("draft", "d.gguf", args, longest=600)
+    assert draft[draft.index("-md") + 1] == "d.gguf"
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "5"
+    assert everystop_flags("draft", "t.gguf", "d.gguf", args) == [
+        "--model", "t.gguf", "--dtype", "bfloat16", "--speculative", "draft:d.gguf",
+        "--num-speculative-tokens", "5", "--max-num-seqs", "32"]
+    assert "--num-speculative-tokens" not in everystop_flags("off", "t.gguf", "d.gguf", args)
+
+
+def test_the_f16_copy_holds_the_dequantized_blocks_and_every_key(models: tuple[str, str],
+                                                                 tmp_path: Path) -> None:
+    src = models[1]
+    dst = write_f16_copy(src, tmp_path / "f16.gguf")
+    a, b = GGUFReader(src), GGUFReader(str(dst))
+    assert set(a.fields) == set(b.fields)
+    assert b.fields["general.file_type"].contents() == 1  # MOSTLY_F16
+    from gguf.quants import dequantize
+
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
+        assert ta.name == tb.name
+        want = ta.data if ta.tensor_type.name == "F32" else dequantize(ta.data, ta.tensor_type)
+        assert tb.tensor_type.name == ("F32" if ta.tensor_type.name == "F32" else "F16")
+        assert (abs(tb.data.astype("float32") - want) <= 1e-3 * (1 + abs(want))).all(), ta.name
