@@ -41,3 +41,17 @@ def write_f16_copy(src: str | Path, dst: str | Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+COPIES = Path("/tmp/everystop-f16")  # kept between runs: a rerun reuses its copy
+
+
+def default_model_f16(work_dir: Path = COPIES) -> Path:
+    """The F16 copy of the default model under `work_dir`, written on first use."""
+    from everystop.executor.models.loader import default_model_path
+
+    target = Path(work_dir) / "default-model-f16.gguf"
+    if not target.is_file():
+        print(f"writing the F16 copy of {default_model_path()} to {target}", flush=True)
+        write_f16_copy(default_model_path(), target)
+    return target

@@ -6,7 +6,7 @@
 Writes OUT/cpu/KIND/ (KIND: this CPU's vendor and ISA, `perf_page.cpu_kind`): the offline
 128-request throughput, single-stream latency, latency under Poisson load and, with a
 llama-server, the same against llama.cpp, 128 concurrent requests head to head, and `everystop
-serve` with no flags beside llama.cpp's server on the shipped file (and --f16-gguf). Without
+serve` with no flags beside llama.cpp's server on the shipped file and an F16 copy. Without
 --quick it also reruns the simulator's report (`everystop simulate report`). Then it renders the
 performance page from OUT: docs/performance.md when OUT is the committed results, else
 OUT/performance.md. --quick runs small versions of each measurement (minutes; its numbers are a
@@ -34,8 +34,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="small runs, a few minutes in all")
     ap.add_argument("--llama-server", help="a llama-server binary: measure llama.cpp too")
     ap.add_argument("--gguf", help="the GGUF llama.cpp serves (default: the default model's)")
-    ap.add_argument("--f16-gguf", help="an F16 GGUF of the default model: both servers' "
-                    "defaults on it too (`bench served`)")
+    ap.add_argument("--f16-gguf", help="an F16 GGUF of the default model for `bench served` "
+                    "(default: one written from the shipped file, bench/gguf_f16.py)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="everystop's dtype; auto: bfloat16 where the CPU has bf16 units")
     ap.add_argument("--render-only", action="store_true",
@@ -113,12 +113,13 @@ def measure_cpu(out_dir: Path, dtype: str, args: argparse.Namespace) -> None:
     llama = ["--llama-server", args.llama_server, "--gguf", _gguf(args)] \
         if args.llama_server else []
     if llama:
+        from everystop.bench.gguf_f16 import default_model_f16
         from everystop.executor.models.loader import default_model_path
 
-        files = {"Q4_1 (shipped)": default_model_path(), "F16": args.f16_gguf}
+        files = {"Q4_1 (shipped)": default_model_path(),
+                 "F16": args.f16_gguf or str(default_model_f16())}
         for label, gguf in files.items():
-            if gguf:
-                _cli(["bench", "served", "--llama-server", args.llama_server, "--gguf", gguf,
+            _cli(["bench", "served", "--llama-server", args.llama_server, "--gguf", gguf,
                       "--out", str(out_dir / perf_page.SERVED[label])]
                      + (["--num-requests", "8", "--single-requests", "2"] if quick else []))
         _cli(["bench", "vs-llamacpp", *llama, "--dtype", dtype,

@@ -65,7 +65,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", help="the target GGUF (default: an F16 copy of the default "
                     "model, written to --work-dir; --quick: the default model)")
     ap.add_argument("--draft", help="the draft GGUF (default: the default model's Q4_1 file)")
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/everystop-speculative"),
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/everystop-f16"),
                     help="where the F16 copy is written (kept: a rerun reuses it)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="K for every method")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -84,13 +84,9 @@ def _models(args: argparse.Namespace) -> tuple[str, str]:
         return args.target, args.draft or default
     if args.quick:
         return default, args.draft or default
-    target = args.work_dir / "default-model-f16.gguf"
-    if not target.is_file():
-        from everystop.bench.gguf_f16 import write_f16_copy
+    from everystop.bench.gguf_f16 import default_model_f16
 
-        print(f"writing the F16 copy of {default} to {target}", flush=True)
-        write_f16_copy(default, target)
-    return str(target), args.draft or default
+    return str(default_model_f16(args.work_dir)), args.draft or default
 
 
 def _workloads(quick: bool) -> dict[str, tuple[Workload, int, bool]]:
