@@ -5,6 +5,10 @@ in `dense_layers` keep theirs. Parameters of an MoE layer::
     mlp.gate.weight                  [E, H]       the router
     mlp.experts.gate_up_proj.weight  [E * 2I, H]  per expert [gate; up], expert-major
     mlp.experts.down_proj.weight     [E * H, I]   per expert down
+
+Decode-sized passes run the MoE layers inside the C++ decoder stack: the router and each
+layer's stacked experts are parameters of the stack's layer (csrc/moe_experts.cpp), which
+computes what SparseMoeBlock does, bit for bit.
 """
 
 from __future__ import annotations
