@@ -93,8 +93,8 @@ def _assert_bit_identical(stacked: DecoderForCausalLM, layered: DecoderForCausal
     # fp32 weights leave the GEMV after 8 rows (for the fp32 GEMM); 16-bit weights (with the
     # kernels' default fp32 GEMM for them) and block weights keep it up to 32.
     limit = stacked._stack_rows(dtype)
-    assert limit == (SMALL_ROWS if stacked.model.layers[0].mlp.down_proj.weight.dtype
-                     == torch.float32 else CHUNKED_GEMV_ROWS)
+    down = stacked._stack_mlp(stacked.model.layers[0])[1].weight
+    assert limit == (SMALL_ROWS if down.dtype == torch.float32 else CHUNKED_GEMV_ROWS)
     for rows in [*range(1, SMALL_ROWS + 1), 9, 13, 21, 32]:
         seqs = _batch(rows, seed=rows)
         inputs = build_inputs(seqs, BLOCK, torch.device("cpu"))
@@ -117,6 +117,7 @@ def _assert_bit_identical(stacked: DecoderForCausalLM, layered: DecoderForCausal
         assert torch.equal(out_stack, out_layers), f"{rows} rows"
         for (k1, v1), (k2, v2) in zip(pools[0].kv_caches, pools[1].kv_caches, strict=True):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert stacked.weight_bytes_last_pass() == layered.weight_bytes_last_pass()
 
 
 def test_larger_batches_and_torch_attention_take_the_layers():

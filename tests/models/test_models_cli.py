@@ -29,7 +29,8 @@ def test_lists_every_family_and_its_names(capsys) -> None:
     assert "decode: decoder stack" in sections["qwen2"] and "q/k/v bias" in sections["qwen2"]
     assert "paged attention (window)" in sections["mistral"]
     assert "decode: decoder stack" in sections["gemma3"] and "GeGLU" in sections["gemma3"]
-    assert "layer by layer (the stack lacks experts)" in sections["qwen3_moe"]
+    for moe in ("qwen3_moe", "mixtral"):
+        assert "decode: decoder stack with the experts in it" in sections[moe]
 
 
 def test_a_llama_gguf_is_claimed_by_its_experts_or_its_window() -> None:

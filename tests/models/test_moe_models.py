@@ -7,6 +7,7 @@ Observed on CPU float32 (AVX-512 kernels): max |logit diff| vs transformers ~1e-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from everystop.config import CacheConfig, ModelConfig
 from everystop.core.outputs import ScheduledSequence
+from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.moe import SparseMoeBlock, route
 from everystop.executor.model_runner import ModelRunner
 from everystop.executor.models.loader import load_model
@@ -122,6 +124,26 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     print(f"max |logit diff| vs transformers: {worst:.2e}")
 
 
+def test_decode_runs_the_experts_in_the_cpp_stack_and_matches_transformers(pair, monkeypatch):
+    """Decode steps take the C++ decoder stack with the MoE layers inside it (router, top-k and
+    the chosen experts in csrc/moe_experts.cpp), and the tokens are still transformers'."""
+    runner, hf = pair
+    moes = []
+    stack = CpuKernels.decoder_stack
+
+    def spy(self, *args, **kwargs):
+        moes.append(kwargs.get("moe"))
+        return stack(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuKernels, "decoder_stack", spy)
+    prompts = _prompts()[:2]
+    ours, _ = greedy_generate(runner, prompts, 8, PER_SEQ)
+    assert len(moes) >= 7  # the 7 decode steps (the 8-row first step may take it too)
+    assert all(moe is not None and int(moe.chosen.sum()) > 0 for moe in moes)
+    for i, prompt in enumerate(prompts):
+        assert ours[i] == _hf_greedy(hf, prompt)[0][:8], f"prompt {i}"
+
+
 def test_packed_batch_equals_each_alone(pair):
     runner, _ = pair
     prompts = _prompts()
@@ -163,9 +185,10 @@ def test_q8_0_experts_are_held_as_the_file_stores_them(q8_gguf):
     assert torch.equal(experts.down_proj.weight, torch.from_numpy(down.reshape(-1, down.shape[-1])))
 
 
-def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path):
+def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path, monkeypatch):
     """Decode two sequences one step; poison (NaN) every expert no row chose in that step, in
-    every layer; the same step again gives bit-identical logits."""
+    every layer; the same step again, in the C++ decoder stack, gives bit-identical logits.
+    (The choices are seen by hooks on the layer-by-layer path, which routes as the stack.)"""
     path = tmp_path / "own.gguf"  # a copy: the runner's loaded model is ours alone to poison
     shutil.copy(q8_gguf, path)
     runner = ModelRunner(ModelConfig(model=str(path), dtype="float32"),
@@ -175,7 +198,10 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path):
     greedy_generate(runner, prompts, 1, PER_SEQ)  # the prompts' K/V
     step = [ScheduledSequence(str(i), [5 + i], len(p), blocks_for(i, PER_SEQ), True, GREEDY,
                               output_index=1) for i, p in enumerate(prompts)]
-    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    model = runner.model
+    stacked = model.backends
+    model.backends = dataclasses.replace(stacked, decoder_stack=False)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     chosen: dict[int, set[int]] = {}
     hooks = [b.gate.register_forward_hook(
         lambda mod, inp, out, i=i: chosen.setdefault(i, set()).update(
@@ -184,10 +210,15 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path):
     _, clean = runner.forward_logits(step)
     for h in hooks:
         h.remove()
+    model.backends = stacked
+    stack_calls = []
+    stack = CpuKernels.decoder_stack
+    monkeypatch.setattr(CpuKernels, "decoder_stack",
+                        lambda *a, **k: stack_calls.append(1) or stack(*a, **k))
     poisoned = sum(poison_unchosen(b, chosen[i]) for i, b in enumerate(blocks))
     assert poisoned >= len(blocks)  # 2 rows x 4 of 16 experts: most go unread
     _, again = runner.forward_logits(step)
-    assert not clean.isnan().any()
+    assert stack_calls and not clean.isnan().any()
     assert torch.equal(again, clean)
 
 

@@ -29,7 +29,7 @@ LINEAR_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::
 ATTENTION_OPS = {"everystop::paged_attention"}
 # Decode-sized steps run every layer in this one op (linear, attention and the small ops
 # together); --no-decoder-stack splits it back into the layers' ops.
-STACK_OPS = {"everystop::decoder_stack"}
+STACK_OPS = {"everystop::decoder_stack", "everystop::decoder_stack_ext"}
 KV_WRITE_OPS = {"aten::index_copy_", "everystop::write_kv"}
 
 

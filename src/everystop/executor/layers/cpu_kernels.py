@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "decoder_stack.cpp"]
 _SOURCES += [_CSRC / "quant_linear.cpp"]  # block-quantized weights (layers/quant.py)
+_SOURCES += [_CSRC / "moe_experts.cpp"]  # the decoder stack's mixture-of-experts block
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
@@ -263,8 +264,8 @@ class CpuKernels:
                       qkv_biases: Sequence[torch.Tensor] = (),
                       qk_norms: Sequence[torch.Tensor] = (), windows: Sequence[int] = (),
                       softcap: float = 0.0, out_norms: Sequence[torch.Tensor] = (),
-                      gelu_tanh: bool = False,
-                      local_rope: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                      gelu_tanh: bool = False, local_rope: Sequence[torch.Tensor] = (),
+                      moe: StackMoe | None = None) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
@@ -272,17 +273,20 @@ class CpuKernels:
         The families' differences, each empty where unused: `qkv_biases` one per layer,
         `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`,
         `out_norms` (attention output norm, MLP output norm) per layer, `gelu_tanh` (GeGLU),
-        `local_rope` (cos, sin) for the windowed layers."""
+        `local_rope` (cos, sin) for the windowed layers, `moe` the layers' experts (their
+        stacked gate_up and down then stand in `weights` for the MLP's)."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
-        if qkv_biases or qk_norms or windows or softcap or out_norms or gelu_tanh or local_rope:
+        if (qkv_biases or qk_norms or windows or softcap or out_norms or gelu_tanh or local_rope
+                or moe is not None):
+            moe = moe or _NO_MOE
             return self.ops.decoder_stack_ext(
                 x, weights, formats, key_caches, value_caches, cos, sin, slot_mapping,
                 block_tables, query_start_loc, seq_lens, final_norm, eps, scale, num_heads,
                 num_kv_heads, ROWS_PER_ITEM, self.int8_decode_dot, list(qkv_biases),
                 list(qk_norms), list(windows), float(softcap), list(out_norms), gelu_tanh,
-                list(local_rope))
+                list(local_rope), list(moe.routers), moe.top_k, moe.renormalize, moe.chosen)
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
@@ -321,6 +325,22 @@ class CpuKernels:
     def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
         """The fp32 [n, k] weight that blocks (or a dense 16-bit weight, fmt 0) hold."""
         return self.ops.dequantize(weight, fmt, k)
+
+
+@dataclass(frozen=True)
+class StackMoe:
+    """The decoder stack's mixture-of-experts layers: `routers` one per layer ([E, H]; an
+    empty tensor for a layer whose MLP is dense), each token's `top_k` experts by softmax
+    weight (divided by their sum with `renormalize`); the stack writes into `chosen` (int64,
+    one per layer) how many experts each layer ran."""
+
+    routers: Sequence[torch.Tensor]
+    top_k: int
+    renormalize: bool
+    chosen: torch.Tensor
+
+
+_NO_MOE = StackMoe((), 0, False, torch.empty(0, dtype=torch.long))
 
 
 def one_query_per_token(num_tokens: int, block_tables: torch.Tensor,

@@ -8,6 +8,7 @@ from typing import Any
 
 from everystop.executor.models.decoder import DecoderArgs
 from everystop.executor.models.family import Family
+from everystop.executor.models.moe_decoder import MoeArgs
 from everystop.executor.models.registry import FAMILIES
 
 # A config.json every family reads, with a sliding window that the families using one pick
@@ -35,6 +36,8 @@ def fast_path(args: DecoderArgs) -> str:
     blockers = args.stack_blockers()
     stack = ("decoder stack" if not blockers else
              f"layer by layer (the stack lacks {', '.join(blockers)})")
+    if not blockers and isinstance(args, MoeArgs):
+        stack += " with the experts in it (router, top-k, the chosen experts only)"
     return f"{', '.join(pieces)}; decode: {stack}"
 
 

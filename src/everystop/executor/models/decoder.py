@@ -21,7 +21,7 @@ from everystop.executor.layers.attention import (
     select_backend,
     write_kv,
 )
-from everystop.executor.layers.cpu_kernels import CpuKernels
+from everystop.executor.layers.cpu_kernels import CpuKernels, StackMoe
 from everystop.executor.layers.linear import (
     CHUNKED_GEMV_ROWS,
     HeldWeight,
@@ -403,13 +403,28 @@ class DecoderForCausalLM(nn.Module):
         out_norms = [w for layer in layers for w in (layer.attn_out_norm.weight,
                                                      layer.mlp_out_norm.weight)
                      ] if first.attn_out_norm is not None else []
-        return kernels.decoder_stack(
+        moe = self._stack_moe()
+        out = kernels.decoder_stack(
             x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             cos, sin, meta.slot_mapping, meta.block_tables.long(), meta.query_start_loc.long(),
             meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
             attn.num_heads, attn.num_kv_heads, biases, norms, self.args.layer_windows,
             attn.softcap, out_norms, self.args.hidden_act == "gelu_tanh",
-            list(local) if local is not None else [])
+            list(local) if local is not None else [], moe=moe)
+        if moe is not None:
+            self._stack_moe_ran(moe)
+        return out
+
+    def _stack_mlp(self, layer: nn.Module) -> tuple[HeldWeight, HeldWeight]:
+        """The layer's (gate_up, down) projections as the decoder stack takes them."""
+        return layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+    def _stack_moe(self) -> StackMoe | None:
+        """The layers' experts for the decoder stack (None: every MLP is dense)."""
+        return None
+
+    def _stack_moe_ran(self, moe: StackMoe) -> None:
+        """The stack ran with `moe`: record what its experts read."""
 
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Per layer [input norm, qkv, o, post-attention norm, gate_up, down], and each linear's
@@ -420,18 +435,18 @@ class DecoderForCausalLM(nn.Module):
         layers = self.model.layers
         cached = self.__dict__.get("_stack_weight_cache")
         if (cached is None or cached[0] is not layers[0].self_attn.qkv_proj.weight
-                or cached[1] is not layers[-1].mlp.down_proj.weight):
-            weights = [w for layer in layers for w in (
+                or cached[1] is not self._stack_mlp(layers[-1])[1].weight):
+            mlps = [self._stack_mlp(layer) for layer in layers]
+            weights = [w for layer, (gate_up, down) in zip(layers, mlps, strict=True) for w in (
                 layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
                 layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-            linears = [m for layer in layers for m in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                layer.mlp.down_proj)]
+                gate_up.weight, down.weight)]
+            linears = [m for layer, (gate_up, down) in zip(layers, mlps, strict=True) for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, gate_up, down)]
             formats = [0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
                        for m in linears]
             usable = all(w.is_contiguous() for w in weights)
-            cached = (layers[0].self_attn.qkv_proj.weight, layers[-1].mlp.down_proj.weight,
+            cached = (layers[0].self_attn.qkv_proj.weight, mlps[-1][1].weight,
                       (weights, formats) if usable else None, {}, linears)
             self.__dict__["_stack_weight_cache"] = cached
         return cached[2]

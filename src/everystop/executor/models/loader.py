@@ -172,6 +172,10 @@ def _log_family(family: Family, model: DecoderForCausalLM) -> None:
         logger.info("%s: decode passes run layer by layer on the CPU kernels: the one-call "
                     "decoder stack does not cover %s", family.name,
                     ", ".join(model.args.stack_blockers()))
+    elif model.backends.decoder_stack and kernels is not None and isinstance(model.args, MoeArgs):
+        logger.info("%s: decode passes run the C++ decoder stack with the experts in it "
+                    "(router, top-k, the chosen experts only); prefill runs layer by layer",
+                    family.name)
 
 
 def _held_weight(name: str, parts: list[torch.Tensor | QuantizedTensor], quantization: str,

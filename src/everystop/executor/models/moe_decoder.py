@@ -5,6 +5,10 @@ in `dense_layers` keep theirs. Parameters of an MoE layer::
     mlp.gate.weight                  [E, H]       the router
     mlp.experts.gate_up_proj.weight  [E * 2I, H]  per expert [gate; up], expert-major
     mlp.experts.down_proj.weight     [E * H, I]   per expert down
+
+Decode-sized passes run the MoE layers inside the C++ decoder stack: the router and each
+layer's stacked experts are parameters of the stack's layer (csrc/moe_experts.cpp), which
+computes what SparseMoeBlock does, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from everystop.executor.layers.cpu_kernels import StackMoe
+from everystop.executor.layers.linear import HeldWeight
 from everystop.executor.layers.moe import SparseMoeBlock
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.models.decoder import (
@@ -49,9 +56,6 @@ class MoeArgs(DecoderArgs):
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
-    def stack_blockers(self) -> list[str]:
-        return [*super().stack_blockers(), "experts"]
-
 
 class MoeForCausalLM(DecoderForCausalLM):
     """DecoderForCausalLM whose MoE layers route each token to its top-k experts."""
@@ -66,6 +70,27 @@ class MoeForCausalLM(DecoderForCausalLM):
                                            args.num_experts, args.experts_per_token,
                                            args.norm_topk_prob, ctx, backends.kernels,
                                            self.weight_reads)
+
+    def _stack_mlp(self, layer: nn.Module) -> tuple[HeldWeight, HeldWeight]:
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            return mlp.experts.gate_up_proj, mlp.experts.down_proj
+        return super()._stack_mlp(layer)
+
+    def _stack_moe(self) -> StackMoe:
+        """Each MoE layer's router (an empty tensor for a dense layer), for the stack."""
+        no_router = torch.empty(0)
+        routers = [layer.mlp.gate.weight if isinstance(layer.mlp, SparseMoeBlock) else no_router
+                   for layer in self.model.layers]
+        args = self.args
+        assert isinstance(args, MoeArgs)
+        return StackMoe(routers, args.experts_per_token, args.norm_topk_prob,
+                        torch.zeros(len(routers), dtype=torch.long))
+
+    def _stack_moe_ran(self, moe: StackMoe) -> None:
+        for layer, chosen in zip(self.model.layers, moe.chosen.tolist(), strict=True):
+            if chosen:
+                self.weight_reads.add_partial(chosen * layer.mlp.experts.expert_bytes())
 
     def partly_read_weights(self) -> list[torch.Tensor]:
         return [w for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)

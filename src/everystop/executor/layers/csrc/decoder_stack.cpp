@@ -19,7 +19,9 @@
 // it (models/decoder.py): a [q; k; v] bias added after the projection, an RMSNorm over each
 // q and k head before rope, a sliding window and a score soft-cap in the attention, and
 // Gemma's: an RMSNorm on the attention's and on the MLP's output (sandwich norms), tanh-GELU
-// for the MLP's gate (GeGLU), and the windowed layers' own rope tables.
+// for the MLP's gate (GeGLU), the windowed layers' own rope tables, and a sparse
+// mixture-of-experts block in place of a layer's MLP (csrc/moe_experts.cpp): where that layer
+// has a router, its gate_up and down weights are the experts' stacked ones.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -39,11 +41,11 @@ at::Tensor direct_silu_mul(const at::Tensor& gate_up);
 void direct_rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots,
                            int64_t num_heads, int64_t num_kv_heads);
-at::Tensor direct_linear_small(const at::Tensor& x, const at::Tensor& w);
-at::Tensor direct_linear_q_small_fp32(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
-                                      int64_t k);
-at::Tensor direct_linear_q_small_int8(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
-                                      int64_t k);
+at::Tensor direct_project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool int8_dot);
+at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
+                            const at::Tensor& gate_up, int64_t gate_up_fmt, const at::Tensor& down,
+                            int64_t down_fmt, int64_t top_k, bool renormalize, bool int8_dot,
+                            int64_t* chosen);
 at::Tensor direct_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -61,18 +63,12 @@ namespace {
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
-// x @ w.T as the layer would compute it: a dense weight (format 0) or GGUF-style blocks, these
-// with int8 activations where int8_decode_dot is on (CpuKernels.linear_q_small).
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool int8_dot) {
-  if (fmt == 0) return ES_NS::direct_linear_small(x, w);
-  return int8_dot ? ES_NS::direct_linear_q_small_int8(x, w, fmt, x.size(1))
-                  : ES_NS::direct_linear_q_small_fp32(x, w, fmt, x.size(1));
-}
-
 // qkv_biases: none or one per layer; qk_norms: none or (q_norm, k_norm) per layer; windows:
 // none or one per layer (0: no window); softcap 0: none; out_norms: none or (attention
 // output norm, MLP output norm) per layer; gelu_tanh: GeGLU rather than SwiGLU; local_rope:
-// none or (cos, sin) for the layers with a window.
+// none or (cos, sin) for the layers with a window; routers: none or one per layer (an empty
+// tensor: that layer's MLP is dense), each MoE layer's top-k weights renormalized with
+// moe_renormalize, and the number of experts it ran written to moe_chosen[layer].
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
                              at::TensorList value_caches, const at::Tensor& cos,
@@ -83,7 +79,8 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              int64_t rows_per_item, bool int8_dot, at::TensorList qkv_biases,
                              at::TensorList qk_norms, at::IntArrayRef windows, double softcap,
                              at::TensorList out_norms, bool gelu_tanh,
-                             at::TensorList local_rope) {
+                             at::TensorList local_rope, at::TensorList routers,
+                             int64_t moe_top_k, bool moe_renormalize, at::Tensor moe_chosen) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -101,6 +98,10 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
               "decoder_stack: no output norms or two per layer expected");
   TORCH_CHECK(local_rope.empty() || (local_rope.size() == 2 && !windows.empty()),
               "decoder_stack: local rope is (cos, sin), for the windowed layers");
+  TORCH_CHECK(routers.empty() || (static_cast<int64_t>(routers.size()) == num_layers &&
+                                  moe_chosen.scalar_type() == at::kLong &&
+                                  moe_chosen.numel() == num_layers && moe_chosen.is_contiguous()),
+              "decoder_stack: no routers, or one per layer and an int64 count per layer");
   const int64_t tokens = x0.size(0);
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
@@ -116,7 +117,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
 
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
-    at::Tensor qkv = project(h, w[1], fmt[0], int8_dot);
+    at::Tensor qkv = ES_NS::direct_project(h, w[1], fmt[0], int8_dot);
     if (!qkv_biases.empty()) qkv = qkv.add(qkv_biases[l]);
     if (!qk_norms.empty()) {
       const int64_t kv_size = num_kv_heads * head_dim;
@@ -137,10 +138,16 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, rows_per_item,
         windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
-    at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
+    at::Tensor o = ES_NS::direct_project(attn, w[2], fmt[1], int8_dot);
     if (!out_norms.empty()) o = ES_NS::direct_rms_norm(o, out_norms[2 * l], eps);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
-    at::Tensor gate_up = project(h, w[4], fmt[2], int8_dot);
+    if (!routers.empty() && routers[l].numel() > 0) {  // experts in place of the MLP
+      x = ES_NS::direct_moe_block(h, routers[l], w[4], fmt[2], w[5], fmt[3], moe_top_k,
+                                  moe_renormalize, int8_dot, moe_chosen.data_ptr<int64_t>() + l);
+      if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
+      continue;
+    }
+    at::Tensor gate_up = ES_NS::direct_project(h, w[4], fmt[2], int8_dot);
     at::Tensor act;
     if (gelu_tanh) {  // as layers/mlp.py: gelu(gate, tanh) * up, ATen's own ops
       const int64_t inter = gate_up.size(1) / 2;
@@ -148,7 +155,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
     } else {
       act = ES_NS::direct_silu_mul(gate_up);
     }
-    x = project(act, w[5], fmt[3], int8_dot);
+    x = ES_NS::direct_project(act, w[5], fmt[3], int8_dot);
     if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
@@ -166,7 +173,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   return decoder_stack_ext(x0, weights, formats, key_caches, value_caches, cos, sin,
                            slot_mapping, block_tables, query_start_loc, seq_lens, final_norm,
                            eps, scale, num_heads, num_kv_heads, rows_per_item, int8_dot, {}, {},
-                           {}, 0.0, {}, false, {});
+                           {}, 0.0, {}, false, {}, {}, 0, false, at::Tensor());
 }
 
 }  // namespace
@@ -181,7 +188,8 @@ ES_LIBRARY_FRAGMENT(m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, "
         "float eps, float scale, int num_heads, int num_kv_heads, int rows_per_item, "
         "bool int8_decode_dot, Tensor[] qkv_biases, Tensor[] qk_norms, int[] windows, "
-        "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope) -> Tensor");
+        "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope, "
+        "Tensor[] routers, int moe_top_k, bool moe_renormalize, Tensor(c!) moe_chosen) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {

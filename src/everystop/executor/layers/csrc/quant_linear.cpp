@@ -709,4 +709,13 @@ at::Tensor direct_linear_q_small_int8(const at::Tensor& x, const at::Tensor& w, 
                                       int64_t k) {
   return linear_q_small(x, w, fmt, k);
 }
+at::Tensor direct_linear_small(const at::Tensor& x, const at::Tensor& w);  // fused_ops.cpp
+
+// x @ w.T as a layer computes it for a decode: a dense weight (format 0) or blocks, these with
+// int8 activations where int8_decode_dot is on (CpuKernels.linear_q_small).
+at::Tensor direct_project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool int8_dot) {
+  if (fmt == 0) return direct_linear_small(x, w);
+  return int8_dot ? linear_q_small(x, w, fmt, x.size(1))
+                  : linear_q_small_path(x, w, fmt, x.size(1), kFloatPath);
+}
 }  // namespace ES_NS
