@@ -95,7 +95,8 @@ def _start(flags: list[str], env: dict[str, str], tmp: str, timeout_s: float,
     with open(log_path, "w") as log:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=SRC.parent, env=child_env(SRC, **env),
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
         try:
             to_health = _time_to_health(proc, url, started, timeout_s, log_path)
             tokens = 0
@@ -115,6 +116,19 @@ def _start(flags: list[str], env: dict[str, str], tmp: str, timeout_s: float,
             "caches": {k: "fresh (empty)" for k in env} or "this machine's",
             "stages": parse_stages(log_path.read_text()), "after": after,
             "completion_tokens": tokens}
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: the kernel sends it SIGTERM when this benchmark
+    dies, so a benchmark killed outright (a test's timeout) leaves no server behind. Linux
+    only; elsewhere a no-op."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    name = ctypes.util.find_library("c")
+    if name and sys.platform.startswith("linux"):
+        ctypes.CDLL(name).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _time_to_health(proc: subprocess.Popen, url: str, started: float, timeout_s: float,
