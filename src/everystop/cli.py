@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from everystop.startup_memory import checkpoint
+
 # (subcommand, module with `register(subparsers)`); imported lazily so `everystop --help` is fast.
 SUBCOMMANDS = [
     ("generate", "everystop.entrypoints.generate"),
@@ -36,6 +38,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    checkpoint("interpreter")
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -105,3 +105,17 @@ def test_the_speculative_section_shows_each_method_against_its_server_without(
     assert "| everystop | ngram | 25.0 tok/s (2.50x) |" in page and "| 800 ms | 60% |" in page
     assert "| llama.cpp | draft | 30.0 tok/s (0.75x) |" in page
     assert "(everystop): ngram no." in page and "llamacpp --draft" in page
+def test_the_startup_section_follows_its_result(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    assert "## Start-up and memory" not in perf_page.render(results)
+    (results / "startup.json").write_text(json.dumps({
+        "machine": {"model": "AMD EPYC", "cpus": 2, "isa_flags": ["avx2"], "load_avg": [3.2]},
+        "target": {"second_start_to_health_s_under": 10.0},
+        "starts": {"first": {"to_health_s": 91.25}, "second": {"to_health_s": 7.04}},
+        "single_stream": {"requests": 5, "max_tokens": 64},
+        "memory_breakdown_mib": {"torch import": 201.9, "peak RSS (VmHWM)": 1419.0}}))
+    page = perf_page.render(results)
+    assert "load average 3 at the end" in page and "under 10 s" in page
+    assert "| first (kernels, costs, tokenizer built) | 91.2 s |" in page
+    assert "| second (cached) | 7.0 s |" in page
+    assert "| torch import | 201.9 |" in page and "| peak RSS (VmHWM) | 1,419.0 |" in page

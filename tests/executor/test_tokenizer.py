@@ -137,3 +137,41 @@ def test_special_tokens_are_skipped_or_kept_spaced_apart_as_asked() -> None:
     assert stream(skip_special_tokens=False) == "Hi <|im_end|> there"
     assert stream(skip_special_tokens=False, spaces_between_special_tokens=False) == \
         "Hi<|im_end|>there"
+
+
+def test_the_cached_copy_loads_as_converted_without_parsing_its_json_in_python(
+        tmp_path, monkeypatch):
+    """The converted copy on disk names its added tokens in tokenizer_config.json, so loading
+    it leaves tokenizer.json to the Rust parser (the Python parse cost ~20 MiB of start-up
+    peak); what loads is the tokenizer the conversion made."""
+    import json
+    from pathlib import Path
+
+    from everystop import tokenizer as module
+    from everystop.config import CACHE_ENV
+    from everystop.executor.models.loader import default_model_path
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    converted = module._from_gguf(default_model_path())
+    parsed: list[str] = []
+    real_load = json.load
+
+    def spy(f, *args, **kwargs):
+        parsed.append(Path(getattr(f, "name", "")).name)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", spy)
+    cached = module._from_gguf(default_model_path())
+    assert "tokenizer.json" not in parsed and "tokenizer_config.json" in parsed
+    assert cached.added_tokens_decoder == converted.added_tokens_decoder
+    assert cached.all_special_ids == converted.all_special_ids
+    assert cached.special_tokens_map == converted.special_tokens_map
+    assert cached.get_vocab() == converted.get_vocab()
+    assert cached.chat_template == converted.chat_template
+    text = TEXT + " <|im_start|>user\nhi<|im_end|> <|endoftext|>"
+    for special in (False, True):
+        ids = converted.encode(text, add_special_tokens=special)
+        assert cached.encode(text, add_special_tokens=special) == ids
+        for skip in (False, True):
+            assert cached.decode(ids, skip_special_tokens=skip) == \
+                converted.decode(ids, skip_special_tokens=skip)

@@ -44,6 +44,8 @@ MEASUREMENTS = [
     ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
     ("hostile", "everystop.bench.hostile", "/health latency while each hostile request "
      "of the robustness suite is served, at full size"),
+    ("startup", "everystop.bench.startup", "time to the first /health 200 (kernels built, "
+     "then cached) and what the serving process's memory holds"),
 ]
 
 

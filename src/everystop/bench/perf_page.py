@@ -272,6 +272,26 @@ def hostile_section(r: dict[str, Any] | None) -> list[str]:
     return lines + [""]
 
 
+def startup_section(r: dict[str, Any] | None) -> list[str]:
+    """Time to the first /health 200 and what the serving process holds
+    (`everystop bench startup`)."""
+    if not r:
+        return []
+    names = {"first": "first (kernels, costs, tokenizer built)", "second": "second (cached)"}
+    lines = ["## Start-up and memory", "",
+             f"`everystop bench startup`, 1-minute load average "
+             f"{r['machine']['load_avg'][0]:.0f} at the end; {_machine_line(r['machine'])} "
+             f"Target: second start under {r['target']['second_start_to_health_s_under']:g} s.",
+             "", "| start | to /health 200 |", "|---|---|"]
+    lines += [f"| {names.get(k, k)} | {v['to_health_s']:.1f} s |" for k, v in r["starts"].items()]
+    s = r["single_stream"]
+    lines += ["", f"RSS of the second server by start-up stage, then after a single stream of "
+                  f"{s['requests']} completions of {s['max_tokens']} tokens:", "",
+              "| what | MiB |", "|---|---|"]
+    lines += [f"| {k} | {v:,.1f} |" for k, v in r["memory_breakdown_mib"].items()]
+    return lines + [""]
+
+
 def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
     """The whole page from the results under `results`, for a page in `page_dir` (the
     plots are linked relative to it)."""
@@ -288,5 +308,6 @@ def render(results: Path = RESULTS, page_dir: Path = PAGE.parent) -> str:
     for kind_dir in kinds:
         lines += kind_section(kind_dir, page_dir)
     lines += hostile_section(_load(results / "hostile_health_latency.json"))
+    lines += startup_section(_load(results / "startup.json"))
     lines += sim_section(_load(results / "sim/report.json"))
     return "\n".join(lines)

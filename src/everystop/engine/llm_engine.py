@@ -43,6 +43,7 @@ from everystop.engine.lora_registry import BASE, LoraRegistry
 from everystop.engine.output_processor import Detokenizer, OutputProcessor
 from everystop.engine.structured_output import StructuredOutputManager
 from everystop.sampling_params import SamplingParams
+from everystop.startup_memory import checkpoint
 
 if TYPE_CHECKING:  # the executor package imports torch when used; the engine does not
     from everystop.executor.executor import Executor
@@ -104,7 +105,9 @@ class LLMEngine:
         config = dataclasses.replace(config, scheduler=config.scheduler.replace(
             max_model_len=executor.max_model_len))
         tokenizer = load_tokenizer(config.model.tokenizer or executor.model_path)
+        checkpoint("tokenizer")
         cost_model = executor.preemption_cost_model()
+        checkpoint("preemption cost probes")
         logger.info("%s", executor.describe_capacity())  # it names the KV cache itself
         logger.info("preemption costs: %s", cost_model)
         engine = cls(config, executor, tokenizer, cost_model=cost_model,
@@ -118,6 +121,7 @@ class LLMEngine:
                     "(configured: %s ms, per tier %s)", sched.step_cost.coefficients.to_dict(),
                     1e3 * sched.auto_tpot_target_s, config.scheduler.tpot_target_ms,
                     config.scheduler.tpot_target_ms_per_tier)
+        checkpoint("engine")
         return engine
 
     # -- requests -------------------------------------------------------------------------------

@@ -195,6 +195,9 @@ class LocalExecutor(RunnerExecutor):
                  max_model_len: int | None, max_num_batched_tokens: int = 2048) -> None:
         from everystop.executor.model_runner import ModelRunner  # imports torch
         from everystop.executor.models.loader import resolve_model_path
+        from everystop.startup_memory import checkpoint
+
+        checkpoint("torch import")
 
         self.model_path = resolve_model_path(model_config.model)
         self._adopt(ModelRunner(model_config, cache_config, max_model_len,

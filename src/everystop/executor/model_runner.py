@@ -33,6 +33,7 @@ from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
 from everystop.executor.sampler import Sampler
 from everystop.executor.verify_rows import per_position_rows
 from everystop.sampling_params import SamplingParams
+from everystop.startup_memory import checkpoint
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class ModelRunner:
             if parallel.world_size == 1 and not serves_lora else
             load_model(model_config.model, model_config.dtype, model_config.device, parallel,
                        self.backends, model_config.quantization))
+        checkpoint("weights")
         args = self.model.args
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -180,6 +182,7 @@ class ModelRunner:
         num_cpu_blocks = parallel.all_min(num_cpu_blocks)
         self.pool = KVPool(args.num_layers, self.num_kv_heads, args.head_dim, self.block_size,
                            num_device_blocks, num_cpu_blocks, self.kv_dtype, self.device)
+        checkpoint("KV pool")
         if max_model_len is None:  # as vLLM: one sequence must fit what admission may use
             usable = self.num_gpu_blocks - int(cache_config.watermark * self.num_gpu_blocks)
             # A windowed sequence holds only its window's blocks (core/sliding_window.py; the

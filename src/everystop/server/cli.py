@@ -26,6 +26,7 @@ from everystop.server.heap_trim import start_heap_trimming
 from everystop.server.limits import RequestLimits
 from everystop.server.metrics_names import METRIC_NAMES
 from everystop.server.runtime_stats import freeze_startup_heap
+from everystop.startup_memory import checkpoint, log_stages
 
 logger = logging.getLogger("everystop.server")
 
@@ -153,6 +154,7 @@ def register(subparsers: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    checkpoint("server imports")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_or_exit(args)
@@ -203,6 +205,7 @@ def serve(args: argparse.Namespace) -> int:
                     open_metrics=args.open_metrics,
                     admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s),
                     extensions=[observability])
+    checkpoint("app")
     return run_server(app, front, args.host, args.port, grace_s=args.grace_period,
                       log_level=args.log_level, heap_trim_interval_s=args.heap_trim_interval,
                       connections=connection_limits(args))
@@ -287,6 +290,8 @@ def run_server(app: Any, front: Any, host: str, port: int, *, grace_s: float = 3
     # full collection no longer stops the event loop for ~170 ms (see runtime_stats).
     freeze_startup_heap()
     start_heap_trimming(heap_trim_interval_s)
+    checkpoint("ready")
+    log_stages()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises a captured Ctrl-C after its own shutdown
