@@ -16,9 +16,9 @@ from everystop.executor.models.loader import default_model_path
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
 
-def test_tensor_bytes_are_the_weights_of_the_file() -> None:
+def test_a_step_reads_the_weights_of_the_file() -> None:
     path = str(default_model_path())
-    weights = served.gguf_tensor_bytes(path)
+    weights = served.step_weight_bytes(path)
     # The Q4_1 file: ~92 MiB of tensors, a little less than the file (header, vocabulary).
     assert 80 << 20 < weights < Path(path).stat().st_size
 
@@ -39,3 +39,23 @@ def test_everystop_side_runs_both_scenarios_with_its_defaults(tmp_path: Path) ->
     assert 0 < single["bound_share"] < 1
     assert r["weight_stream_floor_ms"] == pytest.approx(
         r["weight_bytes"] / (r["read_bandwidth_gb_s"] * 1e9) * 1e3)
+
+
+def test_a_moe_step_reads_the_lm_head_and_its_chosen_share_of_the_experts(
+        tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "moe.gguf"
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(1)
+    for name, shape in (("token_embd.weight", (8, 4)), ("output.weight", (8, 4)),
+                        ("blk.0.ffn_gate_exps.weight", (4, 2, 4))):
+        writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # the LM head whole (128 B), no embedding (untied: one row), a quarter of the experts
+    assert served.step_weight_bytes(str(path)) == 128 + 128 // 4

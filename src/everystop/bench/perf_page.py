@@ -17,7 +17,9 @@ VS_LLAMACPP, THROUGHPUT = "vs_llamacpp.json", "throughput.json"
 SINGLE = {"everystop": "single_stream_everystop.json", "llama.cpp": "single_stream_llamacpp.json"}
 LOAD_SWEEP = "latency_vs_load.json"
 # `everystop bench served` per file: everystop serve's defaults beside llama.cpp's server.
-SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json"}
+SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json",
+          "Qwen3-MoE 2B Q4_0 (random weights)": "served_moe_q4_0.json",
+          "Qwen3-MoE 2B Q8_0 (random weights)": "served_moe_q8_0.json"}
 SPECULATIVE = "speculative.json"
 
 

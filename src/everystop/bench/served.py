@@ -4,16 +4,17 @@ peak resident memory, its start-up time to /health, and the single stream's shar
 weight-streaming bound.
 
     everystop bench served --llama-server /path/to/llama-server \\
-        --gguf FILE --out benchmarks/results/served_vs_llamacpp.json
+        --gguf FILE --out benchmarks/results/cpu/KIND/served_q4_1.json
 
 Both servers get the same prompt token ids (tokenized once with the default model's tokenizer,
 so the model must share it), ignore_eos and greedy sampling. Each scenario starts each server
 afresh, so a single stream's peak memory is a single stream's. everystop runs with no flags but
 `--model` (omitted for the default model); llama.cpp with its slots and threads.
 
-The bound: a decode step reads every weight once (the GGUF's tensor bytes; a tied embedding is
-the LM head), so the step's floor is those bytes over the read bandwidth measured in the same
-run (`bench roofline`'s copy test); the share is that floor over the measured TPOT p50.
+The bound: a single-sequence decode step reads every weight once (the GGUF's tensor bytes; a
+tied embedding is the LM head; of a mixture of experts, the chosen experts' share), so the
+step's floor is those bytes over the read bandwidth measured in the same run (`bench
+roofline`'s copy test); the share is that floor over the measured TPOT p50.
 """
 
 from __future__ import annotations
@@ -36,11 +37,28 @@ from everystop.workload import Workload, load_workload, perf_workload
 Started = tuple[str, int, list[str]]
 
 
-def gguf_tensor_bytes(path: str) -> int:
-    """The bytes of every tensor in a GGUF file (what one decode step reads)."""
+def step_weight_bytes(path: str) -> int:
+    """The weight bytes one single-sequence decode step reads from a GGUF file: every tensor,
+    but the token embedding only where it is also the LM head (tied; else one row is read),
+    and of each layer's stacked experts only the chosen share (used / count)."""
     from gguf import GGUFReader
 
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    reader = GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def key(name: str) -> int:
+        field = reader.fields.get(f"{arch}.{name}")
+        return int(field.contents()) if field is not None else 0
+
+    experts, used = key("expert_count"), key("expert_used_count")
+    names = {t.name for t in reader.tensors}
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        share = used / experts if "_exps." in t.name and experts else 1.0
+        total += int(int(t.n_bytes) * share)
+    return total
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                   for r in w.requests) + 64
     starters = _starters(args, longest)
     out: dict[str, Any] = {"bench": "served", "gguf": args.gguf,
-                           "weight_bytes": gguf_tensor_bytes(args.gguf),
+                           "weight_bytes": step_weight_bytes(args.gguf),
                            "load_avg_before": os.getloadavg()}
     for scenario in args.scenarios.split(","):
         workload, concurrency = workloads[scenario]
