@@ -81,8 +81,10 @@ def test_expected_tokens_is_the_geometric_sum() -> None:
 
 
 def test_a_memory_bound_pass_verifies_every_proposal_an_accepting_sequence_may_take() -> None:
-    _, drafts = spec_run(memory_bound, k=4)
+    h, drafts = spec_run(memory_bound, k=4)
     assert drafts == [[4]] * len(drafts)
+    stats = h.scheduler.stats()
+    assert stats.spec_decode_mean_k == 4.0 and stats.spec_decode_num_sized_off == 0
 
 
 def test_a_compute_bound_pass_does_not_speculate() -> None:
@@ -102,7 +104,7 @@ def test_low_acceptance_sizes_a_sequence_off_and_a_probe_checks_it_again() -> No
     per_pass = [row[0] for row in drafts]
     assert per_pass[0] > 0  # the prior lets it try
     off = per_pass.index(0)
-    assert off < 8  # rejected proposals drive its estimate down within a few passes
+    assert off <= 10  # rejected proposals drive its estimate down within ten passes
     # sized off thereafter, but for one proposal every PROBE_INTERVAL passes
     tail = per_pass[off:]
     assert set(tail) == {0, 1}

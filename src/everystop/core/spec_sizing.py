@@ -9,7 +9,8 @@ so the estimate follows the text, shrunk toward the global rate g with PRIOR_WEI
 
     a = (A + PRIOR_WEIGHT * g) / (A + R + PRIOR_WEIGHT)
 
-g is kept the same way over all rows (GLOBAL_DECAY), starting from INITIAL_ACCEPTANCE.
+g is kept the same way over all rows (GLOBAL_DECAY), starting from INITIAL_ACCEPTANCE counted
+as GLOBAL_PRIOR_WEIGHT trials.
 
 Expected tokens. A row with k proposals gives 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
 tokens: its j-th proposal adds a^j.
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 INITIAL_ACCEPTANCE = 0.6  # the global rate before any proposal was verified
 PRIOR_WEIGHT = 2.0  # trials the global rate counts for in a sequence's estimate
+GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global rate
 SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
 GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
@@ -77,8 +79,8 @@ class SpecSizer:
     """The per-sequence acceptance estimates and the sizing rule; counts what it chose."""
 
     def __init__(self, initial_acceptance: float = INITIAL_ACCEPTANCE) -> None:
-        self._accepted = initial_acceptance * PRIOR_WEIGHT
-        self._trials = PRIOR_WEIGHT
+        self._accepted = initial_acceptance * GLOBAL_PRIOR_WEIGHT
+        self._trials = GLOBAL_PRIOR_WEIGHT
         self._seqs: dict[str, _SeqState] = {}
         # What /metrics shows: sequence-passes sized to k = 0, and the latest sizing's rows
         # and proposals chosen (their ratio: the mean k).
