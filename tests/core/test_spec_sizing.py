@@ -157,5 +157,17 @@ def test_decisions_are_logged_when_they_change(caplog: pytest.LogCaptureFixture)
         assert sizer.choose(rows, base, memory_bound) == [3]
         assert sizer.choose(rows, base, memory_bound) == [3]
         assert sizer.choose(rows, base, compute_bound) == [0]
-    changes = [r.getMessage() for r in caplog.records if "k " in r.getMessage()]
+    changes = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert len(changes) == 2 and "k 3 -> 0" in changes[1]
+
+
+def test_an_info_summary_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    sizer = SpecSizer(initial_acceptance=0.9)
+    rows, base = [SizingRow("a", 3), SizingRow("b", 3)], StepShape(0, 2, 10)
+    with caplog.at_level(logging.INFO, logger="everystop.core.spec_sizing"):
+        for now in (0.0, 30.0, 59.0):
+            sizer.choose(rows, base, memory_bound, now)
+        assert not caplog.records
+        sizer.choose(rows, base, compute_bound, 60.0)
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "4 passes, 8 rows, mean k 2.25, 2 sized off" in summary
