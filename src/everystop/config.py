@@ -114,7 +114,8 @@ class SchedulerConfig:
     # num_speculative_tokens tokens per decoding sequence by prompt lookup (the last
     # ngram_max .. ngram_min tokens found earlier in its tokens), "draft:PATH" by a smaller
     # model with the target's tokenizer decoding greedily (executor/draft_proposer.py), and
-    # one pass verifies them.
+    # one pass verifies them; each pass sizes each sequence's k (0 .. the cap) by its
+    # acceptance and the step-cost model (core/spec_sizing.py).
     # Lossless: greedy and sampled output are what plain decoding gives (sampled: the same
     # distribution; seeded: the same tokens); structured output's proposals are cut at their
     # grammar. NOTE: requests with disable_spec_decode decode one token per pass. Off in

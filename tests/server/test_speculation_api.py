@@ -55,6 +55,9 @@ def test_speculation_keeps_the_text_and_counts_in_vllm_named_metrics(
                if line.startswith("everystop:spec_decode_num_accepted_tokens_per_pos_total{")]
     assert [f'position="{i}"' in line for i, line in enumerate(per_pos)] == [True] * 3
     assert sum(float(line.rsplit(" ", 1)[1]) for line in per_pos) == accepted
+    # the sizing rule's choices (core/spec_sizing.py): the latest pass's mean k, within the cap
+    assert 0 <= spec_server.metric("everystop:spec_decode_mean_k") <= 3
+    assert spec_server.metric("everystop:spec_decode_num_sized_off_total") >= 0
 
 
 def test_a_request_that_opts_out_proposes_nothing(spec_server: ServerProcess) -> None:

@@ -76,6 +76,9 @@ def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
         spec_decode_num_draft_tokens=sched.num_draft_tokens,
         spec_decode_num_accepted_tokens=sched.num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=list(sched.num_accepted_tokens_per_pos),
+        spec_decode_num_sized_off=sched.spec_sizer.num_sized_off,
+        spec_decode_sized_rows=sched.spec_sizer.last_num_rows,
+        spec_decode_sized_proposals=sched.spec_sizer.last_num_proposals,
         num_host_used_blocks=kv.num_swapped_blocks, num_host_blocks=kv.num_cpu_blocks,
         running_lora_adapters=_adapter_names(sched.running) if sched.serves_lora else (),
         waiting_lora_adapters=_adapter_names([*sched.waiting, *sched.preempted])

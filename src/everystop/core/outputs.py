@@ -253,6 +253,17 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # The sizing rule (core/spec_sizing.py): sequence-passes it gave no proposal, and in its
+    # latest pass the rows it sized and the proposals it chose for them.
+    spec_decode_num_sized_off: int = 0
+    spec_decode_sized_rows: int = 0
+    spec_decode_sized_proposals: int = 0
+
+    @property
+    def spec_decode_mean_k(self) -> float:
+        """Proposals per sized row in the latest sizing (0 before any)."""
+        rows = self.spec_decode_sized_rows
+        return self.spec_decode_sized_proposals / rows if rows else 0.0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -55,6 +55,7 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
+from everystop.core.spec_sizing import SpecSizer
 from everystop.core.speculation import DraftCheck, Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
 from everystop.core.step_budget import StepBudget, TierTargets, default_target_s
@@ -101,11 +102,12 @@ class Scheduler:
         # Who decodes the first rows of `running` (core/decode_batch.py): the scheduler itself,
         # one by one, unless a caller holds them in bulk (the fleet simulator's decode stretch).
         self.decode_batch: DecodeBatch = EAGER_DECODES
-        # Speculative decoding (core/verification.py): the proposer, and the proposals
-        # verified and accepted so far.
+        # Speculative decoding (core/verification.py): the proposer, each sequence's k
+        # (core/spec_sizing.py), and the proposals verified and accepted so far.
         self.proposer: Proposer | None = self._make_proposer(config)
         # Structured output's grammar check on proposals, set by the engine that owns it.
         self.draft_check: DraftCheck | None = None
+        self.spec_sizer = SpecSizer()
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -437,6 +439,7 @@ class Scheduler:
         else:
             self.kv.forget(req)
         self.requests.pop(req.request_id, None)
+        self.spec_sizer.forget(req.request_id)
         self._finished_ids.append(req.request_id)
 
     # -- introspection --------------------------------------------------------------------------

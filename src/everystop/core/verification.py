@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
+from everystop.core.spec_sizing import SizingRow
 from everystop.core.speculation import BatchProposer, speculates
+from everystop.core.step_cost import StepShape
 
 if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState as Scheduler
@@ -50,26 +52,35 @@ def num_accepted(drafts: list[int], verified: list[int]) -> int:
 
 
 def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
-    """Give each decode row of `step` whose request speculates up to k proposals, while the
-    token budget (after every plain decode, before any prefill) and the KV pool (above the
-    watermark: proposals never take room running sequences may need) allow."""
+    """Give each decode row of `step` whose request speculates the proposals the sizing rule
+    chooses for it (core/spec_sizing.py, at most k), while the token budget (after every plain
+    decode, before any prefill) and the KV pool (above the watermark: proposals never take
+    room running sequences may need) allow."""
     proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
     assert proposer is not None
     # A proposer that drafts many sequences in one go (a draft model: one forward pass per
     # step for all) is asked once, with each row's k planned against the budget up front.
     batch = proposer.propose_batch if isinstance(proposer, BatchProposer) else None
     budget, requests = step.budget, sched.requests
-    planned: list[tuple[ScheduledSequence, Request, int]] = []
-    left = budget.tokens_left
+    rows: list[tuple[ScheduledSequence, Request, int]] = []
     for rid, entry in list(step.decodes.items()):
         if entry.padding or not speculates(entry.sampling_params):
             continue
         req = requests[rid]
         # Room for every proposal accepted plus the model's next token within max_tokens and
         # the model length (the stop checks would cut the excess, but it is wasted work).
-        k = min(k_max, left if batch else budget.tokens_left,
-                entry.sampling_params.max_tokens - len(req.output_token_ids) - 1,
-                max_len - entry.start_pos - 2)
+        cap = min(k_max, entry.sampling_params.max_tokens - len(req.output_token_ids) - 1,
+                  max_len - entry.start_pos - 2)
+        if cap > 0:
+            rows.append((entry, req, cap))
+    if not rows:
+        return
+    ks = sched.spec_sizer.choose([SizingRow(req.request_id, cap) for _, req, cap in rows],
+                                 pass_shape(step), sched.step_cost.predict, step.now)
+    planned: list[tuple[ScheduledSequence, Request, int]] = []
+    left = budget.tokens_left
+    for (entry, req, _), k in zip(rows, ks):
+        k = min(k, left if batch else budget.tokens_left)
         if k <= 0:
             continue
         if batch:
@@ -82,6 +93,15 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
         contexts = [req.prompt_token_ids + req.output_token_ids for _, req, _ in planned]
         for (entry, req, k), drafts in zip(planned, batch(contexts, [k for *_, k in planned])):
             _add(sched, step, entry, req, drafts[:k])
+
+
+def pass_shape(step: PassBuilder) -> StepShape:
+    """The step-cost features of the rows `step` holds so far (StepShape.from_output's)."""
+    context = step.bulk_context
+    for entry in (*step.decodes.values(), *step.prefills.values()):
+        context += entry.start_pos + len(entry.token_ids)
+    prefill = sum(e.num_tokens for e in step.prefills.values())
+    return StepShape(prefill + step.num_draft, len(step.decodes) + step.num_bulk, context)
 
 
 def _add(sched: Scheduler, step: PassBuilder, entry: ScheduledSequence, req: Request,
@@ -116,6 +136,7 @@ def apply_verified(sched: Scheduler, entry: ScheduledSequence, req: Request,
         sched.kv.trim(req, req.num_computed_tokens)
         return None
     accepted = num_accepted(drafts, verified)
+    sched.spec_sizer.observe(req.request_id, len(drafts), accepted)
     sched.num_drafts += 1
     sched.num_draft_tokens += len(drafts)
     sched.num_accepted_tokens += accepted

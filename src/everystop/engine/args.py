@@ -192,7 +192,9 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
                    "sampled, structured output included. Requests with disable_spec_decode "
                    "decode one token per pass")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="most tokens proposed per sequence per pass (default 4, at most 32)")
+                   help="most tokens proposed per sequence per pass (default 4, at most 32); "
+                   "each pass sizes each sequence's k up to this by its acceptance and the "
+                   "step-cost model, 0 where plain decoding is faster")
     g.add_argument("--ngram-min", type=int, default=None,
                    help="shortest trailing n-gram the ngram proposer matches (default 1)")
     g.add_argument("--ngram-max", type=int, default=None,

@@ -294,6 +294,13 @@ def _spec_decode_metrics(stats: SchedulerStats) -> Iterator[Any]:
     for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
         per_pos.add_metric([str(pos)], count)
     yield per_pos
+    # The sizing rule's choices (core/spec_sizing.py).
+    yield GaugeMetricFamily("everystop:spec_decode_mean_k",
+                            "Mean proposals per speculating sequence chosen by the sizing "
+                            "rule in the latest pass", value=stats.spec_decode_mean_k)
+    yield CounterMetricFamily("everystop:spec_decode_num_sized_off",
+                              "Speculating sequence-passes sized to no proposal (plain "
+                              "decoding predicted faster)", value=stats.spec_decode_num_sized_off)
 
 
 def prefix_hit_rate(stats: SchedulerStats) -> float:

@@ -47,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="step-time target for the prefill budget, as `serve` takes it (default "
                    "here: off, the fixed token budget the committed tables use; tiers left "
                    "out have no target)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding with up to K proposals per sequence, sized each "
+                   "pass by the scheduler's rule (default 0: off)")
+    p.add_argument("--spec-acceptance", type=float, default=0.7, metavar="A",
+                   help="with --speculative-tokens: the chance each proposal is kept (0-1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--activation-reserve-gb", type=float, default=8.0)
     p.add_argument("--block-size", type=int, default=16)
@@ -96,8 +101,12 @@ def _run(args: argparse.Namespace) -> int:
                       enable_prefix_caching=not args.no_prefix_caching, hw_overrides=overrides,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      chunk_size=args.chunk_size, max_batch_size=args.max_batch_size, **tpot)
+                      chunk_size=args.chunk_size, max_batch_size=args.max_batch_size,
+                      speculative_tokens=args.speculative_tokens,
+                      spec_acceptance=args.spec_acceptance, **tpot)
     if args.replicas is not None:
+        if args.speculative_tokens:
+            raise ValueError("--speculative-tokens is simulated on one node, not with --replicas")
         return run_fleet(args, node)
     if args.workload is None:
         raise ValueError("--workload is required (or --replicas, or a subcommand: report, "

@@ -47,10 +47,13 @@ class IterationShape:
     attention_pairs: int  # sum over new tokens of the positions each attends to
     num_sampled: int
     num_swap_blocks: int = 0
+    # Proposals verified on speculating decode rows: query rows like prefill tokens, each
+    # sampled (counted in num_sampled too).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
+        return self.num_decode_tokens + self.num_prefill_tokens + self.num_draft_tokens
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput) -> IterationShape:
@@ -65,10 +68,12 @@ class IterationShape:
             pairs += n * start + n * (n + 1) // 2
             context += start + n
             sampled += e.sample
+        sampled += out.num_draft_tokens  # a speculating row samples its 1+k positions
         return cls(num_seqs=len(out.scheduled) + bulk, num_decode_tokens=out.num_decode_tokens,
                    num_prefill_tokens=out.num_prefill_tokens, context_tokens_read=context,
                    attention_pairs=pairs, num_sampled=sampled,
-                   num_swap_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+                   num_swap_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out),
+                   num_draft_tokens=out.num_draft_tokens)
 
     @classmethod
     def from_record(cls, rec: dict) -> IterationShape:
@@ -82,7 +87,8 @@ class IterationShape:
         return cls(num_seqs=seqs, num_decode_tokens=dec, num_prefill_tokens=pre,
                    context_tokens_read=ctx, attention_pairs=pairs,
                    num_sampled=int(rec.get("num_sampled", seqs)),
-                   num_swap_blocks=int(rec.get("num_swap_blocks", 0)))
+                   num_swap_blocks=int(rec.get("num_swap_blocks", 0)),
+                   num_draft_tokens=int(rec.get("num_draft_tokens", 0)))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,7 +225,7 @@ class CostModel:
                                          + w.comm_bytes * c.sec_per_link_byte)
                     + (c.overhead_s + c.overhead_per_seq_s * s.num_seqs)
                     + w.swap_bytes * c.sec_per_swap_byte)
-        tokens = s.num_decode_tokens + s.num_prefill_tokens
+        tokens = s.num_decode_tokens + s.num_prefill_tokens + s.num_draft_tokens
         flops = (2 * m.layer_params * tokens + 2 * m.lm_head_params * s.num_sampled
                  + 4 * m.num_layers * m.num_heads * m.head_dim * s.attention_pairs) / tp
         kv_bytes = m.kv_bytes_per_token

@@ -26,6 +26,7 @@ from everystop.sim.report import plot_latency_cdf, plot_occupancy
 from everystop.sim.report_md import render
 from everystop.sim.simulator import simulate
 from everystop.sim.specs import load_hardware, load_model
+from everystop.sim.speculation import sizing_table
 from everystop.workload import synthetic
 
 ROOT = Path(__file__).resolve().parents[3]  # the source checkout: docs/ and benchmarks/ live there
@@ -38,7 +39,12 @@ MODES = [  # label, scheduling, extra scheduler options
      {"max_num_batched_tokens": 512, "chunk_size": 256}),
     ("Continuous + chunked prefill, TPOT target 40 ms (budget 2048, chunk 512)", "chunked",
      {"tpot_target_ms": 40.0}),
+    ("Continuous + chunked prefill, speculative k <= 4 at acceptance 0.7 (budget 2048, "
+     "chunk 512)", "chunked", {"speculative_tokens": 4, "spec_acceptance": 0.7}),
 ]
+# The sizing rule priced by the node's cost model (sim/speculation.py): batches, acceptances.
+SIZING_BATCHES = [1, 8, 32, 64, 128, 256]
+SIZING_ACCEPTANCES = [0.5, 0.7, 0.9]
 ALTERNATIVES = [("a100-80gb", 4), ("a100-80gb", 8), ("h100-sxm", 4), ("h200", 4)]
 
 
@@ -117,11 +123,15 @@ def run(args: argparse.Namespace) -> int:
                       for k, v in loaded_results.items()}, img / "sim-latency-cdf.png")
     for (label, mode, opts), res in zip(MODES, loaded_results.values()):
         suffix = mode + ("-512" if opts.get("max_num_batched_tokens") == 512 else "") + (
-            "-tpot" if opts.get("tpot_target_ms") else "")
+            "-tpot" if opts.get("tpot_target_ms") else "") + (
+            "-spec" if opts.get("speculative_tokens") else "")
         plot_occupancy(res, img / f"sim-occupancy-{suffix}.png", 32 if mode == "static" else 128,
                        title=f"{label} at {args.rate} req/s")
+    sizing = {"k_max": 4, "context": 1024, "rows": sizing_table(
+        CostModel.from_specs(m, hw, 4), SIZING_BATCHES, SIZING_ACCEPTANCES)}
     data = {"workload": WORKLOAD, "rate": args.rate, "capacity": capacity, "bounds": bounds,
-            "saturated": saturated, "loaded": loaded, **_calibrations(args)}
+            "saturated": saturated, "loaded": loaded, "speculation_sizing": sizing,
+            **_calibrations(args)}
     _write_json(report, data)
     _write_markdown(data)
     return 0

@@ -29,6 +29,8 @@ class Node:
                 "scheduling": s.scheduling, "enable_chunked_prefill": s.enable_chunked_prefill,
                 "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
                 "chunk_size": s.chunk_size, "max_batch_size": s.max_batch_size,
+                "speculative_tokens": s.num_speculative_tokens if s.speculative != "off" else 0,
+                "spec_acceptance": self.setup.spec_acceptance,
                 "coefficients": self.cost.coeffs.to_dict()}
 
 
@@ -50,8 +52,11 @@ def build_node(model: str = "llama-3-70b", hardware: str = "a100-80gb", tp: int 
                activation_reserve_bytes: float = 8e9, block_size: int = 16,
                swap_space_bytes: float = 16 * 2**30, num_gpu_blocks: int | None = None,
                enable_prefix_caching: bool = True, hw_overrides: dict | None = None,
+               speculative_tokens: int = 0, spec_acceptance: float = 0.7,
                **sched_options: object) -> Node:
-    """Everything needed to simulate `model` on `tp` GPUs of `hardware`."""
+    """Everything needed to simulate `model` on `tp` GPUs of `hardware` (`speculative_tokens`
+    > 0: speculative decoding, up to that many proposals per sequence, each kept with
+    probability `spec_acceptance`)."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, not {tp}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -70,8 +75,11 @@ def build_node(model: str = "llama-3-70b", hardware: str = "a100-80gb", tp: int 
     preempt = PreemptionCostModel(prefill_tokens_per_s=1.0 / per_token_prefill,
                                   swap_bytes_per_s=hw.pcie_bandwidth * tp,
                                   bytes_per_block=int(cap.block_bytes))
+    if speculative_tokens:
+        sched_options.update(speculative="ngram", num_speculative_tokens=speculative_tokens)
     setup = SimSetup(scheduler=scheduler_config(scheduling, **sched_options),
                      num_gpu_blocks=num_gpu_blocks or cap.num_blocks, block_size=block_size,
                      num_cpu_blocks=int(swap_space_bytes // cap.block_bytes),
-                     enable_prefix_caching=enable_prefix_caching, preemption_cost=preempt)
+                     enable_prefix_caching=enable_prefix_caching, preemption_cost=preempt,
+                     spec_acceptance=spec_acceptance if speculative_tokens else None)
     return Node(setup, cost, cap)

@@ -181,7 +181,8 @@ def _grid(rounds: list) -> str:
 def render(d: dict) -> str:
     """The whole page: one function per section, in the page's order."""
     lines = (_intro() + _capacity_section(d["capacity"]) + _targets_section(d)
-             + _comparison_section(d) + _calibration_section(d) + _caveats())
+             + _comparison_section(d) + _speculation_section(d.get("speculation_sizing"))
+             + _calibration_section(d) + _caveats())
     return "\n".join(lines)
 
 
@@ -281,6 +282,37 @@ def _comparison_section(d: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def _speculation_section(sizing: dict | None) -> list[str]:
+    """Section 3b: what the speculation sizing rule chooses on this node, by batch size."""
+    if not sizing:
+        return []
+    rows = sizing["rows"]
+    rates = [key for key in rows[0] if key.startswith("a")]
+    lines = [
+        "## Speculative decoding sized by the step cost",
+        "",
+        "The speculative rows above verify up to 4 proposals per sequence, each kept with "
+        "probability 0.7 (a simulator input, `everystop simulate --speculative-tokens K "
+        "--spec-acceptance A`); the scheduler sizes each sequence's k every pass by its rule "
+        "(`docs/speculative-decoding.md`) against its own step-cost fit, and each pass is "
+        "priced with its 1+k rows per speculating sequence.",
+        "",
+        f"The rule priced by this node's cost model, for a decode batch at {sizing['context']:,} "
+        f"tokens of context and k <= {sizing['k_max']}: the mean k it chooses and the modeled "
+        "output tokens/s, by per-position acceptance a. Speculation pays while the pass is "
+        "bound by reading the weights, and turns itself off once the batch makes it "
+        "compute-bound.",
+        "",
+        "| decode batch | plain tokens/s | " + " | ".join(
+            f"a = {key[1:]}: mean k, tokens/s" for key in rates) + " |",
+        "|---|---|" + "---|" * len(rates),
+    ]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {_f(r['plain_tokens_per_s'])} | " + " | ".join(
+            f"{r[key]['mean_k']:.2f}, {_f(r[key]['tokens_per_s'])}" for key in rates) + " |")
+    return lines + [""]
 
 
 def _calibration_section(d: dict) -> list[str]:

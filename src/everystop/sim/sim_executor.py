@@ -8,11 +8,13 @@ and get a simulation. Requests must use ignore_eos (the token it returns is mean
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from everystop.core.outputs import ModelOutput, SchedulerOutput
 from everystop.sim.cost_model import IterationShape
+from everystop.sim.speculation import verify
 
 
 class SimClock:
@@ -45,14 +47,19 @@ class IterationRecord:
 
 
 class SimExecutor:
-    """`latency_fn` maps a pass's shape to seconds (normally `CostModel.latency`)."""
+    """`latency_fn` maps a pass's shape to seconds (normally `CostModel.latency`);
+    `spec_acceptance`: each proposal's chance to be kept (sim/speculation.py), drawn from
+    `seed`."""
 
     SAMPLED_TOKEN = 7  # any id works under ignore_eos
 
-    def __init__(self, latency_fn: Callable[[IterationShape], float], clock: SimClock) -> None:
+    def __init__(self, latency_fn: Callable[[IterationShape], float], clock: SimClock,
+                 spec_acceptance: float = 0.0, seed: int = 0) -> None:
         self.latency_fn = latency_fn
         self.clock = clock
         self.records: list[IterationRecord] = []
+        self.spec_acceptance = spec_acceptance
+        self._rng = random.Random(seed)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         shape = IterationShape.from_scheduler_output(sched)
@@ -62,6 +69,8 @@ class SimExecutor:
             scheduled=[(e.request_id, e.start_pos, e.num_tokens) for e in sched.scheduled],
             preempted=list(sched.preempted_request_ids)))
         self.clock.advance(latency)
+        verified = (verify(sched, self.spec_acceptance, self._rng) if sched.num_draft_tokens
+                    else {})
         return ModelOutput(sampled_token_ids={e.request_id: self.SAMPLED_TOKEN
                                               for e in sched.scheduled if e.sample},
-                           execute_time_s=latency)
+                           verified_token_ids=verified, execute_time_s=latency)

@@ -26,6 +26,7 @@ from everystop.core.scheduler import QueueFull, RequestRejected, Scheduler
 from everystop.sampling_params import SamplingParams
 from everystop.sim.cost_model import IterationShape
 from everystop.sim.sim_executor import IterationRecord, SimClock, SimExecutor
+from everystop.sim.speculation import SimProposer
 from everystop.workload import Workload, synthetic_prompt_ids
 
 
@@ -86,6 +87,15 @@ class SimSetup:
     enable_prefix_caching: bool = True
     watermark: float = 0.02
     preemption_cost: PreemptionCostModel = field(default_factory=PreemptionCostModel)
+    # Speculative decoding: each proposal's chance to be kept (sim/speculation.py); None: off.
+    # The scheduler config names the method and k.
+    spec_acceptance: float | None = None
+
+    def __post_init__(self) -> None:
+        a = self.spec_acceptance
+        if a is not None and (not 0.0 <= a <= 1.0 or self.scheduler.speculative == "off"):
+            raise ValueError(f"spec_acceptance must be in [0, 1] with speculation on, not {a!r}"
+                             f" (speculative={self.scheduler.speculative!r})")
 
 
 EngineFactory = Callable[[Scheduler, SimExecutor], StepEngine]
@@ -97,12 +107,14 @@ def simulate(workload: Workload, setup: SimSetup,
              max_iterations: int = 5_000_000) -> SimResult:
     """Run `workload` through the real scheduler with modeled pass latencies."""
     clock = SimClock(0.0)
-    executor = SimExecutor(latency_fn, clock)
+    executor = SimExecutor(latency_fn, clock, setup.spec_acceptance or 0.0)
     kv = KVCacheManager(setup.num_gpu_blocks, setup.block_size,
                         num_cpu_blocks=setup.num_cpu_blocks,
                         enable_prefix_caching=setup.enable_prefix_caching,
                         watermark=setup.watermark)
     sched = Scheduler(setup.scheduler, kv, cost_model=setup.preemption_cost, clock=clock)
+    if setup.spec_acceptance is not None:
+        sched.proposer = SimProposer()
     engine = engine_factory(sched, executor)
     arrivals = [r.arrival_s or 0.0 for r in workload.requests]  # None: at t=0
     order = sorted(range(len(workload.requests)), key=arrivals.__getitem__)

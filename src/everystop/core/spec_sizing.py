@@ -1,0 +1,197 @@
+"""How many proposals each speculating sequence verifies this pass: the k that gives the pass
+the most expected tokens per predicted second, from measured acceptance and the fitted step
+cost (core/step_cost.py).
+
+Acceptance. Each sequence has a running estimate of its per-position acceptance a (the chance
+a proposal is kept, given the ones before it were): its accepted proposals A over its trials
+A + R (R: the rows where a proposal was rejected), both decaying by SEQ_DECAY per verified row
+so the estimate follows the text, shrunk toward the global rate g with PRIOR_WEIGHT trials:
+
+    a = (A + PRIOR_WEIGHT * g) / (A + R + PRIOR_WEIGHT)
+
+g is kept the same way over all rows (GLOBAL_DECAY), starting from INITIAL_ACCEPTANCE counted
+as GLOBAL_PRIOR_WEIGHT trials.
+
+Expected tokens. A row with k proposals gives 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+tokens: its j-th proposal adds a^j.
+
+The rule. The pass's decode rows alone give S tokens (one each) in T0 = predict(pass) seconds.
+Proposals are taken in order of expected value a^j, each only while it raises the pass's
+expected tokens per second:
+
+    (S + a^j) / predict(pass + that row) > S / T    <=>    a^j / dT > S / T
+
+(dT: the predicted time the extra row adds). So a proposal is verified when the tokens it is
+expected to give per second it adds beat the pass's rate so far; the sequences whose first
+proposal does not pay get k = 0 and decode plainly. While the batch is memory-bound a row
+costs little next to the pass's fixed cost, S / T is low and proposals pay; as the batch
+grows compute-bound, S / T rises toward one token per row's cost, which a proposal (worth
+a^j < 1, costing about a row) cannot beat, and speculation turns itself off.
+
+Probing. A sequence sized off keeps no fresh evidence, so every PROBE_INTERVAL of its passes it
+verifies one proposal, if one at acceptance 1 would pay at the pass's rate (never in a
+compute-bound pass): an estimate that was low recovers when the text turns copyable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from everystop.core.step_cost import StepShape
+
+logger = logging.getLogger(__name__)
+
+INITIAL_ACCEPTANCE = 0.6  # the global rate before any proposal was verified
+PRIOR_WEIGHT = 2.0  # trials the global rate counts for in a sequence's estimate
+GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global rate
+SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
+GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
+PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
+SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a row with k proposals gives on average: (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class _SeqState:
+    accepted: float = 0.0
+    trials: float = 0.0
+    k: int = -1  # the last k chosen (-1: none yet)
+    passes_off: int = 0  # consecutive passes sized to 0
+
+
+@dataclass(frozen=True)
+class SizingRow:
+    """A decode row that may speculate: its request and the most proposals it may take."""
+
+    request_id: str
+    cap: int
+
+
+class SpecSizer:
+    """The per-sequence acceptance estimates and the sizing rule; counts what it chose."""
+
+    def __init__(self, initial_acceptance: float = INITIAL_ACCEPTANCE) -> None:
+        self._accepted = initial_acceptance * GLOBAL_PRIOR_WEIGHT
+        self._trials = GLOBAL_PRIOR_WEIGHT
+        self._seqs: dict[str, _SeqState] = {}
+        # What /metrics shows: sequence-passes sized to k = 0, and the latest sizing's rows
+        # and proposals chosen (their ratio: the mean k).
+        self.num_sized_off = 0
+        self.last_num_rows = 0
+        self.last_num_proposals = 0
+        self._summary = [0, 0, 0, 0]  # passes, rows, proposals, sized off since the last log
+        self._summary_since: float | None = None
+
+    @property
+    def global_acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    def acceptance(self, request_id: str) -> float:
+        """The sequence's per-position acceptance estimate (the global rate before any
+        evidence of its own)."""
+        g = self.global_acceptance
+        s = self._seqs.get(request_id)
+        if s is None:
+            return g
+        return (s.accepted + PRIOR_WEIGHT * g) / (s.trials + PRIOR_WEIGHT)
+
+    def observe(self, request_id: str, num_proposals: int, num_accepted: int) -> None:
+        """Fold in one verified row: `num_accepted` of its `num_proposals` were kept."""
+        if num_proposals <= 0:
+            return
+        trials = num_accepted + (num_accepted < num_proposals)
+        s = self._seqs.setdefault(request_id, _SeqState())
+        s.accepted = SEQ_DECAY * s.accepted + num_accepted
+        s.trials = SEQ_DECAY * s.trials + trials
+        self._accepted = GLOBAL_DECAY * self._accepted + num_accepted
+        self._trials = GLOBAL_DECAY * self._trials + trials
+
+    def forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+    def choose(self, rows: Sequence[SizingRow], base: StepShape,
+               predict: Callable[[StepShape], float], now: float = 0.0) -> list[int]:
+        """Each row's k (0 .. its cap) for a pass whose rows so far have shape `base`, priced
+        by `predict` (the module docstring's rule)."""
+        ks = [0] * len(rows)
+        shape = base
+        time_s = predict(shape)
+        tokens = float(base.num_decode_rows)
+        if time_s > 0 and tokens > 0:
+            candidates = []
+            for i, row in enumerate(rows):
+                a = self.acceptance(row.request_id)
+                value = 1.0
+                for _ in range(row.cap):
+                    value *= a
+                    if value <= 0.0:
+                        break
+                    candidates.append((value, i))
+            candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
+            for value, i in candidates:
+                grown = replace(shape, num_prefill_tokens=shape.num_prefill_tokens + 1,
+                                context_tokens=shape.context_tokens + 1)
+                grown_s = predict(grown)
+                if value * time_s <= tokens * (grown_s - time_s):
+                    break  # value per added second no better than the pass's rate
+                ks[i] += 1
+                tokens += value
+                shape, time_s = grown, grown_s
+            self._probe(rows, ks, shape, time_s, tokens, predict)
+        elif time_s <= 0:
+            ks = [row.cap for row in rows]  # no cost to weigh: every proposal is free
+        self._record(rows, ks, time_s, tokens, now)
+        return ks
+
+    def _probe(self, rows: Sequence[SizingRow], ks: list[int], shape: StepShape,
+               time_s: float, tokens: float, predict: Callable[[StepShape], float]) -> None:
+        """One proposal for each long-sized-off row, where one at acceptance 1 would pay."""
+        for i, row in enumerate(rows):
+            s = self._seqs.get(row.request_id)
+            if ks[i] or row.cap <= 0 or s is None or s.passes_off + 1 < PROBE_INTERVAL:
+                continue
+            grown = replace(shape, num_prefill_tokens=shape.num_prefill_tokens + 1,
+                            context_tokens=shape.context_tokens + 1)
+            if time_s <= tokens * (predict(grown) - time_s):
+                return  # not even a certain token pays: no probe in this pass
+            ks[i] = 1
+
+    def _record(self, rows: Sequence[SizingRow], ks: list[int], time_s: float,
+                tokens: float, now: float) -> None:
+        """Counters for /metrics, a debug line per changed decision, an info summary."""
+        off = 0
+        for row, k in zip(rows, ks):
+            s = self._seqs.setdefault(row.request_id, _SeqState())
+            if k == 0:
+                off += 1
+                s.passes_off += 1
+            else:
+                s.passes_off = 0
+            if k != s.k:
+                logger.debug("speculation sizing: %s k %d -> %d (acceptance %.2f, pass %.2f "
+                             "tokens in %.4f s)", row.request_id, max(s.k, 0), k,
+                             self.acceptance(row.request_id), tokens, time_s)
+                s.k = k
+        proposals = sum(ks)
+        self.num_sized_off += off
+        self.last_num_rows, self.last_num_proposals = len(rows), proposals
+        summary = self._summary
+        summary[0] += 1
+        summary[1] += len(rows)
+        summary[2] += proposals
+        summary[3] += off
+        if self._summary_since is None:
+            self._summary_since = now
+        elif now - self._summary_since >= SUMMARY_INTERVAL_S:
+            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off; "
+                        "global acceptance %.2f", summary[0], summary[1],
+                        summary[2] / max(summary[1], 1), summary[3], self.global_acceptance)
+            self._summary, self._summary_since = [0, 0, 0, 0], now

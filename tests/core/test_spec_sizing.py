@@ -1,0 +1,173 @@
+"""The speculation sizing rule (core/spec_sizing.py) with no model: a scheduler over the toy
+executor, an always-k oracle proposer and a fake step cost, and the rule on its own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+
+from everystop.core.spec_sizing import (
+    PROBE_INTERVAL,
+    SizingRow,
+    SpecSizer,
+    expected_tokens,
+)
+from everystop.core.step_cost import StepCoefficients, StepCostModel, StepShape
+
+from .helpers import make_harness
+from .test_speculation import OracleProposer
+
+
+class FakeStepCost(StepCostModel):
+    """A step cost that predicts `fn(shape)` and learns nothing (the budget's coefficients are
+    a fixed prior)."""
+
+    def __init__(self, fn: Callable[[StepShape], float]) -> None:
+        super().__init__(StepCoefficients(0.01, 1e-5, 1e-5, 0.0))
+        self.fn = fn
+
+    def predict(self, shape: StepShape) -> float:
+        return self.fn(shape)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        pass
+
+
+def memory_bound(shape: StepShape) -> float:
+    """A large per-pass cost (the weights read), rows nearly free."""
+    return 0.030 + 1e-5 * (shape.num_prefill_tokens + shape.num_decode_rows)
+
+
+def compute_bound(shape: StepShape) -> float:
+    """Almost all the cost is per row: a proposal costs what a plain row does."""
+    return 0.001 + 0.010 * (shape.num_prefill_tokens + shape.num_decode_rows)
+
+
+def moderate(shape: StepShape) -> float:
+    """10 ms per pass and 1 ms per row: one sequence's proposal pays above acceptance 1/11."""
+    return 0.010 + 0.001 * (shape.num_prefill_tokens + shape.num_decode_rows)
+
+
+def roofline(shape: StepShape) -> float:
+    """The larger of reading the weights (30 ms) and the rows' compute (1 ms each)."""
+    return max(0.030, 0.001 * (shape.num_prefill_tokens + shape.num_decode_rows))
+
+
+def spec_run(cost: Callable[[StepShape], float], *, wrong: float = 0.0, num_seqs: int = 1,
+             k: int = 4, steps: int = 6):
+    """A harness of `num_seqs` decoding sequences, run `steps` passes after their prompts;
+    returns it and the draft count of each pass's rows, pass by pass."""
+    h = make_harness(speculative="ngram", num_speculative_tokens=k, num_blocks=4096,
+                     max_num_seqs=max(num_seqs, 4), max_num_batched_tokens=8192,
+                     step_cost=FakeStepCost(cost))
+    h.scheduler.proposer = OracleProposer(wrong, seed=1, always_k=True)
+    for i in range(num_seqs):
+        h.add(f"r{i}", [3 + i, 4, 5, 6], max_tokens=400)
+    h.step()  # the prompts
+    drafts = []
+    for _ in range(steps):
+        sched, _ = h.step()
+        drafts.append([row.num_draft_tokens for row in sched.scheduled])
+    return h, drafts
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    for a in (0.0, 0.3, 0.8, 0.99):
+        for k in range(6):
+            assert expected_tokens(a, k) == pytest.approx(sum(a ** j for j in range(k + 1)))
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_a_memory_bound_pass_verifies_every_proposal_an_accepting_sequence_may_take() -> None:
+    h, drafts = spec_run(memory_bound, k=4)
+    assert drafts == [[4]] * len(drafts)
+    stats = h.scheduler.stats()
+    assert stats.spec_decode_mean_k == 4.0 and stats.spec_decode_num_sized_off == 0
+
+
+def test_a_compute_bound_pass_does_not_speculate() -> None:
+    h, drafts = spec_run(compute_bound, num_seqs=3)
+    assert drafts == [[0, 0, 0]] * len(drafts)
+    stats = h.scheduler.stats()
+    assert stats.spec_decode_num_draft_tokens == 0
+    assert stats.spec_decode_num_sized_off == 3 * len(drafts)
+    assert stats.spec_decode_mean_k == 0.0
+
+
+def test_low_acceptance_sizes_a_sequence_off_and_a_probe_checks_it_again() -> None:
+    _, good = spec_run(moderate, wrong=0.0)
+    assert good[0][0] > 0  # at the prior rate
+    assert good[1:] == [[4]] * (len(good) - 1)  # once its proposals were accepted
+    h, drafts = spec_run(moderate, wrong=1.0, steps=2 * PROBE_INTERVAL + 8)
+    per_pass = [row[0] for row in drafts]
+    assert per_pass[0] > 0  # the prior lets it try
+    off = per_pass.index(0)
+    assert off <= 10  # rejected proposals drive its estimate down within ten passes
+    # sized off thereafter, but for one proposal every PROBE_INTERVAL passes
+    tail = per_pass[off:]
+    assert set(tail) == {0, 1}
+    probes = [i for i, n in enumerate(tail) if n]
+    assert probes and all(b - a == PROBE_INTERVAL for a, b in zip(probes, probes[1:]))
+    assert h.scheduler.spec_sizer.acceptance("r0") < 1 / 11
+    assert h.scheduler.stats().spec_decode_num_accepted_tokens == 0
+
+
+def test_speculation_turns_off_as_the_batch_grows_compute_bound() -> None:
+    _, small = spec_run(roofline, num_seqs=2, steps=3)
+    _, large = spec_run(roofline, num_seqs=40, steps=3)
+    assert all(k > 0 for row in small for k in row)
+    assert all(k == 0 for row in large for k in row)
+
+
+def test_the_rule_takes_proposals_while_they_beat_the_pass_rate() -> None:
+    """Two rows in an otherwise empty pass: 4 ms fixed, 1 ms per row, acceptance 0.7. The
+    pass starts at 2 tokens in 6 ms; proposals worth 0.7 (a), 0.7 (b: its cap), 0.49 (a)
+    each beat the rate so far (0.33, 0.39, 0.43 tokens per ms) and cost 1 ms; the next,
+    0.343 (a), does not beat 3.89 tokens in 9 ms."""
+    sizer = SpecSizer(initial_acceptance=0.7)
+
+    def cost(shape: StepShape) -> float:
+        return 0.004 + 0.001 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+    assert sizer.choose([SizingRow("a", 8), SizingRow("b", 1)], StepShape(0, 2, 20),
+                        cost) == [2, 1]
+    assert sizer.last_num_rows == 2 and sizer.last_num_proposals == 3
+
+
+def test_acceptance_estimates_start_at_the_global_rate_and_follow_each_sequence() -> None:
+    sizer = SpecSizer(initial_acceptance=0.6)
+    assert sizer.acceptance("new") == pytest.approx(0.6)
+    for _ in range(20):
+        sizer.observe("good", 4, 4)
+        sizer.observe("bad", 4, 0)
+    assert sizer.acceptance("good") > 0.9
+    assert sizer.acceptance("bad") < 0.15
+    assert 0.6 < sizer.global_acceptance < 0.9  # 80 kept of 80 + 20 trials, plus the prior
+    assert sizer.acceptance("unseen") == pytest.approx(sizer.global_acceptance)
+    sizer.forget("bad")
+    assert sizer.acceptance("bad") == pytest.approx(sizer.global_acceptance)
+
+
+def test_decisions_are_logged_when_they_change(caplog: pytest.LogCaptureFixture) -> None:
+    sizer = SpecSizer(initial_acceptance=0.9)
+    rows, base = [SizingRow("a", 3)], StepShape(0, 1, 10)
+    with caplog.at_level(logging.DEBUG, logger="everystop.core.spec_sizing"):
+        assert sizer.choose(rows, base, memory_bound) == [3]
+        assert sizer.choose(rows, base, memory_bound) == [3]
+        assert sizer.choose(rows, base, compute_bound) == [0]
+    changes = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(changes) == 2 and "k 3 -> 0" in changes[1]
+
+
+def test_an_info_summary_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    sizer = SpecSizer(initial_acceptance=0.9)
+    rows, base = [SizingRow("a", 3), SizingRow("b", 3)], StepShape(0, 2, 10)
+    with caplog.at_level(logging.INFO, logger="everystop.core.spec_sizing"):
+        for now in (0.0, 30.0, 59.0):
+            sizer.choose(rows, base, memory_bound, now)
+        assert not caplog.records
+        sizer.choose(rows, base, compute_bound, 60.0)
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "4 passes, 8 rows, mean k 2.25, 2 sized off" in summary
