@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     def mean(rows: list[dict[str, Any]], key: str) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
 
-    out = {"dtype": args.dtype, "threads": torch.get_num_threads(), "single": args.single,
+    out = {"dtype": args.dtype, "activation_dtype": str(runner.dtype).removeprefix("torch."),
+           "threads": torch.get_num_threads(), "single": args.single,
            "cpu_kernels": runner.backends.kernels.isa if runner.backends.kernels else "off",
            "kv_cache": engine.executor.describe_capacity(),
            "load_avg": os.getloadavg(), "num_steps": len(steps),
