@@ -111,6 +111,20 @@ def test_runner_reports_rows_with_nan_or_inf_and_samples_the_rest() -> None:
     assert list(_drop_non_finite(seqs, logits, ModelOutput())[1].shape) == [2, 5]
 
 
+def test_finite_logits_whose_sum_overflows_are_all_kept_and_opposite_infinities_all_dropped(
+        ) -> None:
+    """The one-sum shortcut sees a non-finite sum in both cases; the rows decide."""
+    seqs = [ScheduledSequence(f"r{i}", [1], 0, [0], True, PARAMS) for i in range(3)]
+    big = torch.full((3, 5), 3e38)
+    kept, rows = _drop_non_finite(seqs, big, ModelOutput())
+    assert len(kept) == 3 and torch.equal(rows, big)
+    logits = torch.zeros(3, 5)
+    logits[0, 1], logits[2, 4] = float("inf"), float("-inf")
+    out = ModelOutput()
+    kept, _ = _drop_non_finite(seqs, logits, out)
+    assert [s.request_id for s in kept] == ["r1"] and list(out.failed) == ["r0", "r2"]
+
+
 @pytest.fixture
 def make_client() -> Iterator[Callable[..., tuple[TestClient, AsyncEngine]]]:
     fronts: list[AsyncEngine] = []

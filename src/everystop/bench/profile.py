@@ -99,7 +99,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-steps", type=int, default=60, help="stop the run after this many")
     ap.add_argument("--single", action="store_true",
-                    help="one request alone (a ~280-token prompt): profile its 32nd decode step")
+                    help="one request alone (a ~280-token prompt): profile its 32nd decode step, "
+                    "then serve it through the server's engine path for microseconds per part "
+                    "(bench/step_parts.py)")
+    ap.add_argument("--decode-steps", type=int, default=64,
+                    help="--single: decode steps timed on the serving path")
     ap.add_argument("--no-decoder-stack", dest="decoder_stack", action="store_false",
                     help="decode steps layer by layer (the breakdown then splits linear, "
                     "attention and the small ops)")
@@ -151,19 +155,22 @@ def run(args: argparse.Namespace) -> int:
                       "decode": sched.num_decode_tokens, "schedule_ms": 1e3 * (t1 - t0),
                       "execute_ms": 1e3 * (t3 - t2), "update_ms": 1e3 * (t4 - t3)})
 
+    serving = None
     if args.single and picked is not None:
         picked["weight_stream"] = _weight_stream(engine, picked)
+        serving = _serving_parts(args, requests[0]["prompt_token_ids"])
     full = [s for s in steps if s["seqs"] == 128]
     decode_only = [s for s in full if s["prefill"] == 0]
 
     def mean(rows: list[dict[str, Any]], key: str) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
 
-    out = {"dtype": args.dtype, "threads": torch.get_num_threads(), "single": args.single,
+    out = {"dtype": args.dtype, "activation_dtype": str(runner.dtype).removeprefix("torch."),
+           "threads": torch.get_num_threads(), "single": args.single,
            "cpu_kernels": runner.backends.kernels.isa if runner.backends.kernels else "off",
            "kv_cache": engine.executor.describe_capacity(),
            "load_avg": os.getloadavg(), "num_steps": len(steps),
-           "mixed_step": picked,
+           "mixed_step": picked, "serving_step": serving,
            "steps_at_128": {"count": len(full), "decode_only_count": len(decode_only),
                             **{f"mean_{k}": mean(full, k) for k in
                                ("schedule_ms", "execute_ms", "update_ms", "prefill")}},
@@ -171,6 +178,19 @@ def run(args: argparse.Namespace) -> int:
                                    ("schedule_ms", "execute_ms", "update_ms")}}
     write_result(out, args.out)
     return 0
+
+
+def _serving_parts(args: argparse.Namespace, prompt_ids: list[int]) -> dict[str, Any]:
+    """The single stream served through AsyncEngine (a second engine on its own thread, as
+    the server builds it), per-part microseconds per decode step."""
+    from everystop.bench.step_parts import measure_in_subprocess
+
+    options = engine_options(args, decoder_stack=args.decoder_stack)
+    parts = measure_in_subprocess(options, prompt_ids, args.decode_steps)
+    print(f"serving step: period {parts['period_us_median']:.0f} us (median), kernels "
+          f"{parts['kernels_us']:.0f} us, everything else {parts['everything_else_us']:.0f} us:"
+          f" {parts['engine_thread_us']}; event loop {parts['event_loop_us']}", file=sys.stderr)
+    return parts
 
 
 def _weight_stream(engine: Any, picked: dict[str, Any]) -> dict[str, Any]:

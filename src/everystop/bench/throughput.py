@@ -27,7 +27,7 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     """The engine flags the in-process measurements (throughput, profile) share."""
     ap.add_argument("--model", default=None,
                     help="GGUF file or Hugging Face directory (default: the bundled model)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-kernels", default="auto", help="kernel build (auto, avx2, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto")
