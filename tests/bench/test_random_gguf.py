@@ -84,26 +84,3 @@ def test_everystop_decodes_a_padding_token_to_its_name(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(path))
     assert tokenizer.decode([default_vocab + 1]) == "<|unused_1|>"
 
-
-def test_the_f16_copy_holds_each_quantized_tensor_dequantized_and_keeps_the_metadata(
-        tmp_path: Path) -> None:
-    from gguf.quants import dequantize
-
-    src, out = tmp_path / "q.gguf", tmp_path / "f16.gguf"
-    writer = GGUFWriter(str(src), "llama")
-    add_default_tokenizer(writer, 40)
-    write_random_tensors(writer, [("blk.0.attn_norm.weight", (64,)),
-                                  ("blk.0.ffn_up.weight", (32, 64))], "q4_0")
-    _script("make_f16_gguf").convert(str(src), str(out))
-
-    before, after = GGUFReader(str(src)), GGUFReader(str(out))
-    up = {r: next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
-          for r in (before, after)}
-    assert up[after].tensor_type == GGMLQuantizationType.F16
-    assert np.array_equal(np.asarray(up[after].data, dtype=np.float32).reshape(32, 64),
-                          dequantize(up[before].data, GGMLQuantizationType.Q4_0)
-                          .astype(np.float16).astype(np.float32).reshape(32, 64))
-    norm = next(t for t in after.tensors if t.name == "blk.0.attn_norm.weight")
-    assert norm.tensor_type == GGMLQuantizationType.F32
-    assert list(after.fields["tokenizer.ggml.tokens"].contents()) == list(
-        before.fields["tokenizer.ggml.tokens"].contents())
