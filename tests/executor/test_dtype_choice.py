@@ -86,3 +86,20 @@ def test_outputs_under_auto_equal_the_dtype_it_chose(tiny_dir):  # noqa: F811
 def test_auto_runs_bf16_on_this_native_bf16_cpu(tiny_dir):  # noqa: F811
     dtype, why = choose_dtype(ModelConfig(model=tiny_dir[0]))
     assert dtype == "bfloat16", why
+
+
+@pytest.mark.parametrize(("var", "value"), [("ATEN_CPU_CAPABILITY", "avx2"),
+                                            ("ONEDNN_MAX_CPU_ISA", "AVX2")])
+def test_an_avx2_cap_in_the_environment_gives_an_avx2_machines_defaults(
+        monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    from everystop.executor.layers.cpu_kernels import runnable_isas
+
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    full = cpu_flags()
+    monkeypatch.setenv(var, value)
+    capped = cpu_flags()
+    assert capped <= full and not any(f.startswith(("avx512", "amx")) for f in capped)
+    assert runnable_isas()[0] in ("avx2", "generic")
+    assert choose_dtype(ModelConfig(), bf16_gemm=lambda: True,
+                        blocks=lambda path, quant: False)[0] == "float32"

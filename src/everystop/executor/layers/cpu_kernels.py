@@ -75,15 +75,23 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo has none, e.g. not Linux on x86)."""
+    """The CPU's feature flags (empty where /proc/cpuinfo has none, e.g. not Linux on x86),
+    less what the environment caps: with ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2
+    (an AVX2 machine reproduced on a wider one), no AVX-512 or AMX flag, so every default
+    (kernel build, activation dtype) is the one an AVX2 machine gets."""
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    if (os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+            or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"):
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return flags
 
 
 def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
