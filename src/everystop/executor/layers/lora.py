@@ -48,17 +48,28 @@ class LoraPass:
     """The adapter of each row of one forward pass. The last layer may run its attention output
     and MLP on the output rows alone (models/decoder.py's OutputRows), so the grouping of those
     rows is kept too; a linear picks the grouping whose row count its input has (the two counts
-    differ: output rows are only cut out when they are fewer than all rows)."""
+    differ: output rows are only cut out when they are fewer than all rows).
+
+    For the kernels that take every adapter of the pass at once (the decoder stack): `adapters`,
+    the pass's adapter slots in order, and `row_adapters`, each row's index into them (-1:
+    base)."""
 
     all_rows: RowGroups
     output_rows: RowGroups | None = None
+    adapters: tuple[int, ...] = ()
+    row_adapters: torch.Tensor | None = None
 
     @staticmethod
     def from_slots(slots: torch.Tensor, output_rows: torch.Tensor | None) -> LoraPass:
         out = None
         if output_rows is not None and output_rows.numel() < slots.numel():
             out = RowGroups.from_slots(slots[output_rows])
-        return LoraPass(RowGroups.from_slots(slots), out)
+        all_rows = RowGroups.from_slots(slots)
+        row_adapters = torch.full_like(slots, -1)
+        for k, (_, rows) in enumerate(all_rows.groups):
+            row_adapters[rows] = k
+        return LoraPass(all_rows, out, tuple(slot for slot, _ in all_rows.groups),
+                        row_adapters)
 
     def groups_for(self, num_rows: int) -> RowGroups:
         if num_rows == self.all_rows.num_rows:
@@ -94,6 +105,23 @@ class LoraBank:
             delta = (xs @ pair.a.T) @ pair.b.T
             out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+    def pass_weights(self, linears: list[str]) -> list[torch.Tensor]:
+        """For each adapter of the current pass, for each of `linears`, its (A, B), or two
+        empty tensors where it leaves that linear alone: the decoder stack's LoRA weights."""
+        assert self.current is not None
+        out: list[torch.Tensor] = []
+        for slot in self.current.adapters:
+            for linear in linears:
+                pair = self.pairs.get(linear, {}).get(slot)
+                if pair is None:
+                    out += (_NONE, _NONE)
+                else:
+                    out += (pair.a, pair.b)
+        return out
+
+
+_NONE = torch.empty(0)  # no pair (the stack checks a pair's shapes only where A is non-empty)
 
 
 @dataclass(frozen=True)

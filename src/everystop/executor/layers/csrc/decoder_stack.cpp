@@ -20,6 +20,10 @@
 // q and k head before rope, a sliding window and a score soft-cap in the attention, and
 // Gemma's: an RMSNorm on the attention's and on the MLP's output (sandwich norms), tanh-GELU
 // for the MLP's gate (GeGLU), and the windowed layers' own rope tables.
+//
+// LoRA adapters are parameters too (csrc/lora_delta.cpp): each row's adapter slot (-1: base)
+// and the pass's adapters' (A, B) pairs, whose deltas are added after each projection as
+// layers/lora.py adds them. With no slots given the stack does no LoRA work at all.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +32,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -54,6 +59,10 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& query_start_loc,
                                       const at::Tensor& seq_lens, double scale,
                                       int64_t rows_per_item, int64_t window, double softcap);
+std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
+void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
+                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                      int64_t first, int64_t stride);
 }  // namespace ES_NS
 
 namespace {
@@ -72,7 +81,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool i
 // qkv_biases: none or one per layer; qk_norms: none or (q_norm, k_norm) per layer; windows:
 // none or one per layer (0: no window); softcap 0: none; out_norms: none or (attention
 // output norm, MLP output norm) per layer; gelu_tanh: GeGLU rather than SwiGLU; local_rope:
-// none or (cos, sin) for the layers with a window.
+// none or (cos, sin) for the layers with a window. lora_slots: empty, or each row's index into
+// the pass's adapters (-1: base); lora_weights: per adapter, per layer, per linear (qkv, o,
+// gate_up, down) its A then its B, both empty where the adapter does not target the linear.
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
                              at::TensorList value_caches, const at::Tensor& cos,
@@ -83,7 +94,8 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              int64_t rows_per_item, bool int8_dot, at::TensorList qkv_biases,
                              at::TensorList qk_norms, at::IntArrayRef windows, double softcap,
                              at::TensorList out_norms, bool gelu_tanh,
-                             at::TensorList local_rope) {
+                             at::TensorList local_rope, const at::Tensor& lora_slots,
+                             at::TensorList lora_weights) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -102,6 +114,23 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
   TORCH_CHECK(local_rope.empty() || (local_rope.size() == 2 && !windows.empty()),
               "decoder_stack: local rope is (cos, sin), for the windowed layers");
   const int64_t tokens = x0.size(0);
+  const bool lora = lora_slots.defined() && lora_slots.numel() > 0;
+  const int64_t lora_stride = 2 * kLinearsPerLayer * num_layers;  // tensors per adapter
+  std::vector<std::vector<int64_t>> lora_rows;
+  if (lora) {
+    TORCH_CHECK(lora_slots.size(0) == tokens &&
+                    static_cast<int64_t>(lora_weights.size()) % lora_stride == 0,
+                "decoder_stack: one LoRA slot per row and 8 tensors per layer per adapter "
+                "expected");
+    lora_rows = ES_NS::lora_groups(lora_slots,
+                                   static_cast<int64_t>(lora_weights.size()) / lora_stride);
+  }
+  // Adds the LoRA deltas of linear `i` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l to out.
+  auto add_lora = [&](at::Tensor& out, const at::Tensor& in, int64_t l, int64_t i) {
+    if (lora)
+      ES_NS::direct_lora_add_(out, in, lora_rows, lora_weights,
+                              2 * (l * kLinearsPerLayer + i), lora_stride);
+  };
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
   at::Tensor residual = x0.clone();
@@ -117,6 +146,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
     at::Tensor qkv = project(h, w[1], fmt[0], int8_dot);
+    add_lora(qkv, h, l, 0);
     if (!qkv_biases.empty()) qkv = qkv.add(qkv_biases[l]);
     if (!qk_norms.empty()) {
       const int64_t kv_size = num_kv_heads * head_dim;
@@ -138,9 +168,11 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
         windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
     at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
+    add_lora(o, attn, l, 1);
     if (!out_norms.empty()) o = ES_NS::direct_rms_norm(o, out_norms[2 * l], eps);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
     at::Tensor gate_up = project(h, w[4], fmt[2], int8_dot);
+    add_lora(gate_up, h, l, 2);
     at::Tensor act;
     if (gelu_tanh) {  // as layers/mlp.py: gelu(gate, tanh) * up, ATen's own ops
       const int64_t inter = gate_up.size(1) / 2;
@@ -149,6 +181,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
       act = ES_NS::direct_silu_mul(gate_up);
     }
     x = project(act, w[5], fmt[3], int8_dot);
+    add_lora(x, act, l, 3);
     if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
@@ -166,7 +199,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   return decoder_stack_ext(x0, weights, formats, key_caches, value_caches, cos, sin,
                            slot_mapping, block_tables, query_start_loc, seq_lens, final_norm,
                            eps, scale, num_heads, num_kv_heads, rows_per_item, int8_dot, {}, {},
-                           {}, 0.0, {}, false, {});
+                           {}, 0.0, {}, false, {}, at::Tensor(), {});
 }
 
 }  // namespace
@@ -181,7 +214,8 @@ ES_LIBRARY_FRAGMENT(m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor final_norm, "
         "float eps, float scale, int num_heads, int num_kv_heads, int rows_per_item, "
         "bool int8_decode_dot, Tensor[] qkv_biases, Tensor[] qk_norms, int[] windows, "
-        "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope) -> Tensor");
+        "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope, "
+        "Tensor lora_slots, Tensor[] lora_weights) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {

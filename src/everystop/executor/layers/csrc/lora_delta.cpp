@@ -1,0 +1,170 @@
+// LoRA deltas of one linear for a pass whose rows belong to different adapters (SGMV-style):
+//
+//   out[r] += (x[r] @ A_k^T) @ B_k^T        for each row r of adapter k (k < 0: base, no delta)
+//
+// A_k [rank, in] and B_k [out, rank] are one adapter's pair on this linear, the scaling folded
+// into B (layers/lora.py); an empty A means the adapter does not target the linear. Each row is
+// computed alone, in a fixed order, so a row's delta does not depend on the other rows.
+//
+// Both products are dot products against a matrix's rows: kW of them at a time, their lanes
+// reduced together (reduce_lanes). The rows of one adapter are grouped so that each chunk of
+// B is read once per pass and reused from cache for every row of its adapter; threads split
+// B's output rows.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+// Output rows of B per unit of thread work: a chunk of B (64 x rank) stays in L1 across the
+// rows of its adapter.
+constexpr int64_t kOutChunk = 64;
+
+// out[i] = v[0:k] . m[i, 0:k] for i in [0, n).
+template <typename T>
+void dot_rows(const float* v, const T* m, int64_t n, int64_t k, float* out) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    vf acc[kW];
+    for (int64_t r = 0; r < kW; ++r) {
+      const T* row = m + (i + r) * k;
+      vf a = {};
+      int64_t j = 0;
+      for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
+      if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
+      acc[r] = a;
+    }
+    const vf s = reduce_lanes(acc);
+    std::memcpy(out + i, &s, sizeof(s));
+  }
+  for (; i < n; ++i) {
+    const T* row = m + i * k;
+    vf a = {};
+    int64_t j = 0;
+    for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
+    if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
+    out[i] = hsum(a);
+  }
+}
+
+template <typename T>
+void lora_add_typed(at::Tensor& out, const at::Tensor& x,
+                    const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                    int64_t first, int64_t stride) {
+  const int64_t in = x.size(1), n_out = out.size(1);
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  // Per row, its x in fp32 and its x @ A^T: rows of different adapters have different ranks,
+  // so t is laid out with the pass's largest rank.
+  int64_t max_rank = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const at::Tensor& a = weights[first + g * stride];
+    if (groups[g].empty() || a.numel() == 0) continue;
+    const at::Tensor& b = weights[first + g * stride + 1];
+    TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
+                    a.scalar_type() == x.scalar_type(),
+                "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
+    TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
+                    b.is_contiguous() && b.scalar_type() == x.scalar_type(),
+                "lora: B must be [", n_out, ", rank], contiguous, of x's dtype");
+    max_rank = std::max(max_rank, a.size(0));
+  }
+  if (max_rank == 0) return;
+  const int64_t tokens = x.size(0);
+  std::vector<float> xf(static_cast<size_t>(in));
+  std::vector<float> t(static_cast<size_t>(tokens * max_rank));
+  const T* xp = x.data_ptr<T>();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const at::Tensor& a = weights[first + g * stride];
+    if (a.numel() == 0) continue;
+    for (int64_t r : groups[g]) {
+      for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(xp[r * in + i]);
+      dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, t.data() + r * max_rank);
+    }
+  }
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (n_out + kOutChunk - 1) / kOutChunk, 1, [&](int64_t begin, int64_t end) {
+    float delta[kOutChunk];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t o0 = c * kOutChunk, n = std::min(kOutChunk, n_out - o0);
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const at::Tensor& a = weights[first + g * stride];
+        if (a.numel() == 0) continue;
+        const int64_t rank = a.size(0);
+        const T* b = weights[first + g * stride + 1].data_ptr<T>() + o0 * rank;
+        for (int64_t r : groups[g]) {
+          dot_rows(t.data() + r * max_rank, b, n, rank, delta);
+          T* dst = op + r * n_out + o0;
+          for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(dst[i]) + delta[i]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace ES_NS {
+
+// Rows of a pass by adapter: groups[k] = the rows whose slot is k (slots < 0: base rows).
+std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "lora: slots must be a contiguous int64 [rows]");
+  std::vector<std::vector<int64_t>> groups(static_cast<size_t>(num_adapters));
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < slots.size(0); ++r) {
+    TORCH_CHECK(s[r] < num_adapters, "lora: row ", r, " has adapter slot ", s[r], " of ",
+                num_adapters);
+    if (s[r] >= 0) groups[s[r]].push_back(r);
+  }
+  return groups;
+}
+
+// out += each row's delta, in place. Adapter k's pair is weights[first + k * stride] (A) and
+// the tensor after it (B).
+void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
+                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                      int64_t first, int64_t stride) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) &&
+                  x.is_contiguous() && out.is_contiguous() &&
+                  x.scalar_type() == out.scalar_type(),
+              "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return lora_add_typed<float>(out, x, groups, weights, first, stride);
+    case at::kBFloat16:
+      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, first, stride);
+    case at::kHalf:
+      return lora_add_typed<c10::Half>(out, x, groups, weights, first, stride);
+    default:
+      TORCH_CHECK(false, "lora: x must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace ES_NS
+
+namespace {
+
+// The op alone (tests, and the layer-by-layer path): weights = [A_0, B_0, A_1, B_1, ...].
+void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& slots,
+                 at::TensorList weights) {
+  TORCH_CHECK(weights.size() % 2 == 0, "lora: weights are (A, B) pairs");
+  const int64_t num_adapters = static_cast<int64_t>(weights.size()) / 2;
+  TORCH_CHECK(slots.size(0) == x.size(0), "lora: one slot per row of x expected");
+  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights, 0, 2);
+}
+
+}  // namespace
+
+ES_LIBRARY_FRAGMENT(m) {
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] weights) -> ()");
+}
+
+ES_LIBRARY_IMPL(m) { m.impl("lora_add_", &lora_add_op); }
