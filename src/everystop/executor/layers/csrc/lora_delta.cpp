@@ -9,7 +9,7 @@
 // Both products are dot products against a matrix's rows: kW of them at a time, their lanes
 // reduced together (reduce_lanes). The rows of one adapter are grouped so that each chunk of
 // B is read once per pass and reused from cache for every row of its adapter; threads split
-// B's output rows.
+// the rows for x @ A^T and B's output rows for the second product.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -78,17 +79,21 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
   }
   if (max_rank == 0) return;
   const int64_t tokens = x.size(0);
-  std::vector<float> xf(static_cast<size_t>(in));
   std::vector<float> t(static_cast<size_t>(tokens * max_rank));
+  std::vector<std::pair<int64_t, int64_t>> work;  // (adapter, row) of every row with a delta
+  for (int64_t g = 0; g < num_groups; ++g)
+    if (weights[first + g * stride].numel() > 0)
+      for (int64_t r : groups[g]) work.emplace_back(g, r);
   const T* xp = x.data_ptr<T>();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const at::Tensor& a = weights[first + g * stride];
-    if (a.numel() == 0) continue;
-    for (int64_t r : groups[g]) {
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(in));
+    for (int64_t w = begin; w < end; ++w) {
+      const auto [g, r] = work[w];
+      const at::Tensor& a = weights[first + g * stride];
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(xp[r * in + i]);
       dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, t.data() + r * max_rank);
     }
-  }
+  });
   T* op = out.data_ptr<T>();
   at::parallel_for(0, (n_out + kOutChunk - 1) / kOutChunk, 1, [&](int64_t begin, int64_t end) {
     float delta[kOutChunk];
@@ -102,7 +107,8 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
         for (int64_t r : groups[g]) {
           dot_rows(t.data() + r * max_rank, b, n, rank, delta);
           T* dst = op + r * n_out + o0;
-          for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(dst[i]) + delta[i]);
+          for (int64_t i = 0; i < n; ++i)
+            dst[i] = static_cast<T>(static_cast<float>(dst[i]) + delta[i]);
         }
       }
     }
