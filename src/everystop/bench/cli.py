@@ -40,6 +40,8 @@ MEASUREMENTS = [
     ("quant-accuracy", "everystop.bench.quant_accuracy", "quantized weights' agreement with fp32"),
     ("hostile", "everystop.bench.hostile", "/health latency while each hostile request of "
      "issue 40 is served, at full size"),
+    ("lora", "everystop.bench.lora", "32 streams over 8 random LoRA adapters vs the same load "
+     "on the base model"),
 ]
 
 
