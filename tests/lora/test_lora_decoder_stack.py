@@ -8,6 +8,7 @@ import torch
 
 from everystop.core.outputs import ScheduledSequence
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.lora import LoraPair, split_parts
 from everystop.executor.models.decoder import DecoderForCausalLM
 
 from .conftest import ADAPTERS, GREEDY, VOCAB, make_runner, transformers
@@ -86,3 +87,34 @@ def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     untouched = (slots < 0) | (slots == 2)
     assert torch.equal(got[untouched], out[untouched])
+    # One part of a fused projection: B a column span of a wider matrix (strided rows), the
+    # delta landing in the part's own output columns only.
+    offset, n = 20, 30
+    parts: list[torch.Tensor] = []
+    want = out.float().clone()
+    for slot, r in enumerate(ranks):
+        if not r:
+            parts += [torch.empty(0), torch.empty(0)]
+            continue
+        b = torch.randn(n, r + 3, generator=gen).to(dtype)[:, 2:2 + r]
+        parts += [weights[2 * slot], b]
+        for row in (slots == slot).nonzero().flatten().tolist():
+            want[row, offset:offset + n] += (x[row].float() @ weights[2 * slot].float().T
+                                             ) @ b.float().T
+    assert not parts[1].is_contiguous()
+    got = KERNELS.lora_add_(out.clone(), x, slots, parts, col_offset=offset)
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(got[:, :offset], out[:, :offset])
+    assert torch.equal(got[:, offset + n:], out[:, offset + n:])
+
+
+def test_a_fused_pair_splits_into_its_targeted_parts():
+    rank, n_in = 2, 5
+    a = torch.randn(2 * rank, n_in)  # q and v targeted, k not: B's k rows are zero
+    b = torch.zeros(8 + 4 + 4, 2 * rank)
+    b[:8, :rank] = torch.randn(8, rank)
+    b[12:, rank:] = torch.randn(4, rank)
+    parts = split_parts(LoraPair(a, b), (8, 4, 4))
+    assert torch.equal(parts[0], a[:rank]) and torch.equal(parts[1], b[:8, :rank])
+    assert parts[2].numel() == 0 and parts[3].numel() == 0
+    assert torch.equal(parts[4], a[rank:]) and torch.equal(parts[5], b[12:, rank:])

@@ -279,8 +279,8 @@ class CpuKernels:
         `out_norms` (attention output norm, MLP output norm) per layer, `gelu_tanh` (GeGLU),
         `local_rope` (cos, sin) for the windowed layers.
         LoRA: `lora_slots` [rows] int64, each row's index into the pass's adapters (-1: base),
-        and `lora_weights`, per adapter, per layer, per linear its (A, B), empty tensors where
-        the adapter leaves the linear alone (see `lora_add_`)."""
+        and `lora_weights`, per adapter, per layer, per part (q, k, v, o, gate, up, down) its
+        (A, B), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
@@ -299,11 +299,12 @@ class CpuKernels:
                                       ROWS_PER_ITEM, self.int8_decode_dot)
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
-                  weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        """out [rows, n] += (x[r] @ A_k.T) @ B_k.T in place for each row r of adapter slot
-        k = slots[r] (-1: none); `weights` = [A_0, B_0, A_1, B_1, ...], A [rank, in] and
-        B [n, rank] of x's dtype, an empty A where adapter k leaves this linear alone."""
-        self.ops.lora_add_(out, x, slots, list(weights))
+                  weights: Sequence[torch.Tensor], col_offset: int = 0) -> torch.Tensor:
+        """out[:, col_offset:col_offset + n] += (x[r] @ A_k.T) @ B_k.T in place for each row r
+        of adapter slot k = slots[r] (-1: none); `weights` = [A_0, B_0, A_1, B_1, ...],
+        A [rank, in] and B [n, rank] (rows may be strided) of x's dtype, an empty A where
+        adapter k leaves these columns alone."""
+        self.ops.lora_add_(out, x, slots, list(weights), col_offset)
         return out
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int

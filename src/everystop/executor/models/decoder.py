@@ -47,7 +47,7 @@ from everystop.executor.layers.weight_reads import WeightReads, pass_bytes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
 # The decoder stack's linears of a layer, in its order (csrc/decoder_stack.cpp): the LoRA
-# weights it takes follow it.
+# weights it takes follow it, part by part (q, k, v, o, gate, up, down).
 STACK_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 logger = logging.getLogger(__name__)
 
@@ -377,8 +377,15 @@ class DecoderForCausalLM(nn.Module):
         if bank is None or bank.current is None:
             return None, []
         if "_stack_lora_linears" not in self.__dict__:
+            attn = self.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            inter = self.args.intermediate_size  # LoRA serves no tensor parallelism
+            hidden = self.args.hidden_size
+            parts = {"qkv_proj": (q, kv, kv), "o_proj": (hidden,),
+                     "gate_up_proj": (inter, inter), "down_proj": (hidden,)}
             self.__dict__["_stack_lora_linears"] = [
-                f"{i}.{name}" for i in range(len(self.model.layers)) for name in STACK_LINEARS]
+                (f"{i}.{name}", parts[name]) for i in range(len(self.model.layers))
+                for name in STACK_LINEARS]
         weights = bank.pass_weights(self.__dict__["_stack_lora_linears"])
         if any(w.dtype != dtype for w in weights if w.numel()):
             if not self._lora_stack_logged:

@@ -22,8 +22,10 @@
 // for the MLP's gate (GeGLU), and the windowed layers' own rope tables.
 //
 // LoRA adapters are parameters too (csrc/lora_delta.cpp): each row's adapter slot (-1: base)
-// and the pass's adapters' (A, B) pairs, whose deltas are added after each projection as
-// layers/lora.py adds them. With no slots given the stack does no LoRA work at all.
+// and the pass's adapters' (A, B) pairs, one per part of each projection (q, k, v, o, gate, up,
+// down: a fused projection's parts apart, so no zero block of its block-diagonal B is read),
+// whose deltas are added after each projection as layers/lora.py adds them. With no slots
+// given the stack does no LoRA work at all.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +34,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "simd.h"
@@ -62,13 +65,14 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
 std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
 void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                       const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      int64_t first, int64_t stride);
+                      int64_t first, int64_t stride, int64_t col_offset);
 }  // namespace ES_NS
 
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr int64_t kLoraPartsPerLayer = 7;  // q, k, v, o, gate, up, down
 
 // x @ w.T as the layer would compute it: a dense weight (format 0) or GGUF-style blocks, these
 // with int8 activations where int8_decode_dot is on (CpuKernels.linear_q_small).
@@ -82,8 +86,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool i
 // none or one per layer (0: no window); softcap 0: none; out_norms: none or (attention
 // output norm, MLP output norm) per layer; gelu_tanh: GeGLU rather than SwiGLU; local_rope:
 // none or (cos, sin) for the layers with a window. lora_slots: empty, or each row's index into
-// the pass's adapters (-1: base); lora_weights: per adapter, per layer, per linear (qkv, o,
-// gate_up, down) its A then its B, both empty where the adapter does not target the linear.
+// the pass's adapters (-1: base); lora_weights: per adapter, per layer, per part (q, k, v, o,
+// gate, up, down) its A then its B, both empty where the adapter does not target the part.
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
                              at::TensorList value_caches, const at::Tensor& cos,
@@ -115,21 +119,25 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
               "decoder_stack: local rope is (cos, sin), for the windowed layers");
   const int64_t tokens = x0.size(0);
   const bool lora = lora_slots.defined() && lora_slots.numel() > 0;
-  const int64_t lora_stride = 2 * kLinearsPerLayer * num_layers;  // tensors per adapter
+  const int64_t lora_stride = 2 * kLoraPartsPerLayer * num_layers;  // tensors per adapter
   std::vector<std::vector<int64_t>> lora_rows;
   if (lora) {
     TORCH_CHECK(lora_slots.size(0) == tokens &&
                     static_cast<int64_t>(lora_weights.size()) % lora_stride == 0,
-                "decoder_stack: one LoRA slot per row and 8 tensors per layer per adapter "
+                "decoder_stack: one LoRA slot per row and 14 tensors per layer per adapter "
                 "expected");
     lora_rows = ES_NS::lora_groups(lora_slots,
                                    static_cast<int64_t>(lora_weights.size()) / lora_stride);
   }
-  // Adds the LoRA deltas of linear `i` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l to out.
-  auto add_lora = [&](at::Tensor& out, const at::Tensor& in, int64_t l, int64_t i) {
-    if (lora)
+  // Adds the LoRA deltas of parts first_part.. of layer l to out, the parts' output columns
+  // starting at `offsets`.
+  auto add_lora = [&](at::Tensor& out, const at::Tensor& in, int64_t l, int64_t first_part,
+                      std::initializer_list<int64_t> offsets) {
+    if (!lora) return;
+    int64_t part = first_part;
+    for (int64_t offset : offsets)
       ES_NS::direct_lora_add_(out, in, lora_rows, lora_weights,
-                              2 * (l * kLinearsPerLayer + i), lora_stride);
+                              2 * (l * kLoraPartsPerLayer + part++), lora_stride, offset);
   };
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
@@ -146,7 +154,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
     at::Tensor qkv = project(h, w[1], fmt[0], int8_dot);
-    add_lora(qkv, h, l, 0);
+    add_lora(qkv, h, l, 0, {0, q_size, q_size + num_kv_heads * head_dim});
     if (!qkv_biases.empty()) qkv = qkv.add(qkv_biases[l]);
     if (!qk_norms.empty()) {
       const int64_t kv_size = num_kv_heads * head_dim;
@@ -168,11 +176,11 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
         windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
     at::Tensor o = project(attn, w[2], fmt[1], int8_dot);
-    add_lora(o, attn, l, 1);
+    add_lora(o, attn, l, 3, {0});
     if (!out_norms.empty()) o = ES_NS::direct_rms_norm(o, out_norms[2 * l], eps);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
     at::Tensor gate_up = project(h, w[4], fmt[2], int8_dot);
-    add_lora(gate_up, h, l, 2);
+    add_lora(gate_up, h, l, 4, {0, gate_up.size(1) / 2});
     at::Tensor act;
     if (gelu_tanh) {  // as layers/mlp.py: gelu(gate, tanh) * up, ATen's own ops
       const int64_t inter = gate_up.size(1) / 2;
@@ -181,7 +189,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
       act = ES_NS::direct_silu_mul(gate_up);
     }
     x = project(act, w[5], fmt[3], int8_dot);
-    add_lora(x, act, l, 3);
+    add_lora(x, act, l, 6, {0});
     if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);

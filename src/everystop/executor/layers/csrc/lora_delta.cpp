@@ -1,10 +1,12 @@
 // LoRA deltas of one linear for a pass whose rows belong to different adapters (SGMV-style):
 //
-//   out[r] += (x[r] @ A_k^T) @ B_k^T        for each row r of adapter k (k < 0: base, no delta)
+//   out[r, c:c+n] += (x[r] @ A_k^T) @ B_k^T   for each row r of adapter k (k < 0: base)
 //
-// A_k [rank, in] and B_k [out, rank] are one adapter's pair on this linear, the scaling folded
-// into B (layers/lora.py); an empty A means the adapter does not target the linear. Each row is
-// computed alone, in a fixed order, so a row's delta does not depend on the other rows.
+// A_k [rank, in] and B_k [n, rank] are one adapter's pair on this linear's output columns
+// c..c+n (one part of a fused projection: q, k or v of [q; k; v]), the scaling folded into B
+// (layers/lora.py); an empty A means the adapter leaves those columns alone. B's rows may be
+// strided (a view of a wider matrix). Each row is computed alone, in a fixed order, so a row's
+// delta does not depend on the other rows.
 //
 // Both products are dot products against a matrix's rows: kW of them at a time, their lanes
 // reduced together (reduce_lanes). The rows of one adapter are grouped so that each chunk of
@@ -29,14 +31,14 @@ namespace {
 // rows of its adapter.
 constexpr int64_t kOutChunk = 64;
 
-// out[i] = v[0:k] . m[i, 0:k] for i in [0, n).
+// out[i] = v[0:k] . m[i * ld : i * ld + k] for i in [0, n).
 template <typename T>
-void dot_rows(const float* v, const T* m, int64_t n, int64_t k, float* out) {
+void dot_rows(const float* v, const T* m, int64_t n, int64_t k, int64_t ld, float* out) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
     vf acc[kW];
     for (int64_t r = 0; r < kW; ++r) {
-      const T* row = m + (i + r) * k;
+      const T* row = m + (i + r) * ld;
       vf a = {};
       int64_t j = 0;
       for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
@@ -47,7 +49,7 @@ void dot_rows(const float* v, const T* m, int64_t n, int64_t k, float* out) {
     std::memcpy(out + i, &s, sizeof(s));
   }
   for (; i < n; ++i) {
-    const T* row = m + i * k;
+    const T* row = m + i * ld;
     vf a = {};
     int64_t j = 0;
     for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
@@ -59,8 +61,9 @@ void dot_rows(const float* v, const T* m, int64_t n, int64_t k, float* out) {
 template <typename T>
 void lora_add_typed(at::Tensor& out, const at::Tensor& x,
                     const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                    int64_t first, int64_t stride) {
-  const int64_t in = x.size(1), n_out = out.size(1);
+                    int64_t first, int64_t stride, int64_t col_offset) {
+  const int64_t in = x.size(1), ld_out = out.size(1);
+  int64_t n_out = -1;  // the part's output columns (every adapter's B has as many rows)
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   // Per row, its x in fp32 and its x @ A^T: rows of different adapters have different ranks,
   // so t is laid out with the pass's largest rank.
@@ -72,9 +75,13 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
     TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
                     a.scalar_type() == x.scalar_type(),
                 "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
+    if (n_out < 0) n_out = b.size(0);
     TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
-                    b.is_contiguous() && b.scalar_type() == x.scalar_type(),
-                "lora: B must be [", n_out, ", rank], contiguous, of x's dtype");
+                    b.stride(1) == 1 && b.stride(0) >= b.size(1) &&
+                    b.scalar_type() == x.scalar_type() && col_offset >= 0 &&
+                    col_offset + n_out <= ld_out,
+                "lora: B must be [n, rank] with unit column stride, of x's dtype, n the same ",
+                "for every adapter and within out's columns from col_offset");
     max_rank = std::max(max_rank, a.size(0));
   }
   if (max_rank == 0) return;
@@ -91,7 +98,7 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
       const auto [g, r] = work[w];
       const at::Tensor& a = weights[first + g * stride];
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(xp[r * in + i]);
-      dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, t.data() + r * max_rank);
+      dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, in, t.data() + r * max_rank);
     }
   });
   T* op = out.data_ptr<T>();
@@ -103,10 +110,12 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
         const at::Tensor& a = weights[first + g * stride];
         if (a.numel() == 0) continue;
         const int64_t rank = a.size(0);
-        const T* b = weights[first + g * stride + 1].data_ptr<T>() + o0 * rank;
+        const at::Tensor& bt = weights[first + g * stride + 1];
+        const int64_t ldb = bt.stride(0);
+        const T* b = bt.data_ptr<T>() + o0 * ldb;
         for (int64_t r : groups[g]) {
-          dot_rows(t.data() + r * max_rank, b, n, rank, delta);
-          T* dst = op + r * n_out + o0;
+          dot_rows(t.data() + r * max_rank, b, n, rank, ldb, delta);
+          T* dst = op + r * ld_out + col_offset + o0;
           for (int64_t i = 0; i < n; ++i)
             dst[i] = static_cast<T>(static_cast<float>(dst[i]) + delta[i]);
         }
@@ -133,22 +142,22 @@ std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t n
   return groups;
 }
 
-// out += each row's delta, in place. Adapter k's pair is weights[first + k * stride] (A) and
-// the tensor after it (B).
+// out[:, col_offset:] += each row's delta, in place. Adapter k's pair is
+// weights[first + k * stride] (A) and the tensor after it (B).
 void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                       const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      int64_t first, int64_t stride) {
+                      int64_t first, int64_t stride, int64_t col_offset) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) &&
                   x.is_contiguous() && out.is_contiguous() &&
                   x.scalar_type() == out.scalar_type(),
               "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
   switch (x.scalar_type()) {
     case at::kFloat:
-      return lora_add_typed<float>(out, x, groups, weights, first, stride);
+      return lora_add_typed<float>(out, x, groups, weights, first, stride, col_offset);
     case at::kBFloat16:
-      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, first, stride);
+      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, first, stride, col_offset);
     case at::kHalf:
-      return lora_add_typed<c10::Half>(out, x, groups, weights, first, stride);
+      return lora_add_typed<c10::Half>(out, x, groups, weights, first, stride, col_offset);
     default:
       TORCH_CHECK(false, "lora: x must be float32, bfloat16 or float16");
   }
@@ -160,17 +169,19 @@ namespace {
 
 // The op alone (tests, and the layer-by-layer path): weights = [A_0, B_0, A_1, B_1, ...].
 void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& slots,
-                 at::TensorList weights) {
+                 at::TensorList weights, int64_t col_offset) {
   TORCH_CHECK(weights.size() % 2 == 0, "lora: weights are (A, B) pairs");
   const int64_t num_adapters = static_cast<int64_t>(weights.size()) / 2;
   TORCH_CHECK(slots.size(0) == x.size(0), "lora: one slot per row of x expected");
-  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights, 0, 2);
+  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights, 0, 2,
+                          col_offset);
 }
 
 }  // namespace
 
 ES_LIBRARY_FRAGMENT(m) {
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] weights) -> ()");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] weights, "
+        "int col_offset=0) -> ()");
 }
 
 ES_LIBRARY_IMPL(m) { m.impl("lora_add_", &lora_add_op); }
