@@ -62,10 +62,14 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& query_start_loc,
                                       const at::Tensor& seq_lens, double scale,
                                       int64_t rows_per_item, int64_t window, double softcap);
+struct LoraPart {  // as csrc/lora_delta.cpp
+  int64_t first;
+  int64_t col_offset;
+};
 std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
 void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                       const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      int64_t first, int64_t stride, int64_t col_offset);
+                      const std::vector<LoraPart>& parts, int64_t stride);
 }  // namespace ES_NS
 
 namespace {
@@ -134,10 +138,11 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
   auto add_lora = [&](at::Tensor& out, const at::Tensor& in, int64_t l, int64_t first_part,
                       std::initializer_list<int64_t> offsets) {
     if (!lora) return;
+    std::vector<ES_NS::LoraPart> parts;
     int64_t part = first_part;
     for (int64_t offset : offsets)
-      ES_NS::direct_lora_add_(out, in, lora_rows, lora_weights,
-                              2 * (l * kLoraPartsPerLayer + part++), lora_stride, offset);
+      parts.push_back({2 * (l * kLoraPartsPerLayer + part++), offset});
+    ES_NS::direct_lora_add_(out, in, lora_rows, lora_weights, parts, lora_stride);
   };
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.

@@ -9,9 +9,9 @@
 // delta does not depend on the other rows.
 //
 // Both products are dot products against a matrix's rows: kW of them at a time, their lanes
-// reduced together (reduce_lanes). The rows of one adapter are grouped so that each chunk of
-// B is read once per pass and reused from cache for every row of its adapter; threads split
-// the rows for x @ A^T and B's output rows for the second product.
+// reduced together (reduce_lanes). Rows are taken adapter by adapter and B a chunk of output
+// columns at a time, so that each chunk is read once per adapter and reused from L1 for every
+// row of that adapter; threads split the adapters.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -25,9 +25,20 @@
 
 #include "simd.h"
 
+namespace ES_NS {
+// One output part of a linear (q, k or v of [q; k; v]): where adapter 0's A sits in the
+// weights list, and the part's first output column. (Declared alike in decoder_stack.cpp.)
+struct LoraPart {
+  int64_t first;
+  int64_t col_offset;
+};
+}  // namespace ES_NS
+
 namespace {
 
-// Output rows of B per unit of thread work: a chunk of B (64 x rank) stays in L1 across the
+using ES_NS::LoraPart;
+
+// Output columns of a part computed together: a chunk of B (64 x rank) stays in L1 across the
 // rows of its adapter.
 constexpr int64_t kOutChunk = 64;
 
@@ -61,63 +72,69 @@ void dot_rows(const float* v, const T* m, int64_t n, int64_t k, int64_t ld, floa
 template <typename T>
 void lora_add_typed(at::Tensor& out, const at::Tensor& x,
                     const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                    int64_t first, int64_t stride, int64_t col_offset) {
+                    const std::vector<LoraPart>& parts, int64_t stride) {
   const int64_t in = x.size(1), ld_out = out.size(1);
-  int64_t n_out = -1;  // the part's output columns (every adapter's B has as many rows)
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-  // Per row, its x in fp32 and its x @ A^T: rows of different adapters have different ranks,
-  // so t is laid out with the pass's largest rank.
   int64_t max_rank = 0;
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const at::Tensor& a = weights[first + g * stride];
-    if (groups[g].empty() || a.numel() == 0) continue;
-    const at::Tensor& b = weights[first + g * stride + 1];
-    TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
-                    a.scalar_type() == x.scalar_type(),
-                "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
-    if (n_out < 0) n_out = b.size(0);
-    TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
-                    b.stride(1) == 1 && b.stride(0) >= b.size(1) &&
-                    b.scalar_type() == x.scalar_type() && col_offset >= 0 &&
-                    col_offset + n_out <= ld_out,
-                "lora: B must be [n, rank] with unit column stride, of x's dtype, n the same ",
-                "for every adapter and within out's columns from col_offset");
-    max_rank = std::max(max_rank, a.size(0));
+  for (const LoraPart& part : parts) {
+    int64_t n_out = -1;  // the part's output columns (every adapter's B has as many rows)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const at::Tensor& a = weights[part.first + g * stride];
+      if (groups[g].empty() || a.numel() == 0) continue;
+      const at::Tensor& b = weights[part.first + g * stride + 1];
+      TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
+                      a.scalar_type() == x.scalar_type(),
+                  "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
+      if (n_out < 0 && b.dim() == 2) n_out = b.size(0);
+      TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
+                      b.stride(1) == 1 && b.stride(0) >= b.size(1) &&
+                      b.scalar_type() == x.scalar_type() && part.col_offset >= 0 &&
+                      part.col_offset + n_out <= ld_out,
+                  "lora: B must be [n, rank] with unit column stride, of x's dtype, n the ",
+                  "same for every adapter and within out's columns from col_offset");
+      max_rank = std::max(max_rank, a.size(0));
+    }
   }
   if (max_rank == 0) return;
-  const int64_t tokens = x.size(0);
-  std::vector<float> t(static_cast<size_t>(tokens * max_rank));
-  std::vector<std::pair<int64_t, int64_t>> work;  // (adapter, row) of every row with a delta
-  for (int64_t g = 0; g < num_groups; ++g)
-    if (weights[first + g * stride].numel() > 0)
-      for (int64_t r : groups[g]) work.emplace_back(g, r);
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
   const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(static_cast<size_t>(in));
-    for (int64_t w = begin; w < end; ++w) {
-      const auto [g, r] = work[w];
-      const at::Tensor& a = weights[first + g * stride];
-      for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(xp[r * in + i]);
-      dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, in, t.data() + r * max_rank);
-    }
-  });
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, (n_out + kOutChunk - 1) / kOutChunk, 1, [&](int64_t begin, int64_t end) {
+  // One parallel region per linear, every part inside (a region synchronizes the threads,
+  // which costs more than a part's work on a busy machine); threads split the adapters.
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(in));
     float delta[kOutChunk];
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t o0 = c * kOutChunk, n = std::min(kOutChunk, n_out - o0);
-      for (int64_t g = 0; g < num_groups; ++g) {
-        const at::Tensor& a = weights[first + g * stride];
+    for (int64_t g = begin; g < end; ++g) {
+      const std::vector<int64_t>& rows = groups[g];
+      if (rows.empty()) continue;
+      const int64_t num_rows = static_cast<int64_t>(rows.size());
+      // t[row][part][rank]: x @ A^T of each of the adapter's rows, every part.
+      std::vector<float> t(static_cast<size_t>(num_rows * num_parts * max_rank));
+      for (int64_t i = 0; i < num_rows; ++i) {
+        for (int64_t c = 0; c < in; ++c) xf[c] = static_cast<float>(xp[rows[i] * in + c]);
+        for (int64_t p = 0; p < num_parts; ++p) {
+          const at::Tensor& a = weights[parts[p].first + g * stride];
+          if (a.numel() == 0) continue;
+          dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, in,
+                   t.data() + (i * num_parts + p) * max_rank);
+        }
+      }
+      // Then B a chunk of output columns at a time, each chunk reused from L1 for every row.
+      for (int64_t p = 0; p < num_parts; ++p) {
+        const at::Tensor& a = weights[parts[p].first + g * stride];
         if (a.numel() == 0) continue;
-        const int64_t rank = a.size(0);
-        const at::Tensor& bt = weights[first + g * stride + 1];
-        const int64_t ldb = bt.stride(0);
-        const T* b = bt.data_ptr<T>() + o0 * ldb;
-        for (int64_t r : groups[g]) {
-          dot_rows(t.data() + r * max_rank, b, n, rank, ldb, delta);
-          T* dst = op + r * ld_out + col_offset + o0;
-          for (int64_t i = 0; i < n; ++i)
-            dst[i] = static_cast<T>(static_cast<float>(dst[i]) + delta[i]);
+        const at::Tensor& b = weights[parts[p].first + g * stride + 1];
+        const int64_t rank = a.size(0), n_out = b.size(0), ldb = b.stride(0);
+        const T* bp = b.data_ptr<T>();
+        for (int64_t o0 = 0; o0 < n_out; o0 += kOutChunk) {
+          const int64_t n = std::min(kOutChunk, n_out - o0);
+          for (int64_t i = 0; i < num_rows; ++i) {
+            dot_rows(t.data() + (i * num_parts + p) * max_rank, bp + o0 * ldb, n, rank, ldb,
+                     delta);
+            T* dst = op + rows[i] * ld_out + parts[p].col_offset + o0;
+            for (int64_t j = 0; j < n; ++j)
+              dst[j] = static_cast<T>(static_cast<float>(dst[j]) + delta[j]);
+          }
         }
       }
     }
@@ -142,22 +159,23 @@ std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t n
   return groups;
 }
 
-// out[:, col_offset:] += each row's delta, in place. Adapter k's pair is
-// weights[first + k * stride] (A) and the tensor after it (B).
+// out += each row's delta, in place, for each part: adapter k's pair is
+// weights[part.first + k * stride] (A) and the tensor after it (B), its delta landing in out's
+// columns from part.col_offset.
 void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                       const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      int64_t first, int64_t stride, int64_t col_offset) {
+                      const std::vector<LoraPart>& parts, int64_t stride) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) &&
                   x.is_contiguous() && out.is_contiguous() &&
                   x.scalar_type() == out.scalar_type(),
               "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
   switch (x.scalar_type()) {
     case at::kFloat:
-      return lora_add_typed<float>(out, x, groups, weights, first, stride, col_offset);
+      return lora_add_typed<float>(out, x, groups, weights, parts, stride);
     case at::kBFloat16:
-      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, first, stride, col_offset);
+      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, parts, stride);
     case at::kHalf:
-      return lora_add_typed<c10::Half>(out, x, groups, weights, first, stride, col_offset);
+      return lora_add_typed<c10::Half>(out, x, groups, weights, parts, stride);
     default:
       TORCH_CHECK(false, "lora: x must be float32, bfloat16 or float16");
   }
@@ -173,8 +191,8 @@ void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& slots,
   TORCH_CHECK(weights.size() % 2 == 0, "lora: weights are (A, B) pairs");
   const int64_t num_adapters = static_cast<int64_t>(weights.size()) / 2;
   TORCH_CHECK(slots.size(0) == x.size(0), "lora: one slot per row of x expected");
-  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights, 0, 2,
-                          col_offset);
+  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights,
+                          {{0, col_offset}}, 2);
 }
 
 }  // namespace
