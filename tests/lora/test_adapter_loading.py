@@ -118,4 +118,4 @@ def test_decode_without_adapter_rows_takes_the_decoder_stack(lora_dirs, monkeypa
     runner.forward_logits(_decode_rows([-1, -1]))
     assert calls == [True]  # the stack ran, with no LoRA pass set
     runner.forward_logits(_decode_rows([-1, 0]))
-    assert calls == [True]  # adapter rows: layer by layer
+    assert calls == [True, False]  # adapter rows: the stack too, with the LoRA pass set

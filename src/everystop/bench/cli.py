@@ -46,6 +46,8 @@ MEASUREMENTS = [
      "of the robustness suite is served, at full size"),
     ("startup", "everystop.bench.startup", "time to the first /health 200 (kernels built, "
      "then cached) and what the serving process's memory holds"),
+    ("lora", "everystop.bench.lora", "32 streams over 8 random LoRA adapters vs the same load "
+     "on the base model"),
 ]
 
 

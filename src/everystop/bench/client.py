@@ -42,6 +42,9 @@ class ServeOptions:
     # Request id -> prompt token ids, sent instead of the text (completions only): every server
     # then sees exactly the same tokens, whatever its tokenizer does with the text.
     prompt_token_ids: dict[str, list[int]] | None = None
+    # Tenant -> the model its requests name (e.g. LoRA adapters served beside the base);
+    # other tenants' requests name `model`.
+    model_by_tenant: dict[str, str] = field(default_factory=dict)
 
 
 def api_root(base_url: str) -> str:
@@ -61,6 +64,7 @@ def send_schedule(workload: Workload, opts: ServeOptions) -> list[float]:
 
 
 def request_body(req: WorkloadRequest, opts: ServeOptions, model: str) -> dict[str, Any]:
+    model = opts.model_by_tenant.get(req.tenant, model)
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "ignore_eos": True,
                             "temperature": opts.temperature, "user": req.tenant}

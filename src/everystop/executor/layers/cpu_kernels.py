@@ -34,6 +34,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "decoder_stack.cpp"]
 _SOURCES += [_CSRC / "quant_linear.cpp"]  # block-quantized weights (layers/quant.py)
 _SOURCES += [_CSRC / "moe_experts.cpp"]  # the decoder stack's mixture-of-experts block
+_SOURCES += [_CSRC / "lora_delta.cpp"]  # LoRA deltas of rows over several adapters
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
@@ -71,7 +72,9 @@ _OPS += ("linear_q_small", "linear_q_tiled", "linear_q_tiled_bf16", "dequantize"
 _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests and benchmarks
 _OPS += ("round_int8_blocks",)
 _OPS += ("paged_attention_ext", "decoder_stack_ext")  # the families' differences as parameters
+_OPS += ("lora_add_",)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_LORA_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -273,7 +276,8 @@ class CpuKernels:
                       qk_norms: Sequence[torch.Tensor] = (), windows: Sequence[int] = (),
                       softcap: float = 0.0, out_norms: Sequence[torch.Tensor] = (),
                       gelu_tanh: bool = False, local_rope: Sequence[torch.Tensor] = (),
-                      moe: StackMoe | None = None) -> torch.Tensor:
+                      moe: StackMoe | None = None, lora_slots: torch.Tensor | None = None,
+                      lora_weights: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Every decoder layer and the final norm for x [rows <= 64, hidden] in one call, with
         the kernels the layers call one by one (bit-identical results; csrc/decoder_stack.cpp).
         `weights`: per layer [input norm, qkv, o, post-attention norm, gate_up, down];
@@ -282,23 +286,37 @@ class CpuKernels:
         `qk_norms` (q_norm, k_norm) per layer, `windows` one per layer (0: none), `softcap`,
         `out_norms` (attention output norm, MLP output norm) per layer, `gelu_tanh` (GeGLU),
         `local_rope` (cos, sin) for the windowed layers, `moe` the layers' experts (their
-        stacked gate_up and down then stand in `weights` for the MLP's)."""
+        stacked gate_up and down then stand in `weights` for the MLP's).
+        LoRA: `lora_slots` [rows] int64, each row's index into the pass's adapters (-1: base),
+        and `lora_weights`, per adapter, per layer, per part (q, k, v, o, gate, up, down) its
+        (A, B), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
+        lora = lora_slots is not None
         if (qkv_biases or qk_norms or windows or softcap or out_norms or gelu_tanh or local_rope
-                or moe is not None):
+                or moe is not None or lora):
             moe = moe or _NO_MOE
             return self.ops.decoder_stack_ext(
                 x, weights, formats, key_caches, value_caches, cos, sin, slot_mapping,
                 block_tables, query_start_loc, seq_lens, final_norm, eps, scale, num_heads,
                 num_kv_heads, ROWS_PER_ITEM, self.int8_decode_dot, list(qkv_biases),
                 list(qk_norms), list(windows), float(softcap), list(out_norms), gelu_tanh,
-                list(local_rope), list(moe.routers), moe.top_k, moe.renormalize, moe.chosen)
+                list(local_rope), list(moe.routers), moe.top_k, moe.renormalize, moe.chosen,
+                lora_slots if lora else _NO_LORA_ROWS, list(lora_weights))
         return self.ops.decoder_stack(x, weights, formats, key_caches, value_caches, cos, sin,
                                       slot_mapping, block_tables, query_start_loc, seq_lens,
                                       final_norm, eps, scale, num_heads, num_kv_heads,
                                       ROWS_PER_ITEM, self.int8_decode_dot)
+
+    def lora_add_(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
+                  weights: Sequence[torch.Tensor], col_offset: int = 0) -> torch.Tensor:
+        """out[:, col_offset:col_offset + n] += (x[r] @ A_k.T) @ B_k.T in place for each row r
+        of adapter slot k = slots[r] (-1: none); `weights` = [A_0, B_0, A_1, B_1, ...],
+        A [rank, in] and B [n, rank] (rows may be strided) of x's dtype, an empty A where
+        adapter k leaves these columns alone."""
+        self.ops.lora_add_(out, x, slots, list(weights), col_offset)
+        return out
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:

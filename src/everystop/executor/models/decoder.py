@@ -46,6 +46,9 @@ from everystop.executor.layers.rotary import (
 from everystop.executor.layers.weight_reads import WeightReads, pass_bytes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+# The decoder stack's linears of a layer, in its order (csrc/decoder_stack.cpp): the LoRA
+# weights it takes follow it, part by part (q, k, v, o, gate, up, down).
+STACK_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 logger = logging.getLogger(__name__)
 
 
@@ -330,8 +333,9 @@ class DecoderForCausalLM(nn.Module):
                                             cos, sin)
         local = (None if self.local_inv_freq is None else
                  rope_cos_sin(positions, self.local_inv_freq))
-        if self._runs_decoder_stack(x, kv_caches, meta) and not self._lora_rows_in_pass():
-            out = self._decoder_stack(x, cos, sin, local, kv_caches, meta)
+        if (self._runs_decoder_stack(x, kv_caches, meta)
+                and (lora := self._stack_lora(x.dtype)) is not None):
+            out = self._decoder_stack(x, cos, sin, local, kv_caches, meta, *lora)
             return out if output_rows is None else out[output_rows]
         only = None
         if output_rows is not None and output_rows.numel() < x.shape[0]:
@@ -363,16 +367,33 @@ class DecoderForCausalLM(nn.Module):
                 and self._stack_weights() is not None
                 and x.shape[0] <= self._stack_rows(x.dtype))
 
-    def _lora_rows_in_pass(self) -> bool:
-        """Whether rows of this pass carry adapters: the one-call decoder stack has no LoRA
-        deltas, so such a pass runs layer by layer (logged once)."""
-        if self.lora_bank is None or self.lora_bank.current is None:
-            return False
-        if not self._lora_stack_logged:
-            self._lora_stack_logged = True
-            logger.info("LoRA: decode passes with adapter rows run layer by layer in Python "
-                        "(the C++ decoder stack adds no adapter deltas)")
-        return True
+    def _stack_lora(self, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """The current pass's adapters as the decoder stack takes them: each row's index into
+        the pass's adapters and their weights (per adapter, layer, linear: A, B); (None, [])
+        when no row has an adapter. None: the stack cannot add these deltas (adapter weights
+        not in the activations' dtype), so the pass runs layer by layer (logged once)."""
+        bank = self.lora_bank
+        if bank is None or bank.current is None:
+            return None, []
+        if "_stack_lora_linears" not in self.__dict__:
+            attn = self.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            inter = self.args.intermediate_size  # LoRA serves no tensor parallelism
+            hidden = self.args.hidden_size
+            parts = {"qkv_proj": (q, kv, kv), "o_proj": (hidden,),
+                     "gate_up_proj": (inter, inter), "down_proj": (hidden,)}
+            self.__dict__["_stack_lora_linears"] = [
+                (f"{i}.{name}", parts[name]) for i in range(len(self.model.layers))
+                for name in STACK_LINEARS]
+        weights = bank.pass_weights(self.__dict__["_stack_lora_linears"])
+        if any(w.dtype != dtype for w in weights if w.numel()):
+            if not self._lora_stack_logged:
+                self._lora_stack_logged = True
+                logger.info("LoRA: adapter weights are not in the activations' dtype %s: "
+                            "passes with adapter rows run layer by layer", dtype)
+            return None
+        return bank.current.row_adapters, weights
 
     def _stack_rows(self, x_dtype: torch.dtype) -> int:
         """The most rows for which every linear takes the GEMV (per activation dtype, cached
@@ -387,7 +408,9 @@ class DecoderForCausalLM(nn.Module):
 
     def _decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        local: tuple[torch.Tensor, torch.Tensor] | None,
-                       kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                       kv_caches: list[KVCache], meta: AttentionMetadata,
+                       lora_slots: torch.Tensor | None = None,
+                       lora_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         kernels = self.backends.kernels
         assert kernels is not None
         first = self.model.layers[0]
@@ -410,7 +433,8 @@ class DecoderForCausalLM(nn.Module):
             meta.seq_lens.long(), self.model.norm.weight, self.model.norm.eps, attn.scale,
             attn.num_heads, attn.num_kv_heads, biases, norms, self.args.layer_windows,
             attn.softcap, out_norms, self.args.hidden_act == "gelu_tanh",
-            list(local) if local is not None else [], moe=moe)
+            list(local) if local is not None else [], moe=moe, lora_slots=lora_slots,
+            lora_weights=lora_weights or [])
         if moe is not None:
             self._stack_moe_ran(moe)
         return out

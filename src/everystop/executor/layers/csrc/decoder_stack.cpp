@@ -22,6 +22,12 @@
 // for the MLP's gate (GeGLU), the windowed layers' own rope tables, and a sparse
 // mixture-of-experts block in place of a layer's MLP (csrc/moe_experts.cpp): where that layer
 // has a router, its gate_up and down weights are the experts' stacked ones.
+//
+// LoRA adapters are parameters too (csrc/lora_delta.cpp): each row's adapter slot (-1: base)
+// and the pass's adapters' (A, B) pairs, one per part of each projection (q, k, v, o, gate, up,
+// down: a fused projection's parts apart, so no zero block of its block-diagonal B is read),
+// whose deltas are added after each projection as layers/lora.py adds them. With no slots
+// given the stack does no LoRA work at all.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +36,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <vector>
 
 #include "simd.h"
 
@@ -56,12 +64,21 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& query_start_loc,
                                       const at::Tensor& seq_lens, double scale,
                                       int64_t rows_per_item, int64_t window, double softcap);
+struct LoraPart {  // as csrc/lora_delta.cpp
+  int64_t first;
+  int64_t col_offset;
+};
+std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
+void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
+                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                      const std::vector<LoraPart>& parts, int64_t stride);
 }  // namespace ES_NS
 
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr int64_t kLoraPartsPerLayer = 7;  // q, k, v, o, gate, up, down
 
 // qkv_biases: none or one per layer; qk_norms: none or (q_norm, k_norm) per layer; windows:
 // none or one per layer (0: no window); softcap 0: none; out_norms: none or (attention
@@ -69,6 +86,9 @@ constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 // none or (cos, sin) for the layers with a window; routers: none or one per layer (an empty
 // tensor: that layer's MLP is dense), each MoE layer's top-k weights renormalized with
 // moe_renormalize, and the number of experts it ran written to moe_chosen[layer].
+// lora_slots: empty, or each row's index into the pass's adapters (-1: base); lora_weights:
+// per adapter, per layer, per part (q, k, v, o, gate, up, down) its A then its B, both empty
+// where the adapter does not target the part.
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
                              at::TensorList value_caches, const at::Tensor& cos,
@@ -80,7 +100,8 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::TensorList qk_norms, at::IntArrayRef windows, double softcap,
                              at::TensorList out_norms, bool gelu_tanh,
                              at::TensorList local_rope, at::TensorList routers,
-                             int64_t moe_top_k, bool moe_renormalize, at::Tensor moe_chosen) {
+                             int64_t moe_top_k, bool moe_renormalize, at::Tensor moe_chosen,
+                             const at::Tensor& lora_slots, at::TensorList lora_weights) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
@@ -103,6 +124,28 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                                   moe_chosen.numel() == num_layers && moe_chosen.is_contiguous()),
               "decoder_stack: no routers, or one per layer and an int64 count per layer");
   const int64_t tokens = x0.size(0);
+  const bool lora = lora_slots.defined() && lora_slots.numel() > 0;
+  const int64_t lora_stride = 2 * kLoraPartsPerLayer * num_layers;  // tensors per adapter
+  std::vector<std::vector<int64_t>> lora_rows;
+  if (lora) {
+    TORCH_CHECK(lora_slots.size(0) == tokens &&
+                    static_cast<int64_t>(lora_weights.size()) % lora_stride == 0,
+                "decoder_stack: one LoRA slot per row and 14 tensors per layer per adapter "
+                "expected");
+    lora_rows = ES_NS::lora_groups(lora_slots,
+                                   static_cast<int64_t>(lora_weights.size()) / lora_stride);
+  }
+  // Adds the LoRA deltas of parts first_part.. of layer l to out, the parts' output columns
+  // starting at `offsets`.
+  auto add_lora = [&](at::Tensor& out, const at::Tensor& in, int64_t l, int64_t first_part,
+                      std::initializer_list<int64_t> offsets) {
+    if (!lora) return;
+    std::vector<ES_NS::LoraPart> parts;
+    int64_t part = first_part;
+    for (int64_t offset : offsets)
+      parts.push_back({2 * (l * kLoraPartsPerLayer + part++), offset});
+    ES_NS::direct_lora_add_(out, in, lora_rows, lora_weights, parts, lora_stride);
+  };
   // The residual stream is updated in place by every fused add + norm: a copy, so the
   // caller's tensor is left as it was.
   at::Tensor residual = x0.clone();
@@ -118,6 +161,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
     at::Tensor h = l == 0 ? ES_NS::direct_rms_norm(residual, w[0], eps)
                           : ES_NS::direct_add_rms_norm_(residual, x, w[0], eps);
     at::Tensor qkv = ES_NS::direct_project(h, w[1], fmt[0], int8_dot);
+    add_lora(qkv, h, l, 0, {0, q_size, q_size + num_kv_heads * head_dim});
     if (!qkv_biases.empty()) qkv = qkv.add(qkv_biases[l]);
     if (!qk_norms.empty()) {
       const int64_t kv_size = num_kv_heads * head_dim;
@@ -139,6 +183,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
         windows.empty() ? 0 : windows[l], softcap);
     attn = attn.to(x0.scalar_type()).reshape({tokens, q_size});
     at::Tensor o = ES_NS::direct_project(attn, w[2], fmt[1], int8_dot);
+    add_lora(o, attn, l, 3, {0});
     if (!out_norms.empty()) o = ES_NS::direct_rms_norm(o, out_norms[2 * l], eps);
     h = ES_NS::direct_add_rms_norm_(residual, o, w[3], eps);
     if (!routers.empty() && routers[l].numel() > 0) {  // experts in place of the MLP
@@ -148,6 +193,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
       continue;
     }
     at::Tensor gate_up = ES_NS::direct_project(h, w[4], fmt[2], int8_dot);
+    add_lora(gate_up, h, l, 4, {0, gate_up.size(1) / 2});
     at::Tensor act;
     if (gelu_tanh) {  // as layers/mlp.py: gelu(gate, tanh) * up, ATen's own ops
       const int64_t inter = gate_up.size(1) / 2;
@@ -156,6 +202,7 @@ at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
       act = ES_NS::direct_silu_mul(gate_up);
     }
     x = ES_NS::direct_project(act, w[5], fmt[3], int8_dot);
+    add_lora(x, act, l, 6, {0});
     if (!out_norms.empty()) x = ES_NS::direct_rms_norm(x, out_norms[2 * l + 1], eps);
   }
   if (num_layers == 0) return ES_NS::direct_rms_norm(residual, final_norm, eps);
@@ -173,7 +220,7 @@ at::Tensor decoder_stack(const at::Tensor& x0, at::TensorList weights, at::IntAr
   return decoder_stack_ext(x0, weights, formats, key_caches, value_caches, cos, sin,
                            slot_mapping, block_tables, query_start_loc, seq_lens, final_norm,
                            eps, scale, num_heads, num_kv_heads, rows_per_item, int8_dot, {}, {},
-                           {}, 0.0, {}, false, {}, {}, 0, false, at::Tensor());
+                           {}, 0.0, {}, false, {}, {}, 0, false, at::Tensor(), at::Tensor(), {});
 }
 
 }  // namespace
@@ -189,7 +236,8 @@ ES_LIBRARY_FRAGMENT(m) {
         "float eps, float scale, int num_heads, int num_kv_heads, int rows_per_item, "
         "bool int8_decode_dot, Tensor[] qkv_biases, Tensor[] qk_norms, int[] windows, "
         "float softcap, Tensor[] out_norms, bool gelu_tanh, Tensor[] local_rope, "
-        "Tensor[] routers, int moe_top_k, bool moe_renormalize, Tensor(c!) moe_chosen) -> Tensor");
+        "Tensor[] routers, int moe_top_k, bool moe_renormalize, Tensor(c!) moe_chosen, "
+        "Tensor lora_slots, Tensor[] lora_weights) -> Tensor");
 }
 
 ES_LIBRARY_IMPL(m) {

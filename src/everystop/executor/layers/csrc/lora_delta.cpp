@@ -1,0 +1,205 @@
+// LoRA deltas of one linear for a pass whose rows belong to different adapters (SGMV-style):
+//
+//   out[r, c:c+n] += (x[r] @ A_k^T) @ B_k^T   for each row r of adapter k (k < 0: base)
+//
+// A_k [rank, in] and B_k [n, rank] are one adapter's pair on this linear's output columns
+// c..c+n (one part of a fused projection: q, k or v of [q; k; v]), the scaling folded into B
+// (layers/lora.py); an empty A means the adapter leaves those columns alone. B's rows may be
+// strided (a view of a wider matrix). Each row is computed alone, in a fixed order, so a row's
+// delta does not depend on the other rows.
+//
+// Both products are dot products against a matrix's rows: kW of them at a time, their lanes
+// reduced together (reduce_lanes). Rows are taken adapter by adapter and B a chunk of output
+// columns at a time, so that each chunk is read once per adapter and reused from L1 for every
+// row of that adapter; threads split the adapters.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "simd.h"
+
+namespace ES_NS {
+// One output part of a linear (q, k or v of [q; k; v]): where adapter 0's A sits in the
+// weights list, and the part's first output column. (Declared alike in decoder_stack.cpp.)
+struct LoraPart {
+  int64_t first;
+  int64_t col_offset;
+};
+}  // namespace ES_NS
+
+namespace {
+
+using ES_NS::LoraPart;
+
+// Output columns of a part computed together: a chunk of B (64 x rank) stays in L1 across the
+// rows of its adapter.
+constexpr int64_t kOutChunk = 64;
+
+// out[i] = v[0:k] . m[i * ld : i * ld + k] for i in [0, n).
+template <typename T>
+void dot_rows(const float* v, const T* m, int64_t n, int64_t k, int64_t ld, float* out) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    vf acc[kW];
+    for (int64_t r = 0; r < kW; ++r) {
+      const T* row = m + (i + r) * ld;
+      vf a = {};
+      int64_t j = 0;
+      for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
+      if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
+      acc[r] = a;
+    }
+    const vf s = reduce_lanes(acc);
+    std::memcpy(out + i, &s, sizeof(s));
+  }
+  for (; i < n; ++i) {
+    const T* row = m + i * ld;
+    vf a = {};
+    int64_t j = 0;
+    for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
+    if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
+    out[i] = hsum(a);
+  }
+}
+
+template <typename T>
+void lora_add_typed(at::Tensor& out, const at::Tensor& x,
+                    const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                    const std::vector<LoraPart>& parts, int64_t stride) {
+  const int64_t in = x.size(1), ld_out = out.size(1);
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  int64_t max_rank = 0;
+  for (const LoraPart& part : parts) {
+    int64_t n_out = -1;  // the part's output columns (every adapter's B has as many rows)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const at::Tensor& a = weights[part.first + g * stride];
+      if (groups[g].empty() || a.numel() == 0) continue;
+      const at::Tensor& b = weights[part.first + g * stride + 1];
+      TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
+                      a.scalar_type() == x.scalar_type(),
+                  "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
+      if (n_out < 0 && b.dim() == 2) n_out = b.size(0);
+      TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
+                      b.stride(1) == 1 && b.stride(0) >= b.size(1) &&
+                      b.scalar_type() == x.scalar_type() && part.col_offset >= 0 &&
+                      part.col_offset + n_out <= ld_out,
+                  "lora: B must be [n, rank] with unit column stride, of x's dtype, n the ",
+                  "same for every adapter and within out's columns from col_offset");
+      max_rank = std::max(max_rank, a.size(0));
+    }
+  }
+  if (max_rank == 0) return;
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // One parallel region per linear, every part inside (a region synchronizes the threads,
+  // which costs more than a part's work on a busy machine); threads split the adapters.
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(in));
+    float delta[kOutChunk];
+    for (int64_t g = begin; g < end; ++g) {
+      const std::vector<int64_t>& rows = groups[g];
+      if (rows.empty()) continue;
+      const int64_t num_rows = static_cast<int64_t>(rows.size());
+      // t[row][part][rank]: x @ A^T of each of the adapter's rows, every part.
+      std::vector<float> t(static_cast<size_t>(num_rows * num_parts * max_rank));
+      for (int64_t i = 0; i < num_rows; ++i) {
+        for (int64_t c = 0; c < in; ++c) xf[c] = static_cast<float>(xp[rows[i] * in + c]);
+        for (int64_t p = 0; p < num_parts; ++p) {
+          const at::Tensor& a = weights[parts[p].first + g * stride];
+          if (a.numel() == 0) continue;
+          dot_rows(xf.data(), a.data_ptr<T>(), a.size(0), in, in,
+                   t.data() + (i * num_parts + p) * max_rank);
+        }
+      }
+      // Then B a chunk of output columns at a time, each chunk reused from L1 for every row.
+      for (int64_t p = 0; p < num_parts; ++p) {
+        const at::Tensor& a = weights[parts[p].first + g * stride];
+        if (a.numel() == 0) continue;
+        const at::Tensor& b = weights[parts[p].first + g * stride + 1];
+        const int64_t rank = a.size(0), n_out = b.size(0), ldb = b.stride(0);
+        const T* bp = b.data_ptr<T>();
+        for (int64_t o0 = 0; o0 < n_out; o0 += kOutChunk) {
+          const int64_t n = std::min(kOutChunk, n_out - o0);
+          for (int64_t i = 0; i < num_rows; ++i) {
+            dot_rows(t.data() + (i * num_parts + p) * max_rank, bp + o0 * ldb, n, rank, ldb,
+                     delta);
+            T* dst = op + rows[i] * ld_out + parts[p].col_offset + o0;
+            for (int64_t j = 0; j < n; ++j)
+              dst[j] = static_cast<T>(static_cast<float>(dst[j]) + delta[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace ES_NS {
+
+// Rows of a pass by adapter: groups[k] = the rows whose slot is k (slots < 0: base rows).
+std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "lora: slots must be a contiguous int64 [rows]");
+  std::vector<std::vector<int64_t>> groups(static_cast<size_t>(num_adapters));
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < slots.size(0); ++r) {
+    TORCH_CHECK(s[r] < num_adapters, "lora: row ", r, " has adapter slot ", s[r], " of ",
+                num_adapters);
+    if (s[r] >= 0) groups[s[r]].push_back(r);
+  }
+  return groups;
+}
+
+// out += each row's delta, in place, for each part: adapter k's pair is
+// weights[part.first + k * stride] (A) and the tensor after it (B), its delta landing in out's
+// columns from part.col_offset.
+void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
+                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
+                      const std::vector<LoraPart>& parts, int64_t stride) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) &&
+                  x.is_contiguous() && out.is_contiguous() &&
+                  x.scalar_type() == out.scalar_type(),
+              "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return lora_add_typed<float>(out, x, groups, weights, parts, stride);
+    case at::kBFloat16:
+      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, parts, stride);
+    case at::kHalf:
+      return lora_add_typed<c10::Half>(out, x, groups, weights, parts, stride);
+    default:
+      TORCH_CHECK(false, "lora: x must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace ES_NS
+
+namespace {
+
+// The op alone (tests, and the layer-by-layer path): weights = [A_0, B_0, A_1, B_1, ...].
+void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& slots,
+                 at::TensorList weights, int64_t col_offset) {
+  TORCH_CHECK(weights.size() % 2 == 0, "lora: weights are (A, B) pairs");
+  const int64_t num_adapters = static_cast<int64_t>(weights.size()) / 2;
+  TORCH_CHECK(slots.size(0) == x.size(0), "lora: one slot per row of x expected");
+  ES_NS::direct_lora_add_(out, x, ES_NS::lora_groups(slots, num_adapters), weights,
+                          {{0, col_offset}}, 2);
+}
+
+}  // namespace
+
+ES_LIBRARY_FRAGMENT(m) {
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] weights, "
+        "int col_offset=0) -> ()");
+}
+
+ES_LIBRARY_IMPL(m) { m.impl("lora_add_", &lora_add_op); }

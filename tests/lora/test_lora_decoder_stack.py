@@ -1,0 +1,120 @@
+"""Decode passes with adapter rows run in the C++ decoder stack (its LoRA parameters) and give
+peft's logits; the grouped LoRA kernel against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from everystop.core.outputs import ScheduledSequence
+from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.lora import LoraPair, split_parts
+from everystop.executor.models.decoder import DecoderForCausalLM
+
+from .conftest import ADAPTERS, GREEDY, VOCAB, make_runner, transformers
+
+peft = pytest.importorskip("peft")
+KERNELS = load_cpu_kernels("auto")
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no CPU kernels built here")
+LOGIT_TOL = 1e-4
+
+
+def _peft_last_logits(base: str, adapter: str | None, tokens: list[int]) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def test_a_decode_pass_mixing_adapters_and_base_runs_the_stack_and_matches_peft(
+        lora_dirs, monkeypatch):
+    base, adapters = lora_dirs
+    runner = make_runner(base, adapters)
+    stack_calls: list[bool] = []
+    original = DecoderForCausalLM._decoder_stack
+
+    def spy(self, *args, **kwargs):
+        stack_calls.append(self.lora_bank.current is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderForCausalLM, "_decoder_stack", spy)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 6, 4, 5, 2)]
+    ids = [0, 1, 2, 3, -1]
+    tokens = [list(p) for p in prompts]
+    for step in range(2):  # the prompts' pass, then one decode pass of five rows
+        seqs = [ScheduledSequence(str(i), tokens[i][len(prompts[i]) if step else 0:],
+                                  len(prompts[i]) if step else 0,
+                                  list(range(i * 4, (i + 1) * 4)), True, GREEDY,
+                                  output_index=step, lora_id=ids[i])
+                for i in range(len(prompts))]
+        stack_calls.clear()
+        _, logits = runner.forward_logits(seqs)
+        assert logits is not None
+        if step == 0:
+            for i, tok in enumerate(logits.argmax(dim=-1).tolist()):
+                tokens[i].append(tok)
+    assert stack_calls == [True]  # the decode pass took the stack, with its LoRA pass
+    names = list(ADAPTERS)
+    for i, lora_id in enumerate(ids):
+        ref = _peft_last_logits(base, adapters[names[lora_id]] if lora_id >= 0 else None,
+                                tokens[i])
+        assert (logits[i] - ref).abs().max().item() < LOGIT_TOL, f"row {i} (adapter {lora_id})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(5)
+    rows, n_in, n_out = 13, 100, 77  # not multiples of any vector width
+    ranks = [16, 5, 0, 48]  # 0: this adapter leaves the linear alone
+    x = torch.randn(rows, n_in, generator=gen).to(dtype)
+    out = torch.randn(rows, n_out, generator=gen).to(dtype)
+    weights: list[torch.Tensor] = []
+    for r in ranks:
+        weights += ([torch.randn(r, n_in, generator=gen).to(dtype),
+                     torch.randn(n_out, r, generator=gen).to(dtype)] if r
+                    else [torch.empty(0), torch.empty(0)])
+    slots = torch.tensor([0, 1, 2, 3, -1, 0, 3, 3, 1, 2, -1, 0, 1])
+    want = out.float().clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0 and ranks[slot]:
+            a, b = weights[2 * slot].float(), weights[2 * slot + 1].float()
+            want[row] += (x[row].float() @ a.T) @ b.T
+    got = KERNELS.lora_add_(out.clone(), x, slots, weights)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    untouched = (slots < 0) | (slots == 2)
+    assert torch.equal(got[untouched], out[untouched])
+    # One part of a fused projection: B a column span of a wider matrix (strided rows), the
+    # delta landing in the part's own output columns only.
+    offset, n = 20, 30
+    parts: list[torch.Tensor] = []
+    want = out.float().clone()
+    for slot, r in enumerate(ranks):
+        if not r:
+            parts += [torch.empty(0), torch.empty(0)]
+            continue
+        b = torch.randn(n, r + 3, generator=gen).to(dtype)[:, 2:2 + r]
+        parts += [weights[2 * slot], b]
+        for row in (slots == slot).nonzero().flatten().tolist():
+            want[row, offset:offset + n] += (x[row].float() @ weights[2 * slot].float().T
+                                             ) @ b.float().T
+    assert not parts[1].is_contiguous()
+    got = KERNELS.lora_add_(out.clone(), x, slots, parts, col_offset=offset)
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(got[:, :offset], out[:, :offset])
+    assert torch.equal(got[:, offset + n:], out[:, offset + n:])
+
+
+def test_a_fused_pair_splits_into_its_targeted_parts():
+    rank, n_in = 2, 5
+    a = torch.randn(2 * rank, n_in)  # q and v targeted, k not: B's k rows are zero
+    b = torch.zeros(8 + 4 + 4, 2 * rank)
+    b[:8, :rank] = torch.randn(8, rank)
+    b[12:, rank:] = torch.randn(4, rank)
+    parts = split_parts(LoraPair(a, b), (8, 4, 4))
+    assert torch.equal(parts[0], a[:rank]) and torch.equal(parts[1], b[:8, :rank])
+    assert parts[2].numel() == 0 and parts[3].numel() == 0
+    assert torch.equal(parts[4], a[rank:]) and torch.equal(parts[5], b[12:, rank:])
