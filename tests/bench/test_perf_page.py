@@ -119,3 +119,17 @@ def test_the_startup_section_follows_its_result(tmp_path: Path) -> None:
     assert "| first (kernels, costs, tokenizer built) | 91.2 s |" in page
     assert "| second (cached) | 7.0 s |" in page
     assert "| torch import | 201.9 |" in page and "| peak RSS (VmHWM) | 1,419.0 |" in page
+
+
+def test_the_lora_section_reads_base_and_adapter_throughput(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    kind = results / "cpu" / "intel_amx"
+    machine = json.loads((kind / perf_page.VS_LLAMACPP).read_text())["machine"]
+    (kind / perf_page.LORA).write_text(json.dumps({
+        "command": "everystop bench lora", "machine": machine, "repeats": 3, "streams": 32,
+        "adapters": 8, "rank": 16, "median_output_tok_s": {"base": 200.0, "lora": 170.0},
+        "lora_over_base": 0.85, "target": {"lora_over_base_output_throughput_at_least": 0.8},
+        "failed_requests": 0, "serve_command": ["everystop", "serve", "--lora", "a=x"]}))
+    page = perf_page.render(results)
+    assert "| 32 streams over 8 rank-16 adapters | 170.0 |" in page
+    assert "Adapters / base: **0.85x** (target at least 0.80x)" in page

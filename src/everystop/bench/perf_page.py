@@ -21,6 +21,7 @@ SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json",
           "Qwen3-MoE 2B Q4_0 (random weights)": "served_moe_q4_0.json",
           "Qwen3-MoE 2B Q8_0 (random weights)": "served_moe_q8_0.json"}
 SPECULATIVE = "speculative.json"
+LORA = "lora.json"  # `everystop bench lora`
 
 
 def cpu_kind(machine: dict[str, Any]) -> str:
@@ -116,6 +117,19 @@ def served_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def lora_lines(r: dict[str, Any]) -> list[str]:
+    """Streams over many adapters against the same load on the base, one server."""
+    m = r["median_output_tok_s"]
+    return ["| load | output tok/s (median of "
+            f"{r['repeats']}) |", "|---|---|",
+            f"| {r['streams']} streams, base model | {m['base']:,.1f} |",
+            f"| {r['streams']} streams over {r['adapters']} rank-{r['rank']} adapters | "
+            f"{m['lora']:,.1f} |", "",
+            f"Adapters / base: **{r['lora_over_base']:.2f}x** (target at least "
+            f"{r['target']['lora_over_base_output_throughput_at_least']:.2f}x); "
+            f"{r['failed_requests']} failed requests. Server: `{' '.join(r['serve_command'])}`."]
+
+
 def load_table(r: dict[str, Any]) -> list[str]:
     """Poisson arrivals at fractions of a measured capacity, every server through one client."""
     out = ["| server | load | offered req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
@@ -171,7 +185,8 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
     sweep, spec = _load(kind_dir / LOAD_SWEEP), _load(kind_dir / SPECULATIVE)
     served = {n: r for n, f in SERVED.items() if (r := _load(kind_dir / f)) is not None}
-    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep, spec)
+    lora = _load(kind_dir / LORA)
+    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep, spec, lora)
                if r is not None]
     if not present:
         return []
@@ -194,6 +209,8 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
                 *load_table(sweep), ""]
         if png.is_file():
             out += [f"![latency vs load]({os.path.relpath(png, page_dir)})", ""]
+    if lora:
+        out += ["### LoRA adapters", "", *lora_lines(lora), ""]
     if spec:
         png = (kind_dir / SPECULATIVE).with_suffix(".png")
         out += ["### Speculative decoding", "", *speculative_table(spec), ""]
