@@ -9,7 +9,8 @@ weight-streaming bound.
 Both servers get the same prompt token ids (tokenized once with the default model's tokenizer,
 so the model must share it), ignore_eos and greedy sampling. Each scenario starts each server
 afresh, so a single stream's peak memory is a single stream's. everystop runs with no flags but
-`--model` (omitted for the default model); llama.cpp with its slots and threads.
+`--model` (omitted for the default model); llama.cpp with its threads, and its slots and their
+context for the concurrent scenario (its defaults otherwise).
 
 The bound: a single-sequence decode step reads every weight once (the GGUF's tensor bytes; a
 tied embedding is the LM head; of a mixture of experts, the chosen experts' share), so the
@@ -77,10 +78,10 @@ def _drive(url: str, workload: Workload, ids: dict[str, list[int]],
     return _summary(asyncio.run(run_serve(workload, opts)))
 
 
-def _scenario(start: Callable[[], AbstractContextManager[Started]], workload: Workload,
+def _scenario(start: Callable[[bool], AbstractContextManager[Started]], workload: Workload,
               ids: dict[str, list[int]], concurrency: int | None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with start() as (url, pid, command):
+    with start(concurrency == 1) as (url, pid, command):
         to_health = time.perf_counter() - t0
         result = _drive(url, workload, ids, concurrency)
         memory = process_memory(pid)
@@ -89,18 +90,23 @@ def _scenario(start: Callable[[], AbstractContextManager[Started]], workload: Wo
 
 
 def _starters(args: argparse.Namespace, longest: int
-              ) -> dict[str, Callable[[], AbstractContextManager[Started]]]:
+              ) -> dict[str, Callable[[bool], AbstractContextManager[Started]]]:
+    """Each server's start, given whether it serves a single stream: everystop the same way
+    always; llama.cpp with its slots for many streams, and its own defaults (but threads) for
+    one, so a single stream's memory is not charged for 32 slots' caches."""
+
     @contextmanager
-    def everystop() -> Iterator[Started]:
+    def everystop(single: bool) -> Iterator[Started]:
         flags = ["--model", args.model] if args.model else []
         flags += args.everystop_flags.split()
         with everystop_server(flags) as (proc, url):
             yield url, proc.pid, ["everystop", "serve", *flags]
 
     @contextmanager
-    def llamacpp() -> Iterator[Started]:
-        flags = ["-np", str(args.slots), "-c", str(args.slots * longest),
-                 "-t", str(args.threads), "-tb", str(args.threads), *args.llama_flags.split()]
+    def llamacpp(single: bool) -> Iterator[Started]:
+        slots = [] if single else ["-np", str(args.slots), "-c", str(args.slots * longest)]
+        flags = [*slots, "-t", str(args.threads), "-tb", str(args.threads),
+                 *args.llama_flags.split()]
         with llama_server(args.llama_server, args.gguf, flags) as server:
             yield server.url, server.proc.pid, server.command
 
