@@ -222,8 +222,7 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     commands += list((sweep or {}).get("meta", {}).get("server_commands", {}).values())
     commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
         else []
-    commands += [" ".join(r[s][n]["command"]) for r in served.values()
-                 for s in ("concurrent", "single") if s in r for n in ("everystop", "llamacpp")]
+    # (`bench served` records each server's exact command in its result, not here.)
     commands += [run["command"] for run in (spec or {}).get("runs", {}).values()]
     unique = list(dict.fromkeys(commands))  # a server started twice is listed once
     out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
