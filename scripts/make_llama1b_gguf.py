@@ -15,6 +15,7 @@ from everystop.bench.random_gguf import (
     TYPES,
     TensorSpec,
     add_default_tokenizer,
+    llama_tensors,
     write_random_tensors,
 )
 
@@ -23,17 +24,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 16, 2048, 32, 8, 64, 819
 
 def tensors() -> list[TensorSpec]:
     """(name, [rows, cols]) of every tensor; 1-D ones are the norms."""
-    out: list[TensorSpec] = [("token_embd.weight", (VOCAB, HIDDEN))]
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (HIDDEN,)), (b + "ffn_norm.weight", (HIDDEN,)),
-                (b + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
-                (b + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                (b + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                (b + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM)),
-                (b + "ffn_gate.weight", (FFN, HIDDEN)), (b + "ffn_up.weight", (FFN, HIDDEN)),
-                (b + "ffn_down.weight", (HIDDEN, FFN))]
-    return out + [("output_norm.weight", (HIDDEN,))]
+    return llama_tensors(LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB)
 
 
 def main() -> None:

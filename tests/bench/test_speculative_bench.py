@@ -14,7 +14,7 @@ from gguf import GGUFReader, GGUFWriter
 
 from everystop.bench import perf_page
 from everystop.bench.gguf_f16 import write_f16_copy
-from everystop.bench.random_gguf import TensorSpec, add_default_tokenizer, write_random_tensors
+from everystop.bench.random_gguf import add_default_tokenizer, llama_tensors, write_random_tensors
 from everystop.bench.speculative import everystop_flags, llamacpp_flags
 from everystop.cli import main
 from everystop.executor.models.loader import default_model_path
@@ -39,17 +39,8 @@ def tiny_llama(path: Path, layers: int, kind: str, extra_tokens: int = 0) -> str
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     add_default_tokenizer(w, vocab)
-    specs: list[TensorSpec] = [("token_embd.weight", (vocab, HIDDEN))]
-    for i in range(layers):
-        b = f"blk.{i}."
-        specs += [(b + "attn_norm.weight", (HIDDEN,)), (b + "ffn_norm.weight", (HIDDEN,)),
-                  (b + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
-                  (b + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                  (b + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                  (b + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM)),
-                  (b + "ffn_gate.weight", (FFN, HIDDEN)), (b + "ffn_up.weight", (FFN, HIDDEN)),
-                  (b + "ffn_down.weight", (HIDDEN, FFN))]
-    write_random_tensors(w, [*specs, ("output_norm.weight", (HIDDEN,))], kind)
+    write_random_tensors(w, llama_tensors(layers, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, vocab),
+                         kind)
     return str(path)
 
 

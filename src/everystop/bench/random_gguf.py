@@ -66,6 +66,22 @@ def _stored(name: str, shape: tuple[int, ...], kind: GGMLQuantizationType
     return (*shape[:-1], shape[-1] // 32 * block_bytes), np.dtype(np.uint8), kind
 
 
+def llama_tensors(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                  ffn: int, vocab: int) -> list[TensorSpec]:
+    """(name, shape) of every tensor of a Llama-shaped GGUF (tied LM head); 1-D: the norms."""
+    out: list[TensorSpec] = [("token_embd.weight", (vocab, hidden))]
+    for i in range(layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (hidden,)), (b + "ffn_norm.weight", (hidden,)),
+                (b + "attn_q.weight", (heads * head_dim, hidden)),
+                (b + "attn_k.weight", (kv_heads * head_dim, hidden)),
+                (b + "attn_v.weight", (kv_heads * head_dim, hidden)),
+                (b + "attn_output.weight", (hidden, heads * head_dim)),
+                (b + "ffn_gate.weight", (ffn, hidden)), (b + "ffn_up.weight", (ffn, hidden)),
+                (b + "ffn_down.weight", (hidden, ffn))]
+    return out + [("output_norm.weight", (hidden,))]
+
+
 def write_random_tensors(writer: GGUFWriter, specs: list[TensorSpec], type_name: str,
                          seed: int = 0) -> int:
     """Write the header (metadata added before), then every tensor of `specs` with random
