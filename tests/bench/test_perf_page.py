@@ -73,7 +73,7 @@ def test_the_served_table_reads_both_servers_and_their_ratio(tmp_path: Path) -> 
     assert "| F16 | 128 at once, output tok/s | 300.0 | 100.0 | 3.00x |" in page
     assert "| F16 | single stream, TPOT p50 (ms) | 6.00 | 8.00 | 0.75x |" in page
     assert "| F16 | single stream, peak RSS (MiB) | 500 | 400 | 1.25x |" in page
-    assert "(31.5 GB/s)" in page
+    assert "| F16 | single stream, share of the bound at 31.5 GB/s | 0.45 | 0.34 | 1.32x |" in page
 
 
 def _spec_run(engine: str, method: str, tok_s: float, ttft_p99_ms: float,
