@@ -35,9 +35,10 @@ ALLOWED: dict[str, set[str]] = {
     # the measurements time the executor's own parts (the step profile),
     # calibrate the simulator and run the routing policies in the fleet simulator
     # (bench routing --simulate); quant-accuracy rounds weights as a format holds them
-    # (executor.models' round_as_held), on our model and on transformers'
+    # (executor.models' round_as_held), on our model and on transformers'; the serving-path
+    # profile frames each chunk as the server does (server.formatting, server.streaming)
     "bench": {"core", "engine", "tokenizer", "executor", "executor.layers", "executor.models",
-              "sim", "routing"},
+              "sim", "routing", "server"},
     "entrypoints": {"core", "engine", "tokenizer", "executor.models"},
 }
 # Floors that must not import torch, even lazily.
