@@ -33,7 +33,7 @@ def test_plan_round_trip_keeps_every_field() -> None:
                             num_decode_tokens=1, num_prefill_tokens=5, num_padding_tokens=1,
                             predicted_time_s=0.05, tpot_target_s=0.1, prefill_budget_tokens=64,
                             tpot_stretch=1.5, num_bulk_decodes=2, bulk_context_tokens=30,
-                            num_draft_tokens=2)
+                            num_draft_tokens=2, running_lora_ids=frozenset({3}))
     _all_set(seq)
     _all_set(sched)
     got = decode_plan(pickle.loads(pickle.dumps(encode_plan(sched))))
