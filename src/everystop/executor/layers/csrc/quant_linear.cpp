@@ -80,11 +80,28 @@ inline vf nibbles_to_vf(const uint8_t* p, bool high) {
 
 enum Fmt { kDense = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
 
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 inline float half_at(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
 }
+
+#if ES_W == 16 && defined(__AVX512F__)
+// A float in every lane, broadcast from memory: a load-broadcast takes no shuffle port, which
+// the nibble lookups keep busy (a register broadcast of each block scale cost the Q4_1 GEMV
+// ~15% on Zen 4). Inline assembly: GCC otherwise broadcasts the float from a register.
+inline vf broadcast_mem(const float* f) {
+  __m512 v;
+  asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*f));
+  return (vf)v;
+}
+#endif
 
 template <int F>
 struct Block;
@@ -100,17 +117,38 @@ struct Block<kQ8_0> {
 
 // The nibble-packed formats: vector v holds values [v * W, (v + 1) * W): low nibbles of bytes
 // for the first half of the block, high nibbles for the second.
+#if ES_W == 16 && defined(__AVX512F__)
+// A block is two vectors here, and its 16 possible values q * d + bias fit one register: each
+// weight is looked up there (vpermps indexes by a lane's low 4 bits) rather than converted and
+// scaled, two FP ops per vector fewer; the table is computed by the same expression as the
+// widened values, so the weights are bit-identical. Q4_1 decode GEMV, one thread, Zen 4:
+// 0.78x the time of the widening (with broadcast_mem for the scales).
+inline void load_nibbles(const uint8_t* qs, vf d, vf bias, vf* out) {
+  const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf table = iota * d + bias;
+  const __m512i bytes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  out[0] = (vf)_mm512_permutexvar_ps(bytes, (__m512)table);
+  out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), (__m512)table);
+}
+#else
 inline void load_nibbles(const uint8_t* qs, vf d, vf bias, vf* out) {
   constexpr int kHalf = kV / 2;
   for (int v = 0; v < kV; ++v) out[v] = nibbles_to_vf(qs + (v % kHalf) * ES_W, v >= kHalf) * d + bias;
 }
+#endif
 
 template <>
 struct Block<kQ4_0> {
   static constexpr int64_t kBytes = 18;
   static inline void load(const uint8_t* b, vf* out) {
     const float d = half_at(b);
+#if ES_W == 16 && defined(__AVX512F__)
+    const float f[2] = {d, 0.f - 8.f * d};  // the lanes of vf{} - 8.f * d
+    load_nibbles(b + 2, broadcast_mem(f), broadcast_mem(f + 1), out);
+#else
     load_nibbles(b + 2, vf{} + d, vf{} - 8.f * d, out);
+#endif
   }
 };
 
@@ -118,7 +156,13 @@ template <>
 struct Block<kQ4_1> {
   static constexpr int64_t kBytes = 20;
   static inline void load(const uint8_t* b, vf* out) {
+#if ES_W == 16 && defined(__AVX512F__)
+    alignas(16) float f[4];
+    _mm_store_ps(f, _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b)))));
+    load_nibbles(b + 4, broadcast_mem(f), broadcast_mem(f + 1), out);
+#else
     load_nibbles(b + 4, vf{} + half_at(b), vf{} + half_at(b + 2), out);
+#endif
   }
 };
 
