@@ -76,6 +76,19 @@ def test_the_served_table_reads_both_servers_and_their_ratio(tmp_path: Path) -> 
     assert "| F16 | single stream, share of the bound at 31.5 GB/s | 0.45 | 0.34 | 1.32x |" in page
 
 
+def test_a_served_run_without_llamacpp_fills_everystop_only(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    served = {"bench": "served", "command": "everystop bench served --scenarios single",
+              "machine": {"model": "Intel"}, "read_bandwidth_gb_s": 31.5,
+              "single": {"everystop": _served_run(0, 6.0, 500, 0.45)}}
+    path = results / "cpu" / "intel_amx" / perf_page.SERVED["Q4_1 (shipped)"]
+    path.write_text(json.dumps(served))
+    page = perf_page.render(results)
+    assert "| Q4_1 (shipped) | single stream, TPOT p50 (ms) | 6.00 | - | - |" in page
+    assert "| Q4_1 (shipped) | start to /health (s) | 4.0 | - | - |" in page
+    assert "at once" not in page.split("## intel_amx")[1].split("\n## ")[0]
+
+
 def _spec_run(engine: str, method: str, tok_s: float, ttft_p99_ms: float,
               acceptance: float | None) -> dict:
     scenario = {"output_tok_s": tok_s, "ttft_ms": {"p99": ttft_p99_ms}}

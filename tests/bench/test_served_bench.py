@@ -25,8 +25,9 @@ def test_a_step_reads_the_weights_of_the_file() -> None:
 
 def test_everystop_side_runs_both_scenarios_with_its_defaults(tmp_path: Path) -> None:
     out = tmp_path / "served.json"
-    assert main(["bench", "served", "--llama-server", "unused", "--gguf", str(default_model_path()),
-                 "--model", "default", "--order", "everystop", "--num-requests", "3",
+    # No --llama-server: everystop's side alone.
+    assert main(["bench", "served", "--gguf", str(default_model_path()),
+                 "--model", "default", "--num-requests", "3",
                  "--single-requests", "2", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     for scenario, n in (("concurrent", 3), ("single", 2)):
@@ -35,6 +36,7 @@ def test_everystop_side_runs_both_scenarios_with_its_defaults(tmp_path: Path) ->
         assert run["completed"] == n and run["failed"] == 0
         assert run["output_tokens"] > 0 and run["peak_rss_bytes"] > 50 << 20
         assert 0 < run["start_to_health_s"] < 300
+        assert "llamacpp" not in r[scenario]
     single = r["single"]["everystop"]
     assert 0 < single["bound_share"] < 1
     assert r["weight_stream_floor_ms"] == pytest.approx(

@@ -49,12 +49,14 @@ def _teacher_forced_top1(runner: ModelRunner, prompts: list[list[int]],
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Prompts and the fp32-cache greedy continuation of each."""
+def reference(default_runner: ModelRunner):
+    """Prompts and the fp32-cache greedy continuation of each (on the session's float32-cache
+    runner: its pool holds these prompts' blocks)."""
+    assert default_runner.kv_dtype == torch.float32
+    assert default_runner.num_gpu_blocks >= NUM_PROMPTS * PER_SEQ
     tok = load_tokenizer()
     prompts = [tok.encode(f"Write two sentences about {t}.") for t in TOPICS[:NUM_PROMPTS]]
-    runner = _runner("float32")
-    forced, _ = greedy_generate(runner, prompts, NUM_NEW, per_seq=PER_SEQ)
+    forced, _ = greedy_generate(default_runner, prompts, NUM_NEW, per_seq=PER_SEQ)
     return prompts, forced
 
 

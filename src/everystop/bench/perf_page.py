@@ -14,7 +14,6 @@ RESULTS = ROOT / "benchmarks/results"
 PAGE = ROOT / "docs/performance.md"
 # The files of one CPU kind's directory (results/cpu/KIND/), as `everystop bench all` names them.
 VS_LLAMACPP, THROUGHPUT = "vs_llamacpp.json", "throughput.json"
-SINGLE = {"everystop": "single_stream_everystop.json", "llama.cpp": "single_stream_llamacpp.json"}
 LOAD_SWEEP = "latency_vs_load.json"
 # `everystop bench served` per file: everystop serve's defaults beside llama.cpp's server.
 SERVED = {"Q4_1 (shipped)": "served_q4_1.json", "F16": "served_f16.json",
@@ -75,42 +74,37 @@ def concurrent_table(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def single_table(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """One request at a time: the latency a lone user sees."""
-    out = ["| server | TTFT p50 | TPOT p50 | ITL p99 | output tok/s |", "|---|---|---|---|---|"]
-    for name, r in runs.items():
-        s = r["summary"]
-        out.append(f"| {name} | {s['ttft_ms']['p50']:,.0f} ms | {s['tpot_ms']['p50']:.1f} ms | "
-                   f"{s['itl_ms']['p99']:.1f} ms | {s['output_throughput']:.1f} |")
+def _served_measures(r: dict[str, Any], server: str) -> dict[str, tuple[float, str]]:
+    """One server's figures in a `bench served` result: measure -> (value, format)."""
+    out: dict[str, tuple[float, str]] = {}
+    if server in r.get("concurrent", {}):
+        c = r["concurrent"]
+        out[f"{c['num_requests']} at once, output tok/s"] = (c[server]["output_throughput"],
+                                                              ",.1f")
+    if server in r.get("single", {}):
+        s = r["single"][server]
+        out |= {"single stream, TPOT p50 (ms)": (s["tpot_ms"]["p50"], ".2f"),
+                "single stream, TTFT p50 (ms)": (s["ttft_ms"]["p50"], ",.0f"),
+                "single stream, peak RSS (MiB)": (s["peak_rss_bytes"] / 2**20, ",.0f"),
+                f"single stream, share of the bound at {r['read_bandwidth_gb_s']:.1f} GB/s":
+                    (s["bound_share"], ".2f"),
+                "start to /health (s)": (s["start_to_health_s"], ".1f")}
     return out
 
 
 def served_table(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """`everystop serve` with no flags beside llama.cpp's server, per file: the same client,
-    each scenario on freshly started servers."""
+    """`everystop serve` with no flags beside llama.cpp's server (where the run had one), per
+    file: the same client, each scenario on freshly started servers."""
     out = ["| file | measure | everystop | llama.cpp | everystop / llama.cpp |",
            "|---|---|---|---|---|"]
     for label, r in runs.items():
-        rows: list[tuple[str, float, float, str]] = []
-        if "concurrent" in r:
-            c = r["concurrent"]
-            rows.append((f"{c['num_requests']} at once, output tok/s",
-                         c["everystop"]["output_throughput"], c["llamacpp"]["output_throughput"],
-                         ",.1f"))
-        if "single" in r:
-            e, ll = r["single"]["everystop"], r["single"]["llamacpp"]
-            rows += [("single stream, TPOT p50 (ms)", e["tpot_ms"]["p50"], ll["tpot_ms"]["p50"],
-                      ".2f"),
-                     ("single stream, TTFT p50 (ms)", e["ttft_ms"]["p50"], ll["ttft_ms"]["p50"],
-                      ",.0f"),
-                     ("single stream, peak RSS (MiB)", e["peak_rss_bytes"] / 2**20,
-                      ll["peak_rss_bytes"] / 2**20, ",.0f"),
-                     (f"single stream, share of the bound at {r['read_bandwidth_gb_s']:.1f} GB/s",
-                      e["bound_share"], ll["bound_share"], ".2f"),
-                     ("start to /health (s)", e["start_to_health_s"], ll["start_to_health_s"],
-                      ".1f")]
-        for name, a, b, fmt in rows:
-            out.append(f"| {label} | {name} | {a:{fmt}} | {b:{fmt}} | {a / b:.2f}x |")
+        theirs = _served_measures(r, "llamacpp")
+        for name, (a, fmt) in _served_measures(r, "everystop").items():
+            if name in theirs:
+                b = theirs[name][0]
+                out.append(f"| {label} | {name} | {a:{fmt}} | {b:{fmt}} | {a / b:.2f}x |")
+            else:
+                out.append(f"| {label} | {name} | {a:{fmt}} | - | - |")
     out += ["", "Bound: a decode step's weight bytes over the read bandwidth its run measured."]
     return out
 
@@ -180,11 +174,10 @@ def throughput_line(r: dict[str, Any]) -> str:
 def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     """Everything measured on one CPU kind; the commands that measured it."""
     vs, offline = _load(kind_dir / VS_LLAMACPP), _load(kind_dir / THROUGHPUT)
-    single = {n: r for n, f in SINGLE.items() if (r := _load(kind_dir / f)) is not None}
     sweep, spec = _load(kind_dir / LOAD_SWEEP), _load(kind_dir / SPECULATIVE)
     served = {n: r for n, f in SERVED.items() if (r := _load(kind_dir / f)) is not None}
     lora = _load(kind_dir / LORA)
-    present = [r for r in (*served.values(), vs, offline, *single.values(), sweep, spec, lora)
+    present = [r for r in (*served.values(), vs, offline, sweep, spec, lora)
                if r is not None]
     if not present:
         return []
@@ -197,8 +190,6 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
         out += ["### 128 concurrent requests", "", *concurrent_table(vs), ""]
     if offline:
         out += [throughput_line(offline), ""]
-    if single:
-        out += ["### Single stream", "", *single_table(single), ""]
     if sweep:
         png = (kind_dir / LOAD_SWEEP).with_suffix(".png")
         out += ["### Latency under Poisson load", "",
@@ -215,8 +206,6 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
         if png.is_file():
             out += [f"![speculative decoding]({os.path.relpath(png, page_dir)})", ""]
     commands = [r["command"] for r in present]
-    commands += [r["meta"]["server_command"] for r in single.values()
-                 if "server_command" in r.get("meta", {})]
     commands += list((sweep or {}).get("meta", {}).get("server_commands", {}).values())
     commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
         else []

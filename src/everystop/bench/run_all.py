@@ -4,9 +4,9 @@
                         [--f16-gguf F16]]
 
 Writes OUT/cpu/KIND/ (KIND: this CPU's vendor and ISA, `perf_page.cpu_kind`): the offline
-128-request throughput, single-stream latency, latency under Poisson load and, with a
-llama-server, the same against llama.cpp, 128 concurrent requests head to head, and `everystop
-serve` with no flags beside llama.cpp's server on the shipped file and an F16 copy. Without
+128-request throughput, `everystop serve`'s single stream with no flags (`bench served`),
+latency under Poisson load and, with a llama-server, the same against llama.cpp, 128 concurrent
+requests head to head, and `bench served` on an F16 copy of the shipped file too. Without
 --quick it also reruns the simulator's report (`everystop simulate report`). Then it renders the
 performance page from OUT: docs/performance.md when OUT is the committed results, else
 OUT/performance.md. --quick runs small versions of each measurement (minutes; its numbers are a
@@ -16,15 +16,13 @@ smoke test, not results).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from everystop.bench import perf_page
-from everystop.results import cpu_info, write_result
+from everystop.results import cpu_info
 
 WORKLOADS = perf_page.ROOT / "benchmarks/workloads"
 
@@ -67,32 +65,6 @@ def _cli(argv: list[str]) -> None:
         raise SystemExit(f"everystop {' '.join(argv)} exited {code}")
 
 
-def single_stream(out_dir: Path, dtype: str, args: argparse.Namespace) -> None:
-    """One request at a time through each server, the same client and workload."""
-    from everystop.bench.client import ServeOptions, run_serve
-    from everystop.bench.servers import everystop_server, llama_server
-    from everystop.workload import load_workload
-
-    workload = load_workload(str(WORKLOADS / "single-16.json"))
-    if args.quick:
-        workload = workload.head(3)
-
-    def measure(url: str, server_command: str, name: str) -> None:
-        report = asyncio.run(run_serve(workload, ServeOptions(
-            base_url=url, rate=math.inf, max_concurrency=1, progress=False)))
-        report.pop("requests", None)  # per-request rows: not read by the page
-        report["meta"]["server_command"] = server_command
-        write_result(report, out_dir / perf_page.SINGLE[name], quiet=True)
-
-    flags = ["--dtype", dtype]
-    with everystop_server(flags) as (_, url):
-        measure(url, "everystop serve " + " ".join(flags), "everystop")
-    if args.llama_server:
-        threads = str(_threads())
-        with llama_server(args.llama_server, _gguf(args), ["-t", threads, "-tb", threads]) as ls:
-            measure(ls.url, " ".join(ls.command), "llama.cpp")
-
-
 def _threads() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -109,19 +81,21 @@ def measure_cpu(out_dir: Path, dtype: str, args: argparse.Namespace) -> None:
     quick = args.quick
     _cli(["bench", "throughput", "--dtype", dtype, "--out", str(out_dir / perf_page.THROUGHPUT)]
          + (["--num-requests", "12"] if quick else []))
-    single_stream(out_dir, dtype, args)
     llama = ["--llama-server", args.llama_server, "--gguf", _gguf(args)] \
         if args.llama_server else []
+    from everystop.executor.models.loader import default_model_path
+
+    files = {"Q4_1 (shipped)": default_model_path()}
     if llama:
         from everystop.bench.gguf_f16 import default_model_f16
-        from everystop.executor.models.loader import default_model_path
 
-        files = {"Q4_1 (shipped)": default_model_path(),
-                 "F16": args.f16_gguf or str(default_model_f16())}
-        for label, gguf in files.items():
-            _cli(["bench", "served", "--llama-server", args.llama_server, "--gguf", gguf,
-                      "--out", str(out_dir / perf_page.SERVED[label])]
-                     + (["--num-requests", "8", "--single-requests", "2"] if quick else []))
+        files["F16"] = args.f16_gguf or str(default_model_f16())
+    # `bench served` measures the single stream (and, beside llama.cpp, 128 at once).
+    for label, gguf in files.items():
+        _cli(["bench", "served", "--gguf", gguf, "--out", str(out_dir / perf_page.SERVED[label])]
+             + (["--llama-server", args.llama_server] if llama else ["--scenarios", "single"])
+             + (["--num-requests", "8", "--single-requests", "2"] if quick else []))
+    if llama:
         _cli(["bench", "vs-llamacpp", *llama, "--dtype", dtype,
               "--out", str(out_dir / perf_page.VS_LLAMACPP)]
              + (["--num-requests", "12"] if quick else []))

@@ -1,7 +1,7 @@
 """`everystop serve` with no flags against llama.cpp's server, both driven by the same OpenAI
 client over loopback: the 128-request mixed workload at once, a single stream, each server's
 peak resident memory, its start-up time to /health, and the single stream's share of the
-weight-streaming bound.
+weight-streaming bound. Without --llama-server, everystop's side alone.
 
     everystop bench served --llama-server /path/to/llama-server \\
         --gguf FILE --out benchmarks/results/cpu/KIND/served_q4_1.json
@@ -114,7 +114,8 @@ def _starters(args: argparse.Namespace, longest: int
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--llama-server", required=True, help="path to a llama-server binary")
+    ap.add_argument("--llama-server", help="path to a llama-server binary (none: measure "
+                    "everystop alone)")
     ap.add_argument("--gguf", required=True, help="the GGUF both servers load")
     ap.add_argument("--model", help="everystop's --model (default: --gguf; 'default': omit it)")
     ap.add_argument("--everystop-flags", default="", help="flags added to everystop serve "
@@ -155,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         out[scenario] = {"workload": workload.name, "num_requests": len(workload.requests),
                          "max_concurrency": concurrency}
         for name in args.order.split(","):
+            if name == "llamacpp" and not args.llama_server:
+                continue
             out[scenario][name] = _scenario(starters[name], workload, ids, concurrency)
     bandwidth = read_bandwidth_gb_s()
     out["read_bandwidth_gb_s"] = bandwidth

@@ -5,19 +5,17 @@ a single engine also implements `EngineAdmin`, the live-tuning and inspection su
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from everystop.config import CacheConfig, SchedulerConfig
 from everystop.core.listeners import FinishListener, IterationListener
+from everystop.core.observed_engine import ObservedEngine
 from everystop.core.outputs import RequestOutput, SchedulerStats
 from everystop.core.request import Request
-from everystop.core.scheduler import Scheduler
 from everystop.engine.engine_state import EngineHealth, EngineMemory
 from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
-
-T = TypeVar("T")
 
 
 class EngineClient(Protocol):
@@ -86,12 +84,10 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-class EngineAdmin(EngineClient, Protocol):
+class EngineAdmin(EngineClient, ObservedEngine, Protocol):
     """One engine in this process: its scheduler tuned and inspected live, its steps observed."""
 
     def check_cache_config(self, cache: CacheConfig) -> None: ...
-
-    def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int: ...
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve a LoRA adapter (LoraConflict: the name is taken; ValueError: unloadable)."""
@@ -100,13 +96,3 @@ class EngineAdmin(EngineClient, Protocol):
     def unload_lora(self, name: str) -> None:
         """UnknownLoraAdapter, or LoraConflict while requests use it."""
         ...
-
-    @property
-    def clock(self) -> Callable[[], float]: ...
-
-    def is_live(self, request_id: str) -> bool: ...
-
-    def inspect(self, look: Callable[[Scheduler], T]) -> T: ...
-
-    def remove_listeners(self, on_iteration: IterationListener | None = None,
-                         on_finish: FinishListener | None = None) -> None: ...

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from everystop.core.observed_engine import ObservedEngine
 from everystop.core.outputs import IterationRecord, RequestOutput, SchedulerOutput
 from everystop.core.request import Request
 from everystop.stats import percentile
 from everystop.telemetry.alerts import Alert, Guardrails
 from everystop.telemetry.rows import AlertRow, IterationRow, Row, SequenceRow
-from everystop.telemetry.source import ObservedEngine
 from everystop.telemetry.store import Store
 from everystop.telemetry.writer import TelemetryWriter
 

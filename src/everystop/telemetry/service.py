@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from everystop.core.observed_engine import ObservedEngine
 from everystop.telemetry.alerts import (
     Alert,
     GuardrailConfig,
@@ -15,7 +16,6 @@ from everystop.telemetry.alerts import (
     register_alert_metrics,
 )
 from everystop.telemetry.recorder import TelemetryRecorder
-from everystop.telemetry.source import ObservedEngine
 from everystop.telemetry.store import Store, open_store
 
 logger = logging.getLogger("everystop.telemetry")

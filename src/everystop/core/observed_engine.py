@@ -1,7 +1,8 @@
-"""What telemetry may read from an engine, named: nothing else of the engine is touched.
+"""What an observer (telemetry, the server's /admin) may read from an engine, named: nothing
+else of the engine is touched.
 
 `LLMEngine` (offline, one thread) and `AsyncEngine` (the server; its `inspect` takes the engine
-lock) both satisfy `ObservedEngine`.
+lock) both satisfy `ObservedEngine`; the server's `EngineAdmin` (engine/client.py) extends it.
 """
 
 from __future__ import annotations
