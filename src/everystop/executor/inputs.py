@@ -56,19 +56,21 @@ def build_decode_inputs(seqs: Sequence[ScheduledSequence], block_size: int,
             raise ValueError(f"sequence {s.request_id} needs {pos // block_size + 1} blocks for "
                              f"{pos + 1} tokens but its block table has {len(s.block_ids)}")
         slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
-    table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in seqs]
     sample_seq = [i for i, s in enumerate(seqs) if s.sample]
     qsl = list(range(n + 1))
-
-    def to_dev(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
+    # One tensor (one copy to the device) holds them all; each input is a view of it.
+    flat = [s.token_ids[0] for s in seqs] + starts + slots + qsl + seq_lens + sample_seq
+    for s in seqs:
+        flat += s.block_ids
+        flat += [0] * (width - len(s.block_ids))
+    packed = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    ids, positions, slot_mapping, query_start_loc, lens, sample_rows, table = packed.split(
+        [n, n, n, n + 1, n, len(sample_seq), n * width])
     meta = AttentionMetadata(
-        slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl), seq_lens=to_dev(seq_lens),
-        block_tables=to_dev(table), block_size=block_size, max_query_len=1,
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=lens,
+        block_tables=table.view(n, width), block_size=block_size, max_query_len=1,
         max_seq_len=max(seq_lens), query_start_loc_list=qsl, seq_lens_list=seq_lens)
-    return ModelInputs(to_dev([s.token_ids[0] for s in seqs]), to_dev(starts), meta,
-                       to_dev(sample_seq), sample_seq)
+    return ModelInputs(ids, positions, meta, sample_rows, sample_seq)
 
 
 def build_packed_inputs(seqs: Sequence[ScheduledSequence], block_size: int,

@@ -14,6 +14,7 @@ import os
 import time
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
@@ -414,7 +415,7 @@ def _drop_non_finite(sampled: list[ScheduledSequence], logits: torch.Tensor,
     # One reduction settles the usual case: the sum is finite only when every logit is (a NaN
     # or an infinity makes it NaN or infinite); a non-finite sum (an overflow too) is then
     # checked row by row. (isfinite over [N, vocab] is five passes: ~5x the time per step.)
-    if bool(torch.isfinite(logits.sum())):
+    if _sum_is_finite(logits):
         return sampled, logits
     finite = torch.isfinite(logits).all(dim=-1)
     keep = []
@@ -424,3 +425,13 @@ def _drop_non_finite(sampled: list[ScheduledSequence], logits: torch.Tensor,
         else:
             output.failed[seq.request_id] = "the model produced non-finite logits (NaN or Inf)"
     return [sampled[i] for i in keep], logits[keep]
+
+
+def _sum_is_finite(logits: torch.Tensor) -> bool:
+    """Whether the sum of every logit is finite. On the CPU numpy sums on this thread: torch
+    splits a vocabulary row's sum over its OpenMP pool, whose wake-up costs more than the sum
+    itself (measured on a loaded 2-core host: ~20 us here against ~0.9 ms)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return bool(torch.isfinite(logits.sum()))
+    with np.errstate(all="ignore"):  # inf - inf or an overflow: the rows then decide
+        return bool(np.isfinite(logits.numpy().sum()))

@@ -400,7 +400,7 @@ class DecoderForCausalLM(nn.Module):
         with the stack's weights)."""
         kernels = self.backends.kernels
         assert kernels is not None
-        _, _, _, by_dtype, linears = self.__dict__["_stack_weight_cache"]
+        _, _, _, by_dtype, linears, _ = self.__dict__["_stack_weight_cache"]
         if x_dtype not in by_dtype:
             by_dtype[x_dtype] = min(gemv_rows(m.weight, m.weight_format, x_dtype, kernels)
                                     for m in linears)
@@ -415,17 +415,12 @@ class DecoderForCausalLM(nn.Module):
         assert kernels is not None
         first = self.model.layers[0]
         attn = first.self_attn
-        stack = self._stack_weights()
-        assert stack is not None
-        weights, formats = stack
-        layers = self.model.layers
-        biases = [layer.self_attn.qkv_bias for layer in layers] if attn.qkv_bias is not None else []
-        norms = ([w for layer in layers
-                  for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
-                 if attn.q_norm is not None else [])
-        out_norms = [w for layer in layers for w in (layer.attn_out_norm.weight,
-                                                     layer.mlp_out_norm.weight)
-                     ] if first.attn_out_norm is not None else []
+        # _runs_decoder_stack has just brought the cache up to date (_stack_weights): read it
+        # as is (its check walks the module tree: ~20 us).
+        cached = self.__dict__["_stack_weight_cache"]
+        assert cached[2] is not None
+        weights, formats = cached[2]
+        biases, norms, out_norms = cached[5]
         moe = self._stack_moe()
         out = kernels.decoder_stack(
             x.contiguous(), weights, formats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
@@ -471,9 +466,25 @@ class DecoderForCausalLM(nn.Module):
                        for m in linears]
             usable = all(w.is_contiguous() for w in weights)
             cached = (layers[0].self_attn.qkv_proj.weight, mlps[-1][1].weight,
-                      (weights, formats) if usable else None, {}, linears)
+                      (weights, formats) if usable else None, {}, linears,
+                      self._stack_extras())
             self.__dict__["_stack_weight_cache"] = cached
         return cached[2]
+
+    def _stack_extras(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer the qkv bias, the q/k norms and the sandwich norms ([] for a family
+        without them), as the decoder stack takes them (cached with `_stack_weights`)."""
+        layers = self.model.layers
+        first = layers[0]
+        attn = first.self_attn
+        biases = [layer.self_attn.qkv_bias for layer in layers] if attn.qkv_bias is not None else []
+        norms = ([w for layer in layers
+                  for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
+                 if attn.q_norm is not None else [])
+        out_norms = [w for layer in layers for w in (layer.attn_out_norm.weight,
+                                                     layer.mlp_out_norm.weight)
+                     ] if first.attn_out_norm is not None else []
+        return biases, norms, out_norms
 
     @property
     def stack_ready(self) -> bool:
