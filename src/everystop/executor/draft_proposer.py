@@ -16,7 +16,7 @@ A new context reuses the entry whose num_context tokens it starts with (the long
 keeps the K/V of their common prefix, and prefills only the rest before its k greedy steps;
 a context no entry starts (a new sequence, or one after preemption) is prefilled whole. Entries
 are evicted least recently used when the pool runs out of blocks. Each pass is timed into
-`pass_cost`, a step-cost fit of the draft's own (seeded by one measured prompt at load), which
+`pass_cost`, a step-cost fit of the draft's own (seeded by two passes measured at load), which
 the scheduler's sizing rule prices draft passes with.
 """
 
@@ -32,7 +32,12 @@ import torch
 
 from everystop.config import ConfigError
 from everystop.core.outputs import ScheduledSequence
-from everystop.core.step_cost import SEED_PROMPT_TOKENS, StepCostModel, StepShape
+from everystop.core.step_cost import (
+    SEED_PROMPT_TOKENS,
+    StepCoefficients,
+    StepCostModel,
+    StepShape,
+)
 from everystop.executor.inputs import build_inputs
 from everystop.executor.model_runner import ModelRunner, shared_model
 from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
@@ -132,9 +137,9 @@ class DraftModelProposer:
                                time.perf_counter() - start)
         return tokens
 
-    def measure_prefill_tokens_per_s(self, num_tokens: int = SEED_PROMPT_TOKENS) -> float:
-        """Prefill throughput of one `num_tokens` context (after a warm-up run), on blocks
-        given back afterwards: the start-up measurement pass_cost's prior comes from."""
+    def measure_pass_s(self, num_tokens: int) -> float:
+        """Seconds of one pass over a `num_tokens` context (after a warm-up run), on blocks
+        given back afterwards (0 when the pool cannot hold it)."""
         entry = _Entry([], 0)
         if not self._reserve(entry, num_tokens, set()):
             return 0.0
@@ -144,7 +149,16 @@ class DraftModelProposer:
         self._run([job])
         seconds = time.perf_counter() - start
         self._free.extend(entry.block_ids)
-        return num_tokens / max(seconds, 1e-9)
+        return seconds
+
+    def measure_pass_cost(self) -> StepCostModel:
+        """A pass_cost seeded by two measured passes: one token (the fixed cost a draft step
+        mostly is) and SEED_PROMPT_TOKENS tokens (the cost per token beyond it); a context
+        token at 1/1000 of one, as the target's prior has it."""
+        one, many = self.measure_pass_s(1), self.measure_pass_s(SEED_PROMPT_TOKENS)
+        per_token = max(many - one, 0.0) / (SEED_PROMPT_TOKENS - 1)
+        return StepCostModel(StepCoefficients(max(one - per_token, 0.0), per_token, per_token,
+                                              per_token / 1000))
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> list[int]:
@@ -228,5 +242,5 @@ def draft_proposer_for(runner: ModelRunner, path: str) -> DraftModelProposer:
                 runner.num_gpu_blocks)
     proposer = DraftModelProposer(model, runner.num_gpu_blocks, runner.block_size,
                                   runner.kv_dtype, device)
-    proposer.pass_cost = StepCostModel.from_prefill_rate(proposer.measure_prefill_tokens_per_s())
+    proposer.pass_cost = proposer.measure_pass_cost()
     return proposer
