@@ -113,3 +113,17 @@ def test_the_f16_copy_holds_the_dequantized_blocks_and_every_key(models: tuple[s
         want = ta.data if ta.tensor_type.name == "F32" else dequantize(ta.data, ta.tensor_type)
         assert tb.tensor_type.name == ("F32" if ta.tensor_type.name == "F32" else "F16")
         assert (abs(tb.data.astype("float32") - want) <= 1e-3 * (1 + abs(want))).all(), ta.name
+
+
+def test_scenarios_can_be_picked_and_their_outputs_capped() -> None:
+    from everystop.bench.speculative import _workloads
+
+    picked = _workloads(False, ["grounded_concurrent"], max_tokens=24)
+    assert list(picked) == ["grounded_concurrent"]
+    wl, concurrency, natural = picked["grounded_concurrent"]
+    assert concurrency == 32 and natural and len(wl.requests) == 32
+    assert max(r.max_tokens for r in wl.requests) == 24
+    whole = _workloads(False, ["grounded_concurrent", "chat_single"])
+    assert max(r.max_tokens for r in whole["grounded_concurrent"][0].requests) > 24
+    with pytest.raises(SystemExit, match="--scenarios"):
+        main(["bench", "speculative", "--scenarios", "nope", "--quick"])

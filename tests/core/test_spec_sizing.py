@@ -24,8 +24,8 @@ class FakeStepCost(StepCostModel):
     """A step cost that predicts `fn(shape)` and learns nothing (the budget's coefficients are
     a fixed prior)."""
 
-    def __init__(self, fn: Callable[[StepShape], float]) -> None:
-        super().__init__(StepCoefficients(0.01, 1e-5, 1e-5, 0.0))
+    def __init__(self, fn: Callable[[StepShape], float], per_token: float = 1e-5) -> None:
+        super().__init__(StepCoefficients(0.01, per_token, per_token, 0.0))
         self.fn = fn
 
     def predict(self, shape: StepShape) -> float:
@@ -171,3 +171,64 @@ def test_an_info_summary_is_logged_once_a_minute(caplog: pytest.LogCaptureFixtur
         sizer.choose(rows, base, compute_bound, 60.0)
     (summary,) = [r.getMessage() for r in caplog.records]
     assert "4 passes, 8 rows, mean k 2.25, 2 sized off" in summary
+
+
+def test_proposals_stop_at_the_limit() -> None:
+    """A memory-bound pass would take every proposal; a limit 2.5 proposals' cost above the
+    pass's own predicted time admits two."""
+    sizer = SpecSizer(initial_acceptance=0.9)
+    rows, base = [SizingRow("a", 4), SizingRow("b", 4)], StepShape(0, 2, 20)
+    assert sizer.choose(rows, base, memory_bound) == [4, 4]
+    limit = memory_bound(base) + 2.5e-5
+    assert sum(sizer.choose(rows, base, memory_bound, limit_s=limit)) == 2
+    assert sizer.choose(rows, base, memory_bound, limit_s=memory_bound(base) / 2) == [0, 0]
+
+
+def test_a_draft_models_passes_are_priced_so_a_large_batch_does_not_speculate() -> None:
+    """Target: 10 ms a pass and 0.5 ms a row; draft pass: 4 ms and 0.5 ms a row. One sequence
+    at acceptance 0.8 gains (1.8 tokens in 15.5 ms beats 1 in 10.5 ms); 32 do not (57.6 in
+    62 ms loses to 32 in 26 ms), though the same proposals with no draft pass to run (an
+    n-gram lookup) would pay."""
+    def target(shape: StepShape) -> float:
+        return 0.010 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+    def draft(shape: StepShape) -> float:
+        return 0.004 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+    sizer = SpecSizer(initial_acceptance=0.8)
+    assert sizer.choose([SizingRow("a", 4, 100)], StepShape(0, 1, 101), target,
+                        draft=draft)[0] > 0
+    rows = [SizingRow(f"s{i}", 4, 100) for i in range(32)]
+    base = StepShape(0, 32, 32 * 101)
+    assert sizer.choose(rows, base, target, draft=draft) == [0] * 32
+    assert all(k > 0 for k in sizer.choose(rows, base, target))
+
+
+def test_a_prompt_in_line_gets_the_pass_before_any_proposal() -> None:
+    """1 ms a prefill token against the 100 ms auto target: a 200-token prompt in line needs
+    more than the pass has left, so the decoding row gets k = 0 and the prompt the prefill it
+    would get with speculation off; once the prompt is through, both rows speculate."""
+    def harness(speculative: str):
+        h = make_harness(speculative=speculative, num_speculative_tokens=4, num_blocks=4096,
+                         max_num_seqs=4, max_num_batched_tokens=8192, chunk_size=512,
+                         step_cost=FakeStepCost(memory_bound, per_token=1e-3))
+        if speculative != "off":
+            h.scheduler.proposer = OracleProposer(0.0, seed=1, always_k=True)
+        h.add("r0", [3, 4, 5, 6], max_tokens=400)
+        h.step()
+        return h
+
+    h, off = harness("ngram"), harness("off")
+    sched, _ = h.step()
+    assert sched.num_draft_tokens == 4  # alone, it speculates
+    off.step()
+    for x in (h, off):
+        x.add("long", [7] * 200, max_tokens=400)
+    sched, _ = h.step()
+    plain, _ = off.step()
+    assert sched.num_draft_tokens == 0
+    assert sched.num_prefill_tokens == plain.num_prefill_tokens > 0
+    while h.scheduler.requests["long"].num_computed_tokens < 200:
+        h.step()
+    sched, _ = h.step()
+    assert [row.num_draft_tokens for row in sched.scheduled] == [4, 4]

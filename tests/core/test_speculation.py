@@ -182,18 +182,21 @@ def test_a_stop_token_among_accepted_proposals_ends_there() -> None:
     assert h.outputs["b"] == ref[:5] and h.finish["b"] == "length"
 
 
-def test_proposals_come_after_the_decodes_and_within_the_token_budget() -> None:
+def test_proposals_come_after_the_decodes_and_leave_waiting_prompts_their_budget() -> None:
     h = spec_harness(wrong=0.0, seed=2, k=8, max_num_batched_tokens=12, chunk_size=64)
     h.scheduler.proposer.always_k = True
     for i in range(4):
         h.add(f"d{i}", [3 + i, 9, 9], max_tokens=50)
     h.step()
+    sched, _ = h.step()
+    assert sched.num_decode_tokens == 4
+    assert sched.num_draft_tokens == 12 - 4  # no prompt waits: the drafts take what is left
     h.add("late", list(range(3, 40)), max_tokens=2)
     sched, _ = h.step()
     assert sched.num_decode_tokens == 4
     assert sched.num_scheduled_tokens <= 12
-    assert sched.num_draft_tokens == 12 - 4  # the drafts took what the decodes left
-    assert sched.num_prefill_tokens == 0
+    assert sched.num_prefill_tokens == 12 - 4  # the waiting prompt goes first
+    assert sched.num_draft_tokens == 0
     h.run()
     assert h.outputs["late"] == reference_output(list(range(3, 40)), 2)
 

@@ -15,6 +15,7 @@ from everystop.config import ConfigError
 from everystop.executor.models.loader import default_model_path
 
 from ..models.family_builders import SPECS, Spec, hf_model, save_gguf, save_hf
+from .free_draft import free_draft
 from .test_speculation_model import GREEDY, OPTIONS, PROMPTS
 
 
@@ -33,7 +34,7 @@ def plain() -> list[list[int]]:
 def test_the_default_model_drafting_for_itself_gives_the_plain_greedy_tokens(
         plain, max_num_seqs: int, num_prompts: int) -> None:
     path = default_model_path()
-    llm = LLM(**_draft_options(path, model=path, max_num_seqs=max_num_seqs))
+    llm = free_draft(LLM(**_draft_options(path, model=path, max_num_seqs=max_num_seqs)))
     outs = llm.generate(PROMPTS[:num_prompts], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain[:num_prompts]
     stats = llm.engine.stats()
@@ -60,8 +61,8 @@ def test_a_smaller_draft_gives_the_plain_greedy_tokens(tiny_dir: Path) -> None:
     prompts = [[3 + i, 40, 41, 42 + i, 43] * 3 for i in range(6)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(model=target, dtype="float32", max_num_seqs=4)
-    spec = LLM(model=target, dtype="float32", max_num_seqs=4, speculative=f"draft:{draft}",
-               num_speculative_tokens=3)
+    spec = free_draft(LLM(model=target, dtype="float32", max_num_seqs=4,
+                          speculative=f"draft:{draft}", num_speculative_tokens=3))
     expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
     stats = spec.engine.stats()
@@ -98,7 +99,8 @@ def test_a_q8_0_copy_drafting_for_its_f16_file_gives_the_plain_greedy_tokens(
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     options = dict(model=str(target), dtype="float32", max_num_seqs=4)
     plain = LLM(**options)
-    spec_llm = LLM(**options, speculative=f"draft:{draft}", num_speculative_tokens=4)
+    spec_llm = free_draft(LLM(**options, speculative=f"draft:{draft}",
+                              num_speculative_tokens=4))
     expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)] == expected
     # The same weights to 8 bits: the draft mostly guesses what the target decodes.

@@ -16,6 +16,8 @@ from everystop.core.request import Request
 from everystop.executor.models.loader import default_model_path
 from everystop.sampling_params import StructuredOutput
 
+from .free_draft import free_draft
+
 pytestmark = pytest.mark.model
 
 PEOPLE = [("Ann", 31, "Oslo"), ("Bob", 45, "Lima"), ("Chen", 27, "Paris"), ("Dara", 52, "Cairo"),
@@ -87,6 +89,8 @@ def test_structured_output_with_speculation_gives_the_plain_greedy_tokens(
     speculative = "ngram" if method == "ngram" else f"draft:{default_model_path()}"
     llm = LLM(**OPTIONS, max_num_seqs=max_num_seqs, speculative=speculative,
               num_speculative_tokens=4)
+    if method == "draft":
+        free_draft(llm)
     sched = llm.engine.scheduler
     check = sched.draft_check
     assert check is not None

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from everystop.core.step_cost import StepShape
 from everystop.executor.draft_proposer import DraftModelProposer
 from everystop.executor.models.loader import load_model
 
@@ -98,3 +99,14 @@ def test_a_batch_larger_than_the_pool_drafts_for_those_that_fit(tiny: str, refer
     contexts = [list(range(10 * i, 10 * i + 10)) for i in range(1, 4)]
     proposals = proposer.propose_batch(contexts, [2, 2, 2])
     assert proposals == [reference(contexts[0], 2), reference(contexts[1], 2), []]
+
+
+def test_each_draft_pass_is_timed_into_its_cost_fit(tiny: str) -> None:
+    proposer = _proposer(tiny, num_blocks=32)
+    proposer.pass_cost = proposer.measure_pass_cost()
+    assert sorted(proposer._free) == list(range(32))  # the measurement's blocks are back
+    assert proposer.pass_cost.predict(StepShape(0, 1, 1)) > 0
+    assert proposer.pass_cost.num_observations == 0
+    proposer.propose_batch([list(range(10, 20)), list(range(30, 35))], [3, 1])
+    assert proposer.pass_cost.num_observations == 3  # one pass per depth: rows 2, 1, 1
+    assert proposer.pass_cost.last_measured_s > 0

@@ -1,6 +1,7 @@
 """`everystop bench speculative`: speculative decoding's speed, off / ngram / draft, in one run.
 
-    everystop bench speculative [--llama-server PATH] [--quick] [--out FILE]
+    everystop bench speculative [--llama-server PATH] [--quick] [--scenarios A,B]
+                                [--max-tokens N] [--out FILE]
 
 Each configuration is a server started on loopback, measured through one client
 (`everystop bench serve`'s) in three scenarios, then stopped:
@@ -71,6 +72,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="everystop's dtype (auto: bfloat16 where the CPU has bf16 units)")
     ap.add_argument("--methods", default=",".join(METHODS), help="a subset of off,ngram,draft")
+    ap.add_argument("--scenarios", default=",".join(s[0] for s in SCENARIOS),
+                    help="a subset of the scenarios, by name")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="cap each request's output tokens (0: the workload's own)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="llama.cpp's threads (-t, -tb)")
     ap.add_argument("--everystop-flags", default="", help="more `everystop serve` flags")
@@ -89,16 +94,22 @@ def _models(args: argparse.Namespace) -> tuple[str, str]:
     return str(default_model_f16(args.work_dir)), args.draft or default
 
 
-def _workloads(quick: bool) -> dict[str, tuple[Workload, int, bool]]:
-    """Each scenario's workload, concurrency and whether its requests may stop naturally."""
+def _workloads(quick: bool, names: list[str], max_tokens: int = 0
+               ) -> dict[str, tuple[Workload, int, bool]]:
+    """Each named scenario's workload, concurrency and whether its requests may stop
+    naturally; each request's output capped at `max_tokens` (0: no cap)."""
     out = {}
     for name, file, concurrency, natural in SCENARIOS:
+        if name not in names:
+            continue
         wl = load_workload(WORKLOADS / file)
         if quick:
             concurrency = min(concurrency, 4)
             wl = wl.head(concurrency if concurrency > 1 else 2)
+            max_tokens = min(max_tokens or 16, 16)
+        if max_tokens:
             for r in wl.requests:
-                r.max_tokens = min(r.max_tokens, 16)
+                r.max_tokens = min(r.max_tokens, max_tokens)
         out[name] = (wl, concurrency, natural)
     return out
 
@@ -224,9 +235,14 @@ def run(args: argparse.Namespace) -> int:
         args.dtype = default_dtype(machine)
     if args.out is None and not args.quick:
         args.out = perf_page.RESULTS / "cpu" / perf_page.cpu_kind(machine) / perf_page.SPECULATIVE
+    names = [n for n in args.scenarios.split(",") if n]
+    known = [s[0] for s in SCENARIOS]
+    if not names or set(names) - set(known):
+        raise SystemExit(f"--scenarios: a subset of {','.join(known)}, not {args.scenarios!r}")
     target, draft = _models(args)
-    workloads = _workloads(args.quick)
+    workloads = _workloads(args.quick, names, args.max_tokens)
     out: dict[str, Any] = {"bench": "speculative", "quick": args.quick, "target": target,
+                           "max_tokens": args.max_tokens,
                            "draft": draft, "num_speculative_tokens": args.num_speculative_tokens,
                            "dtype": args.dtype,
                            "scenarios": {n: {"workload": wl.name, "requests": len(wl.requests),

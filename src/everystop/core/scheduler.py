@@ -184,7 +184,7 @@ class Scheduler:
             schedule_static(self, step)
         else:
             prefilling = self._schedule_decodes(step)
-            self._speculate(step)
+            self._speculate(step, prefilling)
             self._schedule_prefill_chunks(prefilling, step)
             self._admit_swapped(step)
             self._admit(self.preempted, step)
@@ -209,12 +209,13 @@ class Scheduler:
                 self.emit(step, req, 1)
         return prefilling
 
-    def _speculate(self, step: PassBuilder) -> None:
-        """1b. Proposals on the decode rows, after all of them and before any prefill. Not in
-        the static baseline, nor while a caller holds decode rows in bulk (the simulator)."""
+    def _speculate(self, step: PassBuilder, prefilling: list[Request]) -> None:
+        """1b. Proposals on the decode rows, after all of them and before any prefill, within
+        what the prompts in line leave (core/spec_room.py). Not in the static baseline, nor
+        while a caller holds decode rows in bulk (the simulator)."""
         if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):
-            add_proposals(self, step, model_len_limit(self.config, self.kv))
+            add_proposals(self, step, model_len_limit(self.config, self.kv), prefilling)
 
     def _schedule_prefill_chunks(self, prefilling: list[Request], step: PassBuilder) -> None:
         """2. Then the rest of the prompt of sequences already admitted, in admission order,

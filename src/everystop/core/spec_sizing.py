@@ -28,6 +28,17 @@ costs little next to the pass's fixed cost, S / T is low and proposals pay; as t
 grows compute-bound, S / T rises toward one token per row's cost, which a proposal (worth
 a^j < 1, costing about a row) cannot beat, and speculation turns itself off.
 
+Draft passes. A draft model (executor/draft_proposer.py) runs one pass of its own per
+proposal depth, over the rows that go that deep, priced by its own fitted cost: T counts
+them too, a plan of D passes pays their fixed cost up front, and a proposal at depth j adds
+its row to draft pass j as well. Each D from 1 to the largest cap is sized as above and the
+plan with the most tokens per second wins (none: k = 0 everywhere), so a large batch, whose
+draft passes cost about what the rows they save do, does not speculate.
+
+Limit. Proposals never take the pass (draft passes included) past `limit_s`: the time the
+TPOT target leaves once the prompts waiting for their first token are served
+(core/spec_room.py).
+
 Probing. A sequence sized off keeps no fresh evidence, so every PROBE_INTERVAL of its passes it
 verifies one proposal, if one at acceptance 1 would pay at the pass's rate (never in a
 compute-bound pass): an estimate that was low recovers when the text turns copyable.
@@ -36,8 +47,9 @@ compute-bound pass): an estimate that was low recovers when the text turns copya
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from everystop.core.step_cost import StepShape
 
@@ -69,10 +81,36 @@ class _SeqState:
 
 @dataclass(frozen=True)
 class SizingRow:
-    """A decode row that may speculate: its request and the most proposals it may take."""
+    """A decode row that may speculate: its request, the most proposals it may take and its
+    context length (what a draft pass's row reads)."""
 
     request_id: str
     cap: int
+    context: int = 0
+
+
+@dataclass
+class _Plan:
+    """A choice of ks: the pass's shape with them, its predicted seconds (draft passes
+    included), the expected tokens, and each draft pass's shape."""
+
+    ks: list[int]
+    shape: StepShape
+    time_s: float
+    tokens: float
+    passes: list[StepShape]
+
+
+def _one_more_query(shape: StepShape) -> StepShape:
+    """`shape` with one more verified proposal: a query token of a row already counted."""
+    return StepShape(shape.num_prefill_tokens + 1, shape.num_decode_rows,
+                     shape.context_tokens + 1)
+
+
+def _one_more_row(shape: StepShape, context: int) -> StepShape:
+    """A draft pass's `shape` with one more row, reading `context` tokens."""
+    return StepShape(shape.num_prefill_tokens, shape.num_decode_rows + 1,
+                     shape.context_tokens + context + 1)
 
 
 class SpecSizer:
@@ -118,49 +156,90 @@ class SpecSizer:
         self._seqs.pop(request_id, None)
 
     def choose(self, rows: Sequence[SizingRow], base: StepShape,
-               predict: Callable[[StepShape], float], now: float = 0.0) -> list[int]:
+               predict: Callable[[StepShape], float], now: float = 0.0, *,
+               limit_s: float = math.inf,
+               draft: Callable[[StepShape], float] | None = None) -> list[int]:
         """Each row's k (0 .. its cap) for a pass whose rows so far have shape `base`, priced
-        by `predict` (the module docstring's rule)."""
+        by `predict` (the module docstring's rule): the pass with its draft passes kept within
+        `limit_s` seconds, each draft pass priced by `draft` (None: proposals cost no pass)."""
         ks = [0] * len(rows)
-        shape = base
-        time_s = predict(shape)
+        time_s = predict(base)
         tokens = float(base.num_decode_rows)
         if time_s > 0 and tokens > 0:
-            candidates = []
-            for i, row in enumerate(rows):
-                a = self.acceptance(row.request_id)
-                value = 1.0
-                for _ in range(row.cap):
-                    value *= a
-                    if value <= 0.0:
-                        break
-                    candidates.append((value, i))
-            candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
-            for value, i in candidates:
-                grown = replace(shape, num_prefill_tokens=shape.num_prefill_tokens + 1,
-                                context_tokens=shape.context_tokens + 1)
-                grown_s = predict(grown)
-                if value * time_s <= tokens * (grown_s - time_s):
-                    break  # value per added second no better than the pass's rate
-                ks[i] += 1
-                tokens += value
-                shape, time_s = grown, grown_s
-            self._probe(rows, ks, shape, time_s, tokens, predict)
+            best = _Plan(ks, base, time_s, tokens, [])
+            # A draft model runs one pass per proposal depth: each number of passes is a plan
+            # of its own, its passes' fixed cost paid up front.
+            for depth in ([max((r.cap for r in rows), default=0)] if draft is None
+                          else range(1, max((r.cap for r in rows), default=0) + 1)):
+                plan = self._plan(rows, base, predict, limit_s, draft, depth)
+                if plan is not None and plan.tokens * best.time_s > best.tokens * plan.time_s:
+                    best = plan
+            ks = best.ks
+            self._probe(rows, ks, best, predict, limit_s, draft)
+            shape_s, tokens = best.time_s, best.tokens
         elif time_s <= 0:
             ks = [row.cap for row in rows]  # no cost to weigh: every proposal is free
-        self._record(rows, ks, time_s, tokens, now)
+            shape_s = time_s
+        else:
+            shape_s = time_s
+        self._record(rows, ks, shape_s, tokens, now)
         return ks
 
-    def _probe(self, rows: Sequence[SizingRow], ks: list[int], shape: StepShape,
-               time_s: float, tokens: float, predict: Callable[[StepShape], float]) -> None:
+    def _plan(self, rows: Sequence[SizingRow], base: StepShape,
+              predict: Callable[[StepShape], float], limit_s: float,
+              draft: Callable[[StepShape], float] | None, depth: int) -> _Plan | None:
+        """Proposals up to `depth` per row, taken in order of expected value while each beats
+        the rate so far and the whole stays within limit_s; None if even none fits."""
+        shape = base
+        shape_s = predict(shape)
+        passes = [StepShape()] * depth if draft is not None else []
+        time_s = shape_s + (depth * draft(StepShape()) if draft is not None else 0.0)
+        if time_s > limit_s:
+            return None
+        tokens = float(base.num_decode_rows)
+        candidates = []
+        for i, row in enumerate(rows):
+            a = self.acceptance(row.request_id)
+            value = 1.0
+            for j in range(min(row.cap, depth)):
+                value *= a
+                if value <= 0.0:
+                    break
+                candidates.append((value, i, j))
+        candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
+        ks = [0] * len(rows)
+        for value, i, j in candidates:
+            grown = _one_more_query(shape)
+            grown_s = predict(grown)
+            added = grown_s - shape_s
+            if draft is not None:
+                grown_pass = _one_more_row(passes[j], rows[i].context)
+                added += draft(grown_pass) - draft(passes[j])
+            if time_s + added > limit_s or value * time_s <= tokens * added:
+                break  # over the limit, or value per added second no better than the rate
+            ks[i] += 1
+            tokens += value
+            time_s += added
+            shape, shape_s = grown, grown_s
+            if draft is not None:
+                passes[j] = grown_pass
+        return _Plan(ks, shape, time_s, tokens, passes)
+
+    def _probe(self, rows: Sequence[SizingRow], ks: list[int], plan: _Plan,
+               predict: Callable[[StepShape], float], limit_s: float,
+               draft: Callable[[StepShape], float] | None) -> None:
         """One proposal for each long-sized-off row, where one at acceptance 1 would pay."""
+        time_s, tokens = plan.time_s, plan.tokens
         for i, row in enumerate(rows):
             s = self._seqs.get(row.request_id)
             if ks[i] or row.cap <= 0 or s is None or s.passes_off + 1 < PROBE_INTERVAL:
                 continue
-            grown = replace(shape, num_prefill_tokens=shape.num_prefill_tokens + 1,
-                            context_tokens=shape.context_tokens + 1)
-            if time_s <= tokens * (predict(grown) - time_s):
+            added = predict(_one_more_query(plan.shape)) - predict(plan.shape)
+            if draft is not None:
+                first = plan.passes[0] if plan.passes else StepShape()
+                added += draft(_one_more_row(first, row.context)) - (
+                    draft(first) if plan.passes else 0.0)
+            if time_s + added > limit_s or time_s <= tokens * added:
                 return  # not even a certain token pays: no probe in this pass
             ks[i] = 1
 

@@ -21,14 +21,16 @@ to the pool. The prefix cache registers computed blocks only, so never a rejecte
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
+from everystop.core.spec_room import prefill_reserve, proposal_room
 from everystop.core.spec_sizing import SizingRow
 from everystop.core.speculation import BatchProposer, speculates
-from everystop.core.step_cost import StepShape
+from everystop.core.step_cost import StepCostModel, StepShape
 
 if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState as Scheduler
@@ -51,11 +53,13 @@ def num_accepted(drafts: list[int], verified: list[int]) -> int:
     return accepted
 
 
-def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
+def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
+                  prefilling: Iterable[Request] = ()) -> None:
     """Give each decode row of `step` whose request speculates the proposals the sizing rule
-    chooses for it (core/spec_sizing.py, at most k), while the token budget (after every plain
-    decode, before any prefill) and the KV pool (above the watermark: proposals never take
-    room running sequences may need) allow."""
+    chooses for it (core/spec_sizing.py, at most k), within what the prompts in line leave
+    of the token budget and the TPOT target (core/spec_room.py; `prefilling`: the running
+    rows still in their prompt) and the KV pool above the watermark (proposals never take
+    room running sequences may need)."""
     proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
     assert proposer is not None
     # A proposer that drafts many sequences in one go (a draft model: one forward pass per
@@ -75,12 +79,17 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int) -> None:
             rows.append((entry, req, cap))
     if not rows:
         return
-    ks = sched.spec_sizer.choose([SizingRow(req.request_id, cap) for _, req, cap in rows],
-                                 pass_shape(step), sched.step_cost.predict, step.now)
+    reserve = prefill_reserve(sched, prefilling, budget.max_tokens)
+    left, limit_s = proposal_room(budget, reserve)
+    # A draft model's own passes are priced by its fitted cost (DraftModelProposer.pass_cost).
+    draft_cost = getattr(proposer, "pass_cost", None)
+    ks = sched.spec_sizer.choose(
+        [SizingRow(req.request_id, cap, entry.start_pos + 1) for entry, req, cap in rows],
+        pass_shape(step), sched.step_cost.predict, step.now, limit_s=limit_s,
+        draft=draft_cost.predict if isinstance(draft_cost, StepCostModel) else None)
     planned: list[tuple[ScheduledSequence, Request, int]] = []
-    left = budget.tokens_left
     for (entry, req, _), k in zip(rows, ks):
-        k = min(k, left if batch else budget.tokens_left)
+        k = min(k, left if batch else budget.tokens_left - reserve)
         if k <= 0:
             continue
         if batch:

@@ -15,12 +15,15 @@ The draft keeps K/V of its own, in a small paged pool, per context it has seen::
 A new context reuses the entry whose num_context tokens it starts with (the longest such),
 keeps the K/V of their common prefix, and prefills only the rest before its k greedy steps;
 a context no entry starts (a new sequence, or one after preemption) is prefilled whole. Entries
-are evicted least recently used when the pool runs out of blocks.
+are evicted least recently used when the pool runs out of blocks. Each pass is timed into
+`pass_cost`, a step-cost fit of the draft's own (seeded by two passes measured at load), which
+the scheduler's sizing rule prices draft passes with.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +32,12 @@ import torch
 
 from everystop.config import ConfigError
 from everystop.core.outputs import ScheduledSequence
+from everystop.core.step_cost import (
+    SEED_PROMPT_TOKENS,
+    StepCoefficients,
+    StepCostModel,
+    StepShape,
+)
 from everystop.executor.inputs import build_inputs
 from everystop.executor.model_runner import ModelRunner, shared_model
 from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
@@ -62,8 +71,12 @@ class DraftModelProposer:
     """Proposes by greedy decoding on a draft model, with K/V reused across calls."""
 
     def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device) -> None:
+                 kv_dtype: torch.dtype, device: torch.device,
+                 pass_cost: StepCostModel | None = None) -> None:
         self.model, self.block_size, self.device = model, block_size, device
+        # What one of its forward passes costs, fitted to every pass it runs: the scheduler's
+        # sizing rule prices a proposal plan's draft passes with it (core/spec_sizing.py).
+        self.pass_cost = pass_cost or StepCostModel.from_prefill_rate(1e4)
         args = model.args
         shape = (num_blocks, block_size, model.num_local_kv_heads, args.head_dim)
         self.kv_caches: list[KVCache] = [
@@ -103,7 +116,7 @@ class DraftModelProposer:
             entry.tokens, entry.num_context = tokens, n
             jobs.append(_Job(i, k, entry, tokens[reuse:], reuse))
         while jobs:
-            for job, token in zip(jobs, self._run(jobs)):
+            for job, token in zip(jobs, self._timed_run(jobs)):
                 out[job.index].append(token)
                 job.start_pos += len(job.feed)
                 job.feed = [token]
@@ -113,6 +126,39 @@ class DraftModelProposer:
             for job in jobs:
                 job.entry.tokens.append(job.feed[0])
         return out
+
+    def _timed_run(self, jobs: list[_Job]) -> list[int]:
+        """_run, its time folded into pass_cost (the tokens are on the host when it returns)."""
+        start = time.perf_counter()
+        tokens = self._run(jobs)
+        fed = sum(len(job.feed) for job in jobs)
+        context = sum(job.start_pos + len(job.feed) for job in jobs)
+        self.pass_cost.observe(StepShape(fed - len(jobs), len(jobs), context),
+                               time.perf_counter() - start)
+        return tokens
+
+    def measure_pass_s(self, num_tokens: int) -> float:
+        """Seconds of one pass over a `num_tokens` context (after a warm-up run), on blocks
+        given back afterwards (0 when the pool cannot hold it)."""
+        entry = _Entry([], 0)
+        if not self._reserve(entry, num_tokens, set()):
+            return 0.0
+        job = _Job(0, 1, entry, [1] * num_tokens, 0)
+        self._run([job])
+        start = time.perf_counter()
+        self._run([job])
+        seconds = time.perf_counter() - start
+        self._free.extend(entry.block_ids)
+        return seconds
+
+    def measure_pass_cost(self) -> StepCostModel:
+        """A pass_cost seeded by two measured passes: one token (the fixed cost a draft step
+        mostly is) and SEED_PROMPT_TOKENS tokens (the cost per token beyond it); a context
+        token at 1/1000 of one, as the target's prior has it."""
+        one, many = self.measure_pass_s(1), self.measure_pass_s(SEED_PROMPT_TOKENS)
+        per_token = max(many - one, 0.0) / (SEED_PROMPT_TOKENS - 1)
+        return StepCostModel(StepCoefficients(max(one - per_token, 0.0), per_token, per_token,
+                                              per_token / 1000))
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> list[int]:
@@ -194,5 +240,7 @@ def draft_proposer_for(runner: ModelRunner, path: str) -> DraftModelProposer:
                           f"({params:,} > {runner.num_params:,}): {path}")
     logger.info("draft model %s: %.1fM parameters, KV pool of %d blocks", path, params / 1e6,
                 runner.num_gpu_blocks)
-    return DraftModelProposer(model, runner.num_gpu_blocks, runner.block_size, runner.kv_dtype,
-                              device)
+    proposer = DraftModelProposer(model, runner.num_gpu_blocks, runner.block_size,
+                                  runner.kv_dtype, device)
+    proposer.pass_cost = proposer.measure_pass_cost()
+    return proposer
