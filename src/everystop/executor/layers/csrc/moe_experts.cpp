@@ -9,17 +9,30 @@
 //
 // Expert e is a row range of the stacked weights (gate_up [E * 2I, H], down [E * H, I]; dense
 // or GGUF blocks), multiplied by the decode GEMV: each chosen expert's weights stream once per
-// step for all the rows that chose it, and no other expert's are read.
+// step for all the rows that chose it, and no other expert's are read. The chosen experts run
+// in one parallel region, a whole expert per thread at a time.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
 #include "simd.h"
 
 namespace {
+
+// One chosen expert: the rows that chose it (ascending), their routing weights, its output.
+struct ExpertRows {
+  int64_t expert = 0;
+  std::vector<int64_t> rows;
+  std::vector<float> weights;
+  at::Tensor y;
+};
 
 // out[row[i]] += float(y[i]) * w[i], the product rounded to fp32 before the add (as the module
 // path's `out.index_add_(0, rows, y.float() * weights)`): no fused multiply-add.
@@ -69,41 +82,65 @@ at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
   const float* wt = weights.data_ptr<float>();
   for (int64_t s = 0; s < tokens * top_k; ++s) slots[id[s]].push_back(s);
 
-  const int64_t gate_up_rows = gate_up.size(0) / num_experts;
-  at::Tensor out = at::zeros({tokens, hidden}, h.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  std::vector<int64_t> rows;
-  std::vector<float> row_weights;
-  *chosen = 0;
+  // The chosen experts, ascending, each with its rows and their weights.
+  std::vector<ExpertRows> work;
   for (int64_t e = 0; e < num_experts; ++e) {
-    const std::vector<int64_t>& mine = slots[e];
-    if (mine.empty()) continue;
-    ++*chosen;
-    rows.clear();
-    row_weights.clear();
-    for (int64_t s : mine) {
-      rows.push_back(s / top_k);
-      row_weights.push_back(wt[s]);
+    if (slots[e].empty()) continue;
+    ExpertRows& ex = work.emplace_back();
+    ex.expert = e;
+    for (int64_t s : slots[e]) {
+      ex.rows.push_back(s / top_k);
+      ex.weights.push_back(wt[s]);
     }
+  }
+  *chosen = static_cast<int64_t>(work.size());
+
+  // Each expert's SwiGLU on its own thread (gate/up, activation and down back to back, the
+  // GEMVs inside single-threaded): one parallel region per layer instead of two per expert.
+  // Threads take experts from a shared counter, most rows first, so a thread the OS holds back
+  // leaves its share to the other. Every column sums in the same order on any thread.
+  const int64_t gate_up_rows = gate_up.size(0) / num_experts;
+  auto run = [&](ExpertRows& ex) {
     at::Tensor x = h;
     if (tokens > 1) {
-      x = h.index_select(0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())},
+      x = h.index_select(0, at::from_blob(ex.rows.data(), {static_cast<int64_t>(ex.rows.size())},
                                           at::TensorOptions().dtype(at::kLong)));
     }
+    const int64_t e = ex.expert;
     at::Tensor y = ES_NS::direct_project(x, gate_up.narrow(0, e * gate_up_rows, gate_up_rows),
                                          gate_up_fmt, int8_dot);
-    y = ES_NS::direct_project(ES_NS::direct_silu_mul(y), down.narrow(0, e * hidden, hidden),
-                              down_fmt, int8_dot)
-            .contiguous();
-    switch (y.scalar_type()) {
+    ex.y = ES_NS::direct_project(ES_NS::direct_silu_mul(y), down.narrow(0, e * hidden, hidden),
+                                 down_fmt, int8_dot)
+               .contiguous();
+  };
+  std::vector<size_t> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return work[a].rows.size() > work[b].rows.size();
+  });
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), work.size());
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (ExpertRows& ex : work) run(ex);
+  } else {
+    std::atomic<size_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (size_t i = next++; i < order.size(); i = next++) run(work[order[i]]);
+    });
+  }
+
+  // The weighted sum in ascending expert order, as the module path adds.
+  at::Tensor out = at::zeros({tokens, hidden}, h.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  for (const ExpertRows& ex : work) {
+    switch (ex.y.scalar_type()) {
       case at::kFloat:
-        add_weighted_rows(op, y.data_ptr<float>(), hidden, rows, row_weights);
+        add_weighted_rows(op, ex.y.data_ptr<float>(), hidden, ex.rows, ex.weights);
         break;
       case at::kBFloat16:
-        add_weighted_rows(op, y.data_ptr<at::BFloat16>(), hidden, rows, row_weights);
+        add_weighted_rows(op, ex.y.data_ptr<at::BFloat16>(), hidden, ex.rows, ex.weights);
         break;
       case at::kHalf:
-        add_weighted_rows(op, y.data_ptr<at::Half>(), hidden, rows, row_weights);
+        add_weighted_rows(op, ex.y.data_ptr<at::Half>(), hidden, ex.rows, ex.weights);
         break;
       default: TORCH_CHECK(false, "moe: activations must be fp32, bf16 or fp16");
     }
