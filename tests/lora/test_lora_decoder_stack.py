@@ -102,7 +102,7 @@ def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
             want[row, offset:offset + n] += (x[row].float() @ weights[2 * slot].float().T
                                              ) @ b.float().T
     assert not parts[1].is_contiguous()
-    got = KERNELS.lora_add_(out.clone(), x, slots, parts, col_offset=offset)
+    got = KERNELS.lora_add_(out.clone(), x, slots, parts, col_offsets=[offset])
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert torch.equal(got[:, :offset], out[:, :offset])
     assert torch.equal(got[:, offset + n:], out[:, offset + n:])

@@ -39,6 +39,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "lora.h"
 #include "simd.h"
 
 namespace ES_NS {
@@ -64,14 +65,6 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& query_start_loc,
                                       const at::Tensor& seq_lens, double scale,
                                       int64_t rows_per_item, int64_t window, double softcap);
-struct LoraPart {  // as csrc/lora_delta.cpp
-  int64_t first;
-  int64_t col_offset;
-};
-std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
-void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
-                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      const std::vector<LoraPart>& parts, int64_t stride);
 }  // namespace ES_NS
 
 namespace {
