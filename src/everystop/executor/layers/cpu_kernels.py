@@ -290,7 +290,7 @@ class CpuKernels:
         stacked gate_up and down then stand in `weights` for the MLP's).
         LoRA: `lora_slots` [rows] int64, each row's index into the pass's adapters (-1: base),
         and `lora_weights`, per adapter, per layer, per part (q, k, v, o, gate, up, down) its
-        (A, B), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
+        (A, B^T), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
@@ -314,9 +314,10 @@ class CpuKernels:
                   weights: Sequence[torch.Tensor], col_offsets: Sequence[int] = (0,)
                   ) -> torch.Tensor:
         """out[:, c_p:c_p + n_p] += (x[r] @ A_kp.T) @ B_kp.T in place for each row r of adapter
-        slot k = slots[r] (-1: none) and each part p; `weights` = per adapter, per part, (A, B):
-        A [rank, in] and B [n_p, rank] (rows may be strided) of x's dtype, an empty A where
-        adapter k leaves part p alone; c_p = col_offsets[p]."""
+        slot k = slots[r] (-1: none) and each part p; `weights` = per adapter, per part,
+        (A, B^T): A [rank, in] and B^T [rank, n_p] (rows may be strided) of x's dtype, an empty
+        A where adapter k leaves part p alone; c_p = col_offsets[p] (layers/lora.py's
+        split_parts cuts a fused pair so)."""
         self.ops.lora_add_(out, x, slots, list(weights), list(col_offsets))
         return out
 

@@ -170,7 +170,7 @@ class LoraBank:
     def pass_weights(self, linears: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
         """The decoder stack's LoRA weights: for each adapter of the current pass, for each of
         `linears` (name, the row counts of its parts: [q; k; v] has three), for each part its
-        (A, B), or two empty tensors where the adapter leaves that part alone."""
+        (A, B^T), or two empty tensors where the adapter leaves that part alone."""
         assert self.current is not None
         out: list[torch.Tensor] = []
         for slot in self.current.adapters:
@@ -179,8 +179,7 @@ class LoraBank:
 
     def _slot_parts(self, slot: int, linears: list[tuple[str, tuple[int, ...]]]
                     ) -> list[torch.Tensor]:
-        """pass_weights' list for one adapter, kept until its pairs change (views of them: no
-        copy)."""
+        """pass_weights' list for one adapter, kept until its pairs change."""
         cached = self._slot_lists.get(slot)
         if cached is not None:
             return cached
@@ -195,9 +194,10 @@ class LoraBank:
 
 
 def split_parts(pair: LoraPair | None, rows: tuple[int, ...]) -> list[torch.Tensor]:
-    """A fused pair as one (A, B) per part of its output rows: the part's rows of B and the
-    span of columns nonzero in them, with A's matching rows (views). A part without a nonzero
-    column (not targeted) gets two empty tensors."""
+    """A fused pair as one (A, B^T) per part of its output rows, as the grouped kernel takes
+    them: the span of rank columns nonzero in the part's rows of B, A's matching rows (a view)
+    and those B columns transposed ([rank, rows], a copy). A part without a nonzero column (not
+    targeted) gets two empty tensors."""
     out: list[torch.Tensor] = []
     start = 0
     for num in rows:
@@ -208,7 +208,7 @@ def split_parts(pair: LoraPair | None, rows: tuple[int, ...]) -> list[torch.Tens
             out += (_NONE, _NONE)
         else:
             first, last = int(cols[0]), int(cols[-1]) + 1
-            out += (pair.a[first:last], b[:, first:last])
+            out += (pair.a[first:last], b[:, first:last].T.contiguous())
         start += num
     return out
 

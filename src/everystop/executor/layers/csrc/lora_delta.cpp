@@ -2,16 +2,17 @@
 //
 //   out[r, c:c+n] += (x[r] @ A_k^T) @ B_k^T   for each row r of adapter k (k < 0: base)
 //
-// A_k [rank, in] and B_k [n, rank] are one adapter's pair on this linear's output columns
+// A_k [rank, in] and B_k^T [rank, n] are one adapter's pair on this linear's output columns
 // c..c+n (one part of a fused projection: q, k or v of [q; k; v]), the scaling folded into B
-// (layers/lora.py); an empty A means the adapter leaves those columns alone. B's rows may be
-// strided (a view of a wider matrix). Each row is computed alone, in a fixed order, so a row's
-// delta does not depend on the other rows.
+// (layers/lora.py; B is held transposed, as split_parts cuts it at load time); an empty A means
+// the adapter leaves those columns alone. B^T's rows may be strided (a view of a wider matrix).
+// Each row is computed alone, in a fixed order, so a row's delta does not depend on the other
+// rows.
 //
-// Both products are dot products against a matrix's rows: kW of them at a time, their lanes
-// reduced together (reduce_lanes). Rows are taken adapter by adapter and B a chunk of output
-// columns at a time, so that each chunk is read once per adapter and reused from L1 for every
-// row of that adapter. Threads split work items of up to kRowsPerItem rows of one adapter (a
+// x @ A^T is dot products against A's rows, kW of them at a time, their lanes reduced together
+// (reduce_lanes); (x @ A^T) @ B^T is kW output columns at a time, a multiply-add per rank
+// (no reduction). Rows are taken adapter by adapter and B^T a chunk of output columns at a
+// time, so that each chunk is read once per item and reused from L1 for each of its rows. Threads split work items of up to kRowsPerItem rows of one adapter (a
 // long prefill chunk of one adapter still spreads over every thread); a call with little
 // work runs on the calling thread alone, opening no parallel region (a region synchronizes
 // the threads, which costs more than a decode pass's deltas on a busy machine).
@@ -82,16 +83,16 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
     for (int64_t g = 0; g < num_groups; ++g) {
       const at::Tensor& a = weights[part.first + g * stride];
       if (groups[g].empty() || a.numel() == 0) continue;
-      const at::Tensor& b = weights[part.first + g * stride + 1];
+      const at::Tensor& bt = weights[part.first + g * stride + 1];
       TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
                       a.scalar_type() == x.scalar_type(),
                   "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
-      if (n_out < 0 && b.dim() == 2) n_out = b.size(0);
-      TORCH_CHECK(b.dim() == 2 && b.size(0) == n_out && b.size(1) == a.size(0) &&
-                      b.stride(1) == 1 && b.stride(0) >= b.size(1) &&
-                      b.scalar_type() == x.scalar_type() && part.col_offset >= 0 &&
+      if (n_out < 0 && bt.dim() == 2) n_out = bt.size(1);
+      TORCH_CHECK(bt.dim() == 2 && bt.size(1) == n_out && bt.size(0) == a.size(0) &&
+                      bt.stride(1) == 1 && bt.stride(0) >= bt.size(1) &&
+                      bt.scalar_type() == x.scalar_type() && part.col_offset >= 0 &&
                       part.col_offset + n_out <= ld_out,
-                  "lora: B must be [n, rank] with unit column stride, of x's dtype, n the ",
+                  "lora: B^T must be [rank, n] with unit column stride, of x's dtype, n the ",
                   "same for every adapter and within out's columns from col_offset");
       max_rank = std::max(max_rank, a.size(0));
     }
@@ -107,7 +108,7 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
     for (const LoraPart& part : parts) {
       const at::Tensor& a = weights[part.first + g * stride];
       if (num_rows && a.numel())
-        macs += num_rows * a.size(0) * (in + weights[part.first + g * stride + 1].size(0));
+        macs += num_rows * a.size(0) * (in + weights[part.first + g * stride + 1].size(1));
     }
   }
   const T* xp = x.data_ptr<T>();
@@ -141,18 +142,24 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
                    t.data() + (i * num_parts + p) * max_rank);
         }
       }
-      // Then B a chunk of output columns at a time, each chunk reused from L1 for every row.
+      // Then B^T a chunk of output columns at a time, each chunk reused from L1 for every row:
+      // delta[o] = sum over r of t[r] * B^T[r, o], r in order.
       for (int64_t p = 0; p < num_parts; ++p) {
         const at::Tensor& a = weights[parts[p].first + g * stride];
         if (a.numel() == 0) continue;
-        const at::Tensor& b = weights[parts[p].first + g * stride + 1];
-        const int64_t rank = a.size(0), n_out = b.size(0), ldb = b.stride(0);
-        const T* bp = b.data_ptr<T>();
+        const at::Tensor& bt = weights[parts[p].first + g * stride + 1];
+        const int64_t rank = a.size(0), n_out = bt.size(1), ldb = bt.stride(0);
+        const T* bp = bt.data_ptr<T>();
         for (int64_t o0 = 0; o0 < n_out; o0 += kOutChunk) {
           const int64_t n = std::min(kOutChunk, n_out - o0);
           for (int64_t i = 0; i < num_rows; ++i) {
-            dot_rows(t.data() + (i * num_parts + p) * max_rank, bp + o0 * ldb, n, rank, ldb,
-                     delta);
+            const float* ti = t.data() + (i * num_parts + p) * max_rank;
+            for (int64_t j = 0; j < n; j += kW) {
+              const int64_t m = std::min(kW, n - j);
+              vf acc = {};
+              for (int64_t r = 0; r < rank; ++r) acc += ti[r] * loadv_n(bp + r * ldb + o0 + j, m);
+              std::memcpy(delta + j, &acc, sizeof(acc));
+            }
             T* dst = op + rows[i] * ld_out + parts[p].col_offset + o0;
             for (int64_t j = 0; j < n; ++j)
               dst[j] = static_cast<T>(static_cast<float>(dst[j]) + delta[j]);
