@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from everystop.core.outputs import ScheduledSequence
-from everystop.executor.layers.cpu_kernels import load_cpu_kernels
+from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
 from everystop.executor.layers.lora import LoraPair, split_parts
 from everystop.executor.models.decoder import DecoderForCausalLM
 
@@ -63,9 +63,15 @@ def test_a_decode_pass_mixing_adapters_and_base_runs_the_stack_and_matches_peft(
         assert (logits[i] - ref).abs().max().item() < LOGIT_TOL, f"row {i} (adapter {lora_id})"
 
 
+# The best build this CPU runs, and the AVX2 one where that is another.
+ISAS = [isa for isa in runnable_isas()[:1] + ["avx2"] if isa in runnable_isas()]
+
+
+@pytest.mark.parametrize("isa", sorted(set(ISAS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
-    assert KERNELS is not None
+def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype, isa):
+    kernels = load_cpu_kernels(isa)
+    assert kernels is not None
     gen = torch.Generator().manual_seed(5)
     rows, n_in, n_out = 13, 100, 77  # not multiples of any vector width
     ranks = [16, 5, 0, 48]  # 0: this adapter leaves the linear alone
@@ -73,21 +79,21 @@ def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
     out = torch.randn(rows, n_out, generator=gen).to(dtype)
     weights: list[torch.Tensor] = []
     for r in ranks:
-        weights += ([torch.randn(r, n_in, generator=gen).to(dtype),
-                     torch.randn(n_out, r, generator=gen).to(dtype)] if r
+        weights += ([torch.randn(r, n_in, generator=gen).to(dtype),  # A
+                     torch.randn(r, n_out, generator=gen).to(dtype)] if r  # B^T
                     else [torch.empty(0), torch.empty(0)])
     slots = torch.tensor([0, 1, 2, 3, -1, 0, 3, 3, 1, 2, -1, 0, 1])
     want = out.float().clone()
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0 and ranks[slot]:
-            a, b = weights[2 * slot].float(), weights[2 * slot + 1].float()
-            want[row] += (x[row].float() @ a.T) @ b.T
-    got = KERNELS.lora_add_(out.clone(), x, slots, weights)
+            a, bt = weights[2 * slot].float(), weights[2 * slot + 1].float()
+            want[row] += (x[row].float() @ a.T) @ bt
+    got = kernels.lora_add_(out.clone(), x, slots, weights)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     untouched = (slots < 0) | (slots == 2)
     assert torch.equal(got[untouched], out[untouched])
-    # One part of a fused projection: B a column span of a wider matrix (strided rows), the
+    # One part of a fused projection: B^T a column span of a wider matrix (strided rows), the
     # delta landing in the part's own output columns only.
     offset, n = 20, 30
     parts: list[torch.Tensor] = []
@@ -96,13 +102,13 @@ def test_the_grouped_kernel_adds_each_rows_own_adapter_delta(dtype):
         if not r:
             parts += [torch.empty(0), torch.empty(0)]
             continue
-        b = torch.randn(n, r + 3, generator=gen).to(dtype)[:, 2:2 + r]
-        parts += [weights[2 * slot], b]
+        bt = torch.randn(r, n + 3, generator=gen).to(dtype)[:, 2:2 + n]
+        parts += [weights[2 * slot], bt]
         for row in (slots == slot).nonzero().flatten().tolist():
             want[row, offset:offset + n] += (x[row].float() @ weights[2 * slot].float().T
-                                             ) @ b.float().T
+                                             ) @ bt.float()
     assert not parts[1].is_contiguous()
-    got = KERNELS.lora_add_(out.clone(), x, slots, parts, col_offset=offset)
+    got = kernels.lora_add_(out.clone(), x, slots, parts, col_offsets=[offset])
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert torch.equal(got[:, :offset], out[:, :offset])
     assert torch.equal(got[:, offset + n:], out[:, offset + n:])
@@ -115,6 +121,38 @@ def test_a_fused_pair_splits_into_its_targeted_parts():
     b[:8, :rank] = torch.randn(8, rank)
     b[12:, rank:] = torch.randn(4, rank)
     parts = split_parts(LoraPair(a, b), (8, 4, 4))
-    assert torch.equal(parts[0], a[:rank]) and torch.equal(parts[1], b[:8, :rank])
+    assert torch.equal(parts[0], a[:rank]) and torch.equal(parts[1], b[:8, :rank].T)
     assert parts[2].numel() == 0 and parts[3].numel() == 0
-    assert torch.equal(parts[4], a[rank:]) and torch.equal(parts[5], b[12:, rank:])
+    assert torch.equal(parts[4], a[rank:]) and torch.equal(parts[5], b[12:, rank:].T)
+
+
+@pytest.mark.parametrize("isa", sorted(set(ISAS)))
+def test_a_prefill_sized_call_over_several_parts_matches_torch_and_each_row_alone(isa):
+    """Enough rows and work that the kernel splits one adapter's rows into several work items
+    over the threads; every row still gets exactly what it gets in a call of its own."""
+    kernels = load_cpu_kernels(isa)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(9)
+    rows, n_in, part_rows, ranks = 80, 600, (300, 200), (48, 7)
+    x = torch.randn(rows, n_in, generator=gen)
+    out = torch.randn(rows, sum(part_rows), generator=gen)
+    weights: list[torch.Tensor] = []
+    for r in ranks:
+        for n in part_rows:
+            weights += [torch.randn(r, n_in, generator=gen) / 8, torch.randn(r, n, generator=gen)]
+    slots = torch.tensor([0] * 70 + [1, -1] * 5)
+    offsets = [0, part_rows[0]]
+    got = kernels.lora_add_(out.clone(), x, slots, weights, offsets)
+    want = out.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        for p, (n, c) in enumerate(zip(part_rows, offsets, strict=True)):
+            a, bt = weights[4 * slot + 2 * p], weights[4 * slot + 2 * p + 1]
+            want[row, c:c + n] += (x[row] @ a.T) @ bt
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+    for row in (0, 33, 69, 70, 71):
+        alone = torch.full_like(slots, -1)
+        alone[row] = slots[row]
+        one = kernels.lora_add_(out.clone(), x, alone, weights, offsets)
+        assert torch.equal(one[row], got[row]), f"row {row}"

@@ -36,6 +36,7 @@ _SOURCES += [_CSRC / "quant_linear.cpp"]  # block-quantized weights (layers/quan
 _SOURCES += [_CSRC / "moe_experts.cpp"]  # the decoder stack's mixture-of-experts block
 _SOURCES += [_CSRC / "lora_delta.cpp"]  # LoRA deltas of rows over several adapters
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
+_HEADERS += [_CSRC / "lora.h"]  # the LoRA kernel's interface (lora_delta.cpp, decoder_stack.cpp)
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
 # glibc declares its vector variants only under -ffast-math, hence exp_v in csrc/simd.h.)
@@ -289,7 +290,7 @@ class CpuKernels:
         stacked gate_up and down then stand in `weights` for the MLP's).
         LoRA: `lora_slots` [rows] int64, each row's index into the pass's adapters (-1: base),
         and `lora_weights`, per adapter, per layer, per part (q, k, v, o, gate, up, down) its
-        (A, B), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
+        (A, B^T), empty tensors where the adapter leaves the part alone (see `lora_add_`)."""
         if self.batch_invariant:
             block_tables, query_start_loc, seq_lens = one_query_per_token(
                 x.shape[0], block_tables, query_start_loc, seq_lens)
@@ -310,12 +311,14 @@ class CpuKernels:
                                       ROWS_PER_ITEM, self.int8_decode_dot)
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
-                  weights: Sequence[torch.Tensor], col_offset: int = 0) -> torch.Tensor:
-        """out[:, col_offset:col_offset + n] += (x[r] @ A_k.T) @ B_k.T in place for each row r
-        of adapter slot k = slots[r] (-1: none); `weights` = [A_0, B_0, A_1, B_1, ...],
-        A [rank, in] and B [n, rank] (rows may be strided) of x's dtype, an empty A where
-        adapter k leaves these columns alone."""
-        self.ops.lora_add_(out, x, slots, list(weights), col_offset)
+                  weights: Sequence[torch.Tensor], col_offsets: Sequence[int] = (0,)
+                  ) -> torch.Tensor:
+        """out[:, c_p:c_p + n_p] += (x[r] @ A_kp.T) @ B_kp.T in place for each row r of adapter
+        slot k = slots[r] (-1: none) and each part p; `weights` = per adapter, per part,
+        (A, B^T): A [rank, in] and B^T [rank, n_p] (rows may be strided) of x's dtype, an empty
+        A where adapter k leaves part p alone; c_p = col_offsets[p] (layers/lora.py's
+        split_parts cuts a fused pair so)."""
+        self.ops.lora_add_(out, x, slots, list(weights), list(col_offsets))
         return out
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int

@@ -9,13 +9,21 @@ low-rank pair and added back (the SGMV/punica idea in plain torch)::
 A fused projection ([q; k; v], [gate; up]) holds one pair per adapter: A stacks the parts'
 A matrices, B places each part's B in its own output rows and rank columns (block diagonal), so
 one pair of GEMMs serves every part. PEFT's scaling is folded into B when the adapter loads.
+
+With the CPU kernels, the bank also keeps each pair cut into its parts when it loads (no zero
+block of B is read), and a linear's deltas for every adapter of the pass are one kernel call
+(csrc/lora_delta.cpp), as the decoder stack adds them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from everystop.executor.layers.cpu_kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -50,14 +58,15 @@ class LoraPass:
     rows is kept too; a linear picks the grouping whose row count its input has (the two counts
     differ: output rows are only cut out when they are fewer than all rows).
 
-    For the kernels that take every adapter of the pass at once (the decoder stack): `adapters`,
-    the pass's adapter slots in order, and `row_adapters`, each row's index into them (-1:
-    base)."""
+    For the kernels that take every adapter of the pass at once: `adapters`, the pass's adapter
+    slots in order, and `row_adapters`, each row's index into them (-1: base), with
+    `output_row_adapters` the same for the output rows."""
 
     all_rows: RowGroups
     output_rows: RowGroups | None = None
     adapters: tuple[int, ...] = ()
     row_adapters: torch.Tensor | None = None
+    output_row_adapters: torch.Tensor | None = None
 
     @staticmethod
     def from_slots(slots: torch.Tensor, output_rows: torch.Tensor | None) -> LoraPass:
@@ -69,7 +78,17 @@ class LoraPass:
         for k, (_, rows) in enumerate(all_rows.groups):
             row_adapters[rows] = k
         return LoraPass(all_rows, out, tuple(slot for slot, _ in all_rows.groups),
-                        row_adapters)
+                        row_adapters, None if out is None else row_adapters[output_rows])
+
+    def row_adapters_for(self, num_rows: int) -> torch.Tensor:
+        """`row_adapters` or `output_row_adapters`, whichever has `num_rows` rows."""
+        if num_rows == self.all_rows.num_rows:
+            assert self.row_adapters is not None
+            return self.row_adapters
+        if self.output_row_adapters is not None and num_rows == self.output_row_adapters.numel():
+            return self.output_row_adapters
+        raise ValueError(f"a LoRA pass over {self.all_rows.num_rows} rows got an input of "
+                         f"{num_rows} rows")
 
     def groups_for(self, num_rows: int) -> RowGroups:
         if num_rows == self.all_rows.num_rows:
@@ -88,9 +107,26 @@ class LoraBank:
     names: set[str] = field(default_factory=set)  # the linears hooked to this bank
     pairs: dict[str, dict[int, LoraPair]] = field(default_factory=dict)
     current: LoraPass | None = None
-    # slot -> (the pairs its parts were cut from, the parts): pass_weights' cache
-    _parts: dict[int, tuple[list[LoraPair | None], list[torch.Tensor]]] = field(
-        default_factory=dict)
+    # linear -> its parts' output rows ([q; k; v] has three); set with `kernels`
+    part_rows: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kernels: CpuKernels | None = None
+    # linear -> slot -> its pair cut into parts (split_parts), made as the adapter loads
+    parts: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    # slot -> pass_weights' list for it (the stack's linears, in its order)
+    _slot_lists: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def add(self, slot: int, name: str, pair: LoraPair) -> None:
+        """Serve `pair` as adapter `slot`'s on linear `name`."""
+        self.pairs.setdefault(name, {})[slot] = pair
+        if name in self.part_rows:
+            self.parts.setdefault(name, {})[slot] = split_parts(pair, self.part_rows[name])
+        self._slot_lists.pop(slot, None)
+
+    def remove(self, slot: int) -> None:
+        """Drop every pair of adapter `slot`."""
+        for by_slot in (*self.pairs.values(), *self.parts.values()):
+            by_slot.pop(slot, None)
+        self._slot_lists.pop(slot, None)
 
     def add_delta(self, linear: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (= x @ W^T, this pass's fresh output) plus each row's adapter delta, in place."""
@@ -99,6 +135,8 @@ class LoraBank:
             return out
         by_slot = self.pairs.get(linear)
         if not by_slot:
+            return out
+        if self._kernel_add(linear, batch, x, out):
             return out
         for slot, rows in batch.groups_for(x.shape[0]).groups:
             pair = by_slot.get(slot)
@@ -109,10 +147,30 @@ class LoraBank:
             out.index_add_(0, rows, delta.to(out.dtype))
         return out
 
+    def _kernel_add(self, linear: str, batch: LoraPass, x: torch.Tensor, out: torch.Tensor
+                    ) -> bool:
+        """Every adapter's deltas on `linear` in one grouped kernel call, where the kernels
+        take these tensors (CPU, x's dtype throughout, `out` contiguous). False: not done."""
+        kernels, by_slot = self.kernels, self.parts.get(linear)
+        if (kernels is None or by_slot is None or not kernels.handles(x)
+                or x.dtype != out.dtype or out.dim() != 2 or not out.is_contiguous()):
+            return False
+        rows = self.part_rows[linear]
+        none = [_NONE, _NONE] * len(rows)
+        weights: list[torch.Tensor] = []
+        for slot in batch.adapters:
+            weights += by_slot.get(slot, none)
+        if any(w.dtype != x.dtype for w in weights if w.numel()):
+            return False
+        offsets = [sum(rows[:p]) for p in range(len(rows))]
+        kernels.lora_add_(out, x.contiguous(), batch.row_adapters_for(x.shape[0]), weights,
+                          offsets)
+        return True
+
     def pass_weights(self, linears: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
         """The decoder stack's LoRA weights: for each adapter of the current pass, for each of
         `linears` (name, the row counts of its parts: [q; k; v] has three), for each part its
-        (A, B), or two empty tensors where the adapter leaves that part alone."""
+        (A, B^T), or two empty tensors where the adapter leaves that part alone."""
         assert self.current is not None
         out: list[torch.Tensor] = []
         for slot in self.current.adapters:
@@ -121,27 +179,25 @@ class LoraBank:
 
     def _slot_parts(self, slot: int, linears: list[tuple[str, tuple[int, ...]]]
                     ) -> list[torch.Tensor]:
-        """pass_weights' list for one adapter, kept while its pairs are the bank's (views of
-        them: no copy)."""
-        pairs = [self.pairs.get(name, {}).get(slot) for name, _ in linears]
-        cached = self._parts.get(slot)
-        if cached is not None and len(cached[0]) == len(pairs) and all(
-                a is b for a, b in zip(cached[0], pairs, strict=True)):
-            return cached[1]
-        live = {s for by_slot in self.pairs.values() for s in by_slot}
-        for gone in [s for s in self._parts if s not in live]:
-            del self._parts[gone]
+        """pass_weights' list for one adapter, kept until its pairs change."""
+        cached = self._slot_lists.get(slot)
+        if cached is not None:
+            return cached
         parts: list[torch.Tensor] = []
-        for pair, (_, rows) in zip(pairs, linears, strict=True):
-            parts += split_parts(pair, rows)
-        self._parts[slot] = (pairs, parts)
+        for name, rows in linears:
+            split = self.parts.get(name, {}).get(slot)
+            if split is None:
+                split = split_parts(self.pairs.get(name, {}).get(slot), rows)
+            parts += split
+        self._slot_lists[slot] = parts
         return parts
 
 
 def split_parts(pair: LoraPair | None, rows: tuple[int, ...]) -> list[torch.Tensor]:
-    """A fused pair as one (A, B) per part of its output rows: the part's rows of B and the
-    span of columns nonzero in them, with A's matching rows (views). A part without a nonzero
-    column (not targeted) gets two empty tensors."""
+    """A fused pair as one (A, B^T) per part of its output rows, as the grouped kernel takes
+    them: the span of rank columns nonzero in the part's rows of B, A's matching rows (a view)
+    and those B columns transposed ([rank, rows], a copy). A part without a nonzero column (not
+    targeted) gets two empty tensors."""
     out: list[torch.Tensor] = []
     start = 0
     for num in rows:
@@ -152,7 +208,7 @@ def split_parts(pair: LoraPair | None, rows: tuple[int, ...]) -> list[torch.Tens
             out += (_NONE, _NONE)
         else:
             first, last = int(cols[0]), int(cols[-1]) + 1
-            out += (pair.a[first:last], b[:, first:last])
+            out += (pair.a[first:last], b[:, first:last].T.contiguous())
         start += num
     return out
 

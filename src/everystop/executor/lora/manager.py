@@ -83,15 +83,13 @@ class LoraManager:
             if name not in self.bank.names:
                 raise LoraLoadError(f"{path}: this base model's {name} takes no LoRA delta")
         for name, pair in adapter.pairs.items():
-            self.bank.pairs.setdefault(name, {})[lora_id] = type(pair)(
-                pair.a.to(device), pair.b.to(device))
+            self.bank.add(lora_id, name, type(pair)(pair.a.to(device), pair.b.to(device)))
         self.adapters[lora_id] = adapter
         return adapter
 
     def _drop(self, lora_id: int) -> None:
         self.adapters.pop(lora_id, None)
-        for by_slot in self.bank.pairs.values():
-            by_slot.pop(lora_id, None)
+        self.bank.remove(lora_id)
 
     def _make_resident(self, ids: set[int], running: frozenset[int]) -> None:
         """The adapters of a pass in the bank, most recently used; then the cap applied."""

@@ -296,13 +296,24 @@ class DecoderForCausalLM(nn.Module):
         down): the bank's names are `{layer}.qkv_proj`, `{layer}.o_proj`,
         `{layer}.gate_up_proj`, `{layer}.down_proj`. Idempotent."""
         if self.lora_bank is None:
-            bank = LoraBank()
+            bank = LoraBank(kernels=self.backends.kernels)
+            rows = self._lora_part_rows()
             for i, layer in enumerate(self.model.layers):
                 for name, module in lora_targets(layer).items():
                     module.lora = LoraHook(bank, f"{i}.{name}")
                     bank.names.add(f"{i}.{name}")
+                    bank.part_rows[f"{i}.{name}"] = rows[name]
             self.lora_bank = bank
         return self.lora_bank
+
+    def _lora_part_rows(self) -> dict[str, tuple[int, ...]]:
+        """The output rows of each part of a layer's LoRA-targeted projections."""
+        attn = self.model.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        inter = self.args.intermediate_size  # LoRA serves no tensor parallelism
+        hidden = self.args.hidden_size
+        return {"qkv_proj": (q, kv, kv), "o_proj": (hidden,), "gate_up_proj": (inter, inter),
+                "down_proj": (hidden,)}
 
     def set_rope(self, device: torch.device | str,
                  freq_factors: torch.Tensor | None = None) -> None:
@@ -377,12 +388,7 @@ class DecoderForCausalLM(nn.Module):
         if bank is None or bank.current is None:
             return None, []
         if "_stack_lora_linears" not in self.__dict__:
-            attn = self.model.layers[0].self_attn
-            q, kv = attn.q_size, attn.kv_size
-            inter = self.args.intermediate_size  # LoRA serves no tensor parallelism
-            hidden = self.args.hidden_size
-            parts = {"qkv_proj": (q, kv, kv), "o_proj": (hidden,),
-                     "gate_up_proj": (inter, inter), "down_proj": (hidden,)}
+            parts = self._lora_part_rows()
             self.__dict__["_stack_lora_linears"] = [
                 (f"{i}.{name}", parts[name]) for i in range(len(self.model.layers))
                 for name in STACK_LINEARS]

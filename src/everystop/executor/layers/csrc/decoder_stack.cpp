@@ -24,8 +24,8 @@
 // has a router, its gate_up and down weights are the experts' stacked ones.
 //
 // LoRA adapters are parameters too (csrc/lora_delta.cpp): each row's adapter slot (-1: base)
-// and the pass's adapters' (A, B) pairs, one per part of each projection (q, k, v, o, gate, up,
-// down: a fused projection's parts apart, so no zero block of its block-diagonal B is read),
+// and the pass's adapters' (A, B^T) pairs, one per part of each projection (q, k, v, o, gate,
+// up, down: a fused projection's parts apart, so no zero block of its block-diagonal B is read),
 // whose deltas are added after each projection as layers/lora.py adds them. With no slots
 // given the stack does no LoRA work at all.
 #include <ATen/core/Tensor.h>
@@ -39,6 +39,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "lora.h"
 #include "simd.h"
 
 namespace ES_NS {
@@ -64,14 +65,6 @@ at::Tensor direct_paged_attention_ext(const at::Tensor& q, const at::Tensor& key
                                       const at::Tensor& query_start_loc,
                                       const at::Tensor& seq_lens, double scale,
                                       int64_t rows_per_item, int64_t window, double softcap);
-struct LoraPart {  // as csrc/lora_delta.cpp
-  int64_t first;
-  int64_t col_offset;
-};
-std::vector<std::vector<int64_t>> lora_groups(const at::Tensor& slots, int64_t num_adapters);
-void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
-                      const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
-                      const std::vector<LoraPart>& parts, int64_t stride);
 }  // namespace ES_NS
 
 namespace {
@@ -87,7 +80,7 @@ constexpr int64_t kLoraPartsPerLayer = 7;  // q, k, v, o, gate, up, down
 // tensor: that layer's MLP is dense), each MoE layer's top-k weights renormalized with
 // moe_renormalize, and the number of experts it ran written to moe_chosen[layer].
 // lora_slots: empty, or each row's index into the pass's adapters (-1: base); lora_weights:
-// per adapter, per layer, per part (q, k, v, o, gate, up, down) its A then its B, both empty
+// per adapter, per layer, per part (q, k, v, o, gate, up, down) its A then its B^T, both empty
 // where the adapter does not target the part.
 at::Tensor decoder_stack_ext(const at::Tensor& x0, at::TensorList weights,
                              at::IntArrayRef formats, at::TensorList key_caches,
