@@ -42,27 +42,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _release_engines() -> Iterator[None]:
     """Engines hold KV pools of hundreds of MiB; collect any left in reference cycles after each
-    test so a long suite's memory stays flat on a 24 GiB machine. Then freeze what is still
-    alive (module fixtures, modules imported lazily, caches), so the next test's collection
-    walks only what that test allocates: unfrozen, a worker's heap grows with each module it
-    runs and every later test paid a pass over all of it (a test of milliseconds took 1-2 s
-    late in a full run). The fleet simulator and the runtime-stats test unfreeze the heap;
-    this freezes it again."""
+    test so a long suite's memory stays flat on a 24 GiB machine. Then freeze again if the test
+    unfroze the heap (the fleet simulator does, and the runtime-stats test): otherwise every
+    later test in the module walked it all again. What this freezes is only what is still alive
+    (the module's fixtures: no module that runs the simulator holds an engine in one)."""
     yield
     gc.collect()
-    if hasattr(gc, "freeze"):
-        gc.freeze()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_module_fixtures() -> Iterator[None]:
-    """After a module's own fixtures are torn down (this one is set up first, so it ends last),
-    one full pass: an engine that a module fixture held in a reference cycle was frozen after
-    each test, and only a pass over unfrozen objects frees it."""
-    yield
-    if hasattr(gc, "freeze"):
-        gc.unfreeze()
-        gc.collect()
+    if hasattr(gc, "freeze") and gc.get_freeze_count() == 0:
         gc.freeze()
 
 
