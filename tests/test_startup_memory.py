@@ -4,6 +4,7 @@ that `everystop bench startup` parses back."""
 from __future__ import annotations
 
 import logging
+import mmap
 
 import pytest
 
@@ -12,7 +13,10 @@ from everystop import startup_memory
 
 def test_a_checkpoint_records_the_memory_a_stage_grew() -> None:
     startup_memory.checkpoint("before")
-    grown = bytearray(b"\x01") * (64 * 2**20)  # every page written, so resident
+    # Fresh anonymous pages, each written so resident (malloc might reuse pages a long test
+    # worker already holds resident).
+    grown = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    grown.write(b"\x01" * (64 * 2**20))
     startup_memory.checkpoint("after")
     before, after = startup_memory.stages()[-2:]
     assert (before["stage"], after["stage"]) == ("before", "after")
@@ -20,7 +24,7 @@ def test_a_checkpoint_records_the_memory_a_stage_grew() -> None:
     assert after["anon_bytes"] - before["anon_bytes"] >= 60 * 2**20
     assert after["peak_rss_bytes"] >= after["rss_bytes"]
     assert 0 < before["t_s"] <= after["t_s"]
-    del grown
+    grown.close()
 
 
 def test_the_logged_line_parses_back_to_the_stages(caplog: pytest.LogCaptureFixture) -> None:
