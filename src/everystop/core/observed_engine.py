@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class ObservedEngine(Protocol):
-    @property
-    def clock(self) -> Callable[[], float]: ...
+class ConfiguredEngine(Protocol):
+    """The configs every engine surface reports (ObservedEngine, the server's EngineClient)."""
 
     @property
     def block_size(self) -> int: ...
@@ -30,6 +29,11 @@ class ObservedEngine(Protocol):
 
     @property
     def cache_config(self) -> CacheConfig: ...
+
+
+class ObservedEngine(ConfiguredEngine, Protocol):
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
     def update_config(self, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
         """Swap configs in between two iterations (a guardrail's auto-clamp)."""

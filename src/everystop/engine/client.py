@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from everystop.config import CacheConfig, SchedulerConfig
+from everystop.config import CacheConfig
 from everystop.core.listeners import FinishListener, IterationListener
-from everystop.core.observed_engine import ObservedEngine
+from everystop.core.observed_engine import ConfiguredEngine, ObservedEngine
 from everystop.core.outputs import RequestOutput, SchedulerStats
 from everystop.core.request import Request
 from everystop.engine.engine_state import EngineHealth, EngineMemory
@@ -18,7 +18,7 @@ from everystop.sampling_params import SamplingParams
 from everystop.tokenizer import EngineTokenizer
 
 
-class EngineClient(Protocol):
+class EngineClient(ConfiguredEngine, Protocol):
     """Requests in, outputs streamed out, and the state the server reports."""
 
     draining: bool
@@ -29,15 +29,6 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig: ...
-
-    @property
-    def cache_config(self) -> CacheConfig: ...
 
     @property
     def num_running(self) -> int: ...
