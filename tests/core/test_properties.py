@@ -48,6 +48,11 @@ def test_invariants_hold_and_everything_finishes(**workload) -> None:
                    (4, [3], 6, 0), (3, [3, 3], 8, 0)],
          num_blocks=20, block_size=1, max_num_seqs=3, extra_budget=0, chunk_size=2, mode="swap",
          prefix_caching=False, aborts=[], window=11, scheduling="continuous")
+# A victim swapped out after growing a block this pass (for a token no pass has computed).
+@example(requests=[(0, [3, 3, 3], 9, 0), (7, [3], 4, 1), (10, [3, 3], 1, 0),
+                   (4, [3, 3, 3, 3, 3, 3, 3], 1, 1)],
+         num_blocks=20, block_size=1, max_num_seqs=3, extra_budget=0, chunk_size=1, mode="swap",
+         prefix_caching=False, aborts=[], window=11, scheduling="continuous")
 def test_invariants_hold_under_a_sliding_window(window, scheduling, **workload) -> None:
     if scheduling == "static":  # the static baseline never swaps a victim back in
         workload["mode"] = "recompute"
