@@ -70,6 +70,23 @@ class Harness:
         return steps
 
 
+def check_swap_pairs(sched: SchedulerOutput, kv: KVCacheManager) -> None:
+    """A pass's swaps copy only pool blocks (never the null block of a released window entry)
+    to and from host blocks, each host block and each swap-in's device block once. A device
+    block may be copied out twice: two sequences sharing a cached prefix block each keep a
+    copy. NOTE: host and device ids are separate numberings (a host id may equal the null
+    block's device id), so each side is checked on its own."""
+    outs, ins = sched.blocks_to_swap_out, sched.blocks_to_swap_in
+    null = kv.null_block
+    for side in ([d for d, _ in outs], [d for _, d in ins]):  # device ids
+        assert null is None or null.block_id not in side, side
+        assert all(0 <= d < kv.num_gpu_blocks for d in side), side
+    for side in ([h for _, h in outs], [h for h, _ in ins], [d for _, d in ins]):
+        assert len(side) == len(set(side)), side
+    for side in ([h for _, h in outs], [h for h, _ in ins]):  # host ids
+        assert all(0 <= h < kv.num_cpu_blocks for h in side), side
+
+
 def make_harness(num_blocks: int = 256, block_size: int = 4, num_cpu_blocks: int = 0,
                  prefix_caching: bool = True, watermark: float = 0.0,
                  sliding_window: int | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from everystop.config import SchedulerConfig
+from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.preemption import PreemptionCostModel, choose_strategy
 from everystop.core.request import Request
 from everystop.sampling_params import SamplingParams
@@ -48,6 +49,25 @@ def test_cost_model_prefers_recompute_when_short_and_swap_when_long() -> None:
     slow_swap = PreemptionCostModel(prefill_tokens_per_s=1e6, swap_bytes_per_s=1e8,
                                     bytes_per_block=1 << 20)
     assert choose_strategy(req, 250, cfg, slow_swap, can_swap=True, now=0) == "recompute"
+
+
+def test_swap_out_copies_only_blocks_holding_computed_tokens() -> None:
+    kv = KVCacheManager(8, 2, num_cpu_blocks=8)
+    req = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    assert kv.allocate(req, 4)
+    req.num_computed_tokens = 4
+    req.output_token_ids.append(5)
+    assert kv.allocate(req, 1)  # room for position 4, written by no pass yet
+    table = kv.block_ids("a")
+    assert len(table) == 3
+    out = kv.swap_out(req)
+    assert [d for d, _ in out] == table[:2]  # the grown block is freed, not copied
+    assert kv.pool.num_free_blocks == 8 and kv.num_swapped_blocks == 2
+    kv.check_integrity({"a"})
+    back = kv.swap_in(req, 1)  # the copies, and room for position 4 again
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert [d for _, d in back] == kv.block_ids("a")[:2] and len(kv.block_ids("a")) == 3
+    kv.check_integrity({"a"})
 
 
 def test_victim_is_lowest_priority_then_most_recent() -> None:

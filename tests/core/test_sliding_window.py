@@ -13,7 +13,7 @@ from everystop.core.request import Request
 from everystop.core.sliding_window import SlidingWindow
 from everystop.sampling_params import SamplingParams
 
-from .helpers import Harness, make_harness
+from .helpers import Harness, check_swap_pairs, make_harness
 from .toy_executor import reference_output
 
 WINDOWS = [(16, 4), (10, 4), (3, 4), (8, 1), (12, 8)]  # (window, block size)
@@ -51,7 +51,7 @@ def _run_checking_tables(h: Harness) -> int:
             first_live = kv.window.first_live_block
             assert first_live(e.start_pos - lag) <= released <= first_live(e.start_pos), e
             assert len(e.block_ids) * kv.block_size >= e.seq_len
-        assert all(null not in pair for pair in sched.blocks_to_swap_out + sched.blocks_to_swap_in)
+        check_swap_pairs(sched, kv)
     return peak
 
 
@@ -124,6 +124,33 @@ def test_swap_copies_only_held_blocks_and_restores_released_entries() -> None:
     kv.begin_step()
     assert kv.pool.num_used_blocks == 0
     kv.check_integrity(set())
+
+
+def test_swap_pairs_copy_live_blocks_in_table_order() -> None:
+    # Four host blocks, so the last one's id (3) equals the null block's device id: the pairs'
+    # two sides are separate numberings, and only the device side must avoid the null block.
+    kv = KVCacheManager(4, 2, num_cpu_blocks=4, sliding_window=4)
+    assert kv.null_block is not None
+    null = kv.null_block.block_id
+    assert null == 3
+    other = Request("b", [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    assert kv.allocate(other, 4)
+    other.num_computed_tokens = 4
+    assert [h for _, h in kv.swap_out(other)] == [0, 1]  # takes host blocks 0 and 1
+    req = Request("a", list(range(6)), SamplingParams(max_tokens=4))
+    assert kv.allocate(req, 6)
+    req.num_computed_tokens = 6
+    live = kv.block_ids("a")[1:]
+    kv.release_behind_window(req, 6)  # position 6 reads 3..6: block 0 is released
+    assert kv.block_ids("a") == [null, *live]
+    out = kv.swap_out(req)
+    assert out == [(live[0], 2), (live[1], 3)]  # live entries only, to host blocks 2 and 3
+    kv.check_integrity({"a", "b"})
+    back = kv.swap_in(req, 1)  # 7 tokens: the two copies and a block for the new token
+    table = kv.block_ids("a")
+    assert len(table) == 4 and table[0] == null and null not in table[1:]
+    assert back == [(2, table[1]), (3, table[2])]  # each copy lands on its own entry
+    kv.check_integrity({"a", "b"})
 
 
 def _prefix_harness(num_blocks: int = 16) -> Harness:

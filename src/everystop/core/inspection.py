@@ -40,8 +40,15 @@ def check_scheduler_integrity(sched: SchedulerState) -> None:
                 r.num_computed_tokens - sched.padding_lag):
             raise AssertionError(f"{r.request_id} holds blocks its window has passed")
     for r in sched.swapped:
-        if r.request_id not in sched.kv.swapped_blocks:
+        host = sched.kv.swapped_blocks.get(r.request_id)
+        if host is None:
             raise AssertionError(f"swapped {r.request_id} has no host blocks")
+        # Copied: the blocks holding its computed tokens, less those its window released.
+        live = (sched.kv.blocks_needed(r.num_computed_tokens)
+                - sched.kv.num_released_blocks(r.request_id))
+        if len(host) != max(0, live):
+            raise AssertionError(f"swapped {r.request_id} has {len(host)} host blocks for "
+                                 f"{live} live computed blocks")
     waiting_by_tenant: dict[str, int] = {}
     for r in sched.waiting:
         waiting_by_tenant[r.tenant] = waiting_by_tenant.get(r.tenant, 0) + 1

@@ -93,6 +93,11 @@ class KVCacheManager:
         return (len(self.req_blocks.get(request_id, ()))
                 - self._num_released.get(request_id, 0))
 
+    def num_released_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table its window has passed (kept while it is
+        swapped out: they come back as released)."""
+        return self._num_released.get(request_id, 0)
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as it is now: a list the manager never changes later
         (callers must not change it either)."""
@@ -382,16 +387,19 @@ class KVCacheManager:
 
     def swap_out(self, req: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to host space: returns (device, host) copies to perform
-        before the next forward pass; the device blocks are free from now on. Released
-        entries are not copied: they come back as released."""
-        blocks = self.req_blocks.pop(req.request_id)
-        self._req_block_ids.pop(req.request_id, None)
-        blocks = blocks[self._num_released.get(req.request_id, 0):]
-        host = [self._cpu_free.pop() for _ in blocks]
-        self.swapped_blocks[req.request_id] = host
+        before the next forward pass; the device blocks are free from now on. Only entries
+        holding computed tokens are copied: released entries come back as released, and
+        those grown for tokens not computed yet (written by no pass) as room again."""
+        rid = req.request_id
+        released = self._num_released.get(rid, 0)
+        blocks = self.req_blocks.pop(rid)[released:]
+        self._req_block_ids.pop(rid, None)
+        num_copies = min(len(blocks), self.blocks_needed(req.num_computed_tokens) - released)
+        host = [self._cpu_free.pop() for _ in range(num_copies)]
+        self.swapped_blocks[rid] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
         self.pool.free_blocks(blocks[::-1])
-        self.registered_blocks.pop(req.request_id, None)
+        self.registered_blocks.pop(rid, None)
         return mapping
 
     def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
