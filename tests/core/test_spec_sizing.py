@@ -17,7 +17,7 @@ from everystop.core.spec_sizing import (
 from everystop.core.step_cost import StepCoefficients, StepCostModel, StepShape
 
 from .helpers import make_harness
-from .test_speculation import OracleProposer
+from .test_speculation import BatchOracle, OracleProposer
 
 
 class FakeStepCost(StepCostModel):
@@ -307,3 +307,31 @@ def test_a_queued_prompt_with_no_seat_free_leaves_speculation_on() -> None:
     h.add("queued", [7, 8, 9], max_tokens=400)
     sched, _ = h.step()
     assert sched.num_draft_tokens == 4 and sched.num_prefill_tokens == 0
+
+
+class IdleCountingOracle(BatchOracle):
+    """A batch proposer that counts the passes in which it drafted nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, seed=1, always_k=True)
+        self.idle = 0
+
+    def idle_pass(self) -> None:
+        self.idle += 1
+
+
+@pytest.mark.parametrize("cost, idle", [(compute_bound, 6), (memory_bound, 0)])
+def test_a_batch_proposer_hears_of_each_pass_it_was_not_asked_to_draft(cost, idle) -> None:
+    """Sized off (compute-bound passes) a draft model hears of every pass that ran without
+    it, so that it can keep its cost fit fresh; drafting, it hears of none."""
+    h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
+                     max_num_seqs=4, max_num_batched_tokens=8192,
+                     step_cost=FakeStepCost(cost))
+    oracle = h.scheduler.proposer = IdleCountingOracle()
+    for i in range(2):
+        h.add(f"r{i}", [3 + i, 4, 5, 6], max_tokens=400)
+    h.step()
+    for _ in range(6):
+        h.step()
+    assert oracle.idle == idle
+    assert len(oracle.batches) == 6 - idle

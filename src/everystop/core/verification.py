@@ -104,6 +104,8 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
         else:
             _add(sched, step, entry, req,
                  proposer.propose(req.prompt_token_ids + req.output_token_ids, k)[:k])
+    if batch and not planned and callable(idle := getattr(proposer, "idle_pass", None)):
+        idle()  # a draft model that keeps its pass cost fresh while sized off
     if batch and planned:
         contexts = [req.prompt_token_ids + req.output_token_ids for _, req, _ in planned]
         for (_, req, _), context in zip(planned, contexts):
