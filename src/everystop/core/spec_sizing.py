@@ -197,13 +197,15 @@ class SpecSizer:
             best = _Plan(ks, base, time_s, tokens, [])
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
+            catch_ups = [_catch_up_s(row, draft) if draft is not None else 0.0
+                         for row in rows]
             for depth in ([max((r.cap for r in rows), default=0)] if draft is None
                           else range(1, max((r.cap for r in rows), default=0) + 1)):
-                plan = self._plan(rows, base, predict, draft, depth)
+                plan = self._plan(rows, base, predict, draft, depth, catch_ups)
                 if plan.tokens * best.time_s > best.tokens * plan.time_s:
                     best = plan
             ks = best.ks
-            self._probe(rows, ks, best, predict, draft)
+            self._probe(rows, ks, best, predict, draft, catch_ups)
             shape_s, tokens = best.time_s, best.tokens
         elif time_s <= 0:
             ks = [row.cap for row in rows]  # no cost to weigh: every proposal is free
@@ -215,9 +217,10 @@ class SpecSizer:
 
     def _plan(self, rows: Sequence[SizingRow], base: StepShape,
               predict: Callable[[StepShape], float],
-              draft: Callable[[StepShape], float] | None, depth: int) -> _Plan:
+              draft: Callable[[StepShape], float] | None, depth: int,
+              catch_ups: Sequence[float]) -> _Plan:
         """Proposals up to `depth` per row, taken in order of expected value while each beats
-        the rate so far."""
+        the rate so far (a row's first charged its share of the draft's catch-up)."""
         shape = base
         shape_s = predict(shape)
         passes = [StepShape()] * depth if draft is not None else []
@@ -237,16 +240,15 @@ class SpecSizer:
         for value, i, j in candidates:
             if ks[i] != j:
                 continue  # the row's earlier proposal was not taken
+            catch_up = catch_ups[i] if j == 0 else 0.0
+            if catch_up > 0.0 and value * time_s <= tokens * catch_up:
+                continue  # its catch-up alone does not pay; another row's may
             grown = _one_more_query(shape)
             grown_s = predict(grown)
-            added = grown_s - shape_s
-            catch_up = 0.0
+            added = grown_s - shape_s + catch_up
             if draft is not None:
                 grown_pass = _one_more_row(passes[j], rows[i].context)
                 added += draft(grown_pass) - draft(passes[j])
-                if j == 0:
-                    catch_up = _catch_up_s(rows[i], draft)
-                    added += catch_up
             if value * time_s <= tokens * added:
                 if catch_up > 0.0:
                     continue  # this row's catch-up does not pay; another row's may
@@ -261,7 +263,7 @@ class SpecSizer:
 
     def _probe(self, rows: Sequence[SizingRow], ks: list[int], plan: _Plan,
                predict: Callable[[StepShape], float],
-               draft: Callable[[StepShape], float] | None) -> None:
+               draft: Callable[[StepShape], float] | None, catch_ups: Sequence[float]) -> None:
         """One proposal for each long-sized-off row, where one at acceptance 1 would pay."""
         time_s, tokens = plan.time_s, plan.tokens
         for i, row in enumerate(rows):
@@ -274,7 +276,7 @@ class SpecSizer:
                 first = plan.passes[0] if plan.passes else StepShape()
                 added += draft(_one_more_row(first, row.context)) - (
                     draft(first) if plan.passes else 0.0)
-                catch_up = _catch_up_s(row, draft)
+                catch_up = catch_ups[i]
             if time_s <= tokens * (added + catch_up):
                 if catch_up > 0.0 and time_s > tokens * added:
                     continue  # this row's catch-up does not pay; another row's may
