@@ -17,7 +17,7 @@ from everystop.core.spec_sizing import (
 from everystop.core.step_cost import StepCoefficients, StepCostModel, StepShape
 
 from .helpers import make_harness
-from .test_speculation import OracleProposer
+from .test_speculation import BatchOracle, OracleProposer
 
 
 class FakeStepCost(StepCostModel):
@@ -173,15 +173,58 @@ def test_an_info_summary_is_logged_once_a_minute(caplog: pytest.LogCaptureFixtur
     assert "4 passes, 8 rows, mean k 2.25, 2 sized off" in summary
 
 
-def test_proposals_stop_at_the_limit() -> None:
-    """A memory-bound pass would take every proposal; a limit 2.5 proposals' cost above the
-    pass's own predicted time admits two."""
-    sizer = SpecSizer(initial_acceptance=0.9)
-    rows, base = [SizingRow("a", 4), SizingRow("b", 4)], StepShape(0, 2, 20)
-    assert sizer.choose(rows, base, memory_bound) == [4, 4]
-    limit = memory_bound(base) + 2.5e-5
-    assert sum(sizer.choose(rows, base, memory_bound, limit_s=limit)) == 2
-    assert sizer.choose(rows, base, memory_bound, limit_s=memory_bound(base) / 2) == [0, 0]
+def _target(shape: StepShape) -> float:
+    """10 ms a pass, 0.5 ms a row or query token."""
+    return 0.010 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+
+def _draft(shape: StepShape) -> float:
+    """4 ms a pass, 0.5 ms a fed token."""
+    return 0.004 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+
+def test_a_draft_catch_up_is_charged_spread_over_the_tokens_the_row_may_still_emit() -> None:
+    """A 200-token context the draft has not seen costs 99.5 ms of draft prefill. Spread
+    over 64 tokens to come (1.6 ms) the first proposal still pays (1.8 tokens in 17 ms beats
+    1 in 10.5 ms); over the last 4 (25 ms) it does not. Caught up, the same row speculates
+    with 4 tokens to go."""
+    sizer = SpecSizer(initial_acceptance=0.8)
+    base = StepShape(0, 1, 201)
+
+    def ks(unseen: int, remaining: int) -> list[int]:
+        return sizer.choose([SizingRow("a", 4, 200, unseen, remaining)], base, _target,
+                            draft=_draft)
+
+    assert ks(200, 64)[0] > 0
+    assert ks(200, 4) == [0]
+    assert ks(1, 4)[0] > 0
+    assert ks(200, 4000)[0] > 0  # never spread wider than CATCH_UP_HORIZON passes
+    assert sizer.choose([SizingRow("a", 4, 200, 200, 4)], base, _target) != [0]  # no draft
+
+
+def test_a_row_whose_catch_up_does_not_pay_leaves_the_others_their_proposals() -> None:
+    """With a 1 ms draft pass, row `near` (caught up) gains; row `far` would need a
+    2,000-token catch-up spread over its last 8 tokens (125 ms): near speculates, far decodes
+    plainly, whichever comes first."""
+    def cheap_draft(shape: StepShape) -> float:
+        return 0.001 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+    sizer = SpecSizer(initial_acceptance=0.8)
+    for rows in ([SizingRow("far", 4, 2000, 2000, 8), SizingRow("near", 4, 200)],
+                 [SizingRow("near", 4, 200), SizingRow("far", 4, 2000, 2000, 8)]):
+        ks = dict(zip((r.request_id for r in rows),
+                      sizer.choose(rows, StepShape(0, 2, 2202), _target, draft=cheap_draft)))
+        assert ks["far"] == 0 and ks["near"] > 0
+
+
+def test_the_sizer_counts_what_a_draft_model_has_not_seen() -> None:
+    sizer = SpecSizer()
+    assert sizer.unseen("s", 120) == 120  # never drafted: the whole context
+    sizer.drafted("s", 100)
+    assert sizer.unseen("s", 103) == 3
+    assert sizer.unseen("s", 100) == 1  # the last token is always fed
+    sizer.forget("s")
+    assert sizer.unseen("s", 103) == 103
 
 
 def test_a_draft_models_passes_are_priced_so_a_large_batch_does_not_speculate() -> None:
@@ -232,3 +275,63 @@ def test_a_prompt_in_line_gets_the_pass_before_any_proposal() -> None:
         h.step()
     sched, _ = h.step()
     assert [row.num_draft_tokens for row in sched.scheduled] == [4, 4]
+
+
+def _ngram_harness(max_num_seqs: int = 4):
+    """A harness with one sequence decoding and an oracle that proposes 4 tokens always."""
+    h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, chunk_size=512,
+                     step_cost=FakeStepCost(memory_bound, per_token=1e-6))
+    h.scheduler.proposer = OracleProposer(0.0, seed=1, always_k=True)
+    h.add("r0", [3, 4, 5, 6], max_tokens=400)
+    h.step()
+    return h
+
+
+def test_no_proposal_rides_beside_even_a_short_prompt() -> None:
+    """Prefill is nearly free and the target leaves room for every proposal, but any proposal
+    would lengthen the pass that gives the new prompt its first token: none is made."""
+    h = _ngram_harness()
+    assert h.step()[0].num_draft_tokens == 4
+    h.add("short", [7, 8, 9], max_tokens=400)
+    sched, _ = h.step()
+    assert sched.num_draft_tokens == 0 and sched.num_prefill_tokens == 3
+    sched, _ = h.step()
+    assert [row.num_draft_tokens for row in sched.scheduled] == [4, 4]
+
+
+def test_a_queued_prompt_with_no_seat_free_leaves_speculation_on() -> None:
+    """With every seat taken the queued prompt cannot move this pass: the running sequence
+    keeps speculating (finishing sooner is what frees the seat)."""
+    h = _ngram_harness(max_num_seqs=1)
+    h.add("queued", [7, 8, 9], max_tokens=400)
+    sched, _ = h.step()
+    assert sched.num_draft_tokens == 4 and sched.num_prefill_tokens == 0
+
+
+class IdleCountingOracle(BatchOracle):
+    """A batch proposer that counts the passes in which it drafted nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, seed=1, always_k=True)
+        self.idle = 0
+
+    def idle_pass(self) -> None:
+        self.idle += 1
+
+
+@pytest.mark.parametrize("cost, idle", [(compute_bound, 6), (memory_bound, 0)])
+def test_a_batch_proposer_hears_of_each_pass_it_was_not_asked_to_draft(cost, idle) -> None:
+    """Sized off (compute-bound passes) a draft model hears of every pass that ran without
+    it, so that it can keep its cost fit fresh; drafting, it hears of none."""
+    h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
+                     max_num_seqs=4, max_num_batched_tokens=8192,
+                     step_cost=FakeStepCost(cost))
+    oracle = h.scheduler.proposer = IdleCountingOracle()
+    for i in range(2):
+        h.add(f"r{i}", [3 + i, 4, 5, 6], max_tokens=400)
+    h.step()
+    for _ in range(6):
+        h.step()
+    assert oracle.idle == idle
+    assert len(oracle.batches) == 6 - idle

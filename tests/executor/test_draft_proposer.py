@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from everystop.core.step_cost import StepShape
-from everystop.executor.draft_proposer import DraftModelProposer
+from everystop.executor.draft_proposer import REFRESH_INTERVAL, DraftModelProposer
 from everystop.executor.models.loader import load_model
 
 from ..models.family_builders import SPECS, hf_model, save_hf
@@ -110,3 +110,23 @@ def test_each_draft_pass_is_timed_into_its_cost_fit(tiny: str) -> None:
     proposer.propose_batch([list(range(10, 20)), list(range(30, 35))], [3, 1])
     assert proposer.pass_cost.num_observations == 3  # one pass per depth: rows 2, 1, 1
     assert proposer.pass_cost.last_measured_s > 0
+
+
+def test_an_idle_draft_times_one_pass_every_refresh_interval(tiny: str) -> None:
+    """Sized off, the draft runs no pass its fit could learn from: the REFRESH_INTERVAL-th
+    scheduler pass in a row without one times a one-token pass into the fit; a draft pass
+    restarts the count."""
+    proposer = _proposer(tiny, num_blocks=32)
+    for _ in range(REFRESH_INTERVAL - 1):
+        proposer.idle_pass()
+    assert proposer.pass_cost.num_observations == 0
+    proposer.idle_pass()
+    assert proposer.pass_cost.num_observations == 1
+    assert proposer.pass_cost.last_measured_s > 0
+    assert sorted(proposer._free) == list(range(32))  # the measurement's blocks are back
+    for _ in range(REFRESH_INTERVAL - 1):
+        proposer.idle_pass()
+    proposer.propose_batch([list(range(10, 20))], [1])  # one draft pass
+    for _ in range(REFRESH_INTERVAL - 1):
+        proposer.idle_pass()
+    assert proposer.pass_cost.num_observations == 2

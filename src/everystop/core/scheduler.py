@@ -210,8 +210,8 @@ class Scheduler:
         return prefilling
 
     def _speculate(self, step: PassBuilder, prefilling: list[Request]) -> None:
-        """1b. Proposals on the decode rows, after all of them and before any prefill, within
-        what the prompts in line leave (core/spec_room.py). Not in the static baseline, nor
+        """1b. Proposals on the decode rows, after all of them and before any prefill, when no
+        prompt is in line (core/spec_room.py). Not in the static baseline, nor
         while a caller holds decode rows in bulk (the simulator)."""
         if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):

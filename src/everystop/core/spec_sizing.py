@@ -35,9 +35,15 @@ its row to draft pass j as well. Each D from 1 to the largest cap is sized as ab
 plan with the most tokens per second wins (none: k = 0 everywhere), so a large batch, whose
 draft passes cost about what the rows they save do, does not speculate.
 
-Limit. Proposals never take the pass (draft passes included) past `limit_s`: the time the
-TPOT target leaves once the prompts waiting for their first token are served
-(core/spec_room.py).
+Catch-up. A draft model holds K/V only for the tokens it was shown: a sequence it has not
+drafted for since its last `unseen - 1` tokens (its whole prompt, if never) has them fed in
+its first draft pass, a prefill the sequence's first proposal is charged for. It buys every
+later proposal of the sequence, so it is spread over the passes it serves: the tokens the
+row may still emit, at most CATCH_UP_HORIZON. A sequence sized off is not caught up (no
+draft pass runs for it); a long prompt in a large batch stays undrafted.
+
+Prompts in line. A pass that could prefill a prompt takes no proposal at all
+(core/spec_room.py): the rule sizes the passes whose rows are all decoding.
 
 Probing. A sequence sized off keeps no fresh evidence, so every PROBE_INTERVAL of its passes it
 verifies one proposal, if one at acceptance 1 would pay at the pass's rate (never in a
@@ -47,7 +53,6 @@ compute-bound pass): an estimate that was low recovers when the text turns copya
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +66,7 @@ GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global
 SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
 GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
+CATCH_UP_HORIZON = 64  # the most passes a draft catch-up is spread over
 SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
 
 
@@ -77,16 +83,20 @@ class _SeqState:
     trials: float = 0.0
     k: int = -1  # the last k chosen (-1: none yet)
     passes_off: int = 0  # consecutive passes sized to 0
+    drafted: int = 0  # tokens of the sequence a draft model was last shown (0: none)
 
 
 @dataclass(frozen=True)
 class SizingRow:
-    """A decode row that may speculate: its request, the most proposals it may take and its
-    context length (what a draft pass's row reads)."""
+    """A decode row that may speculate: its request, the most proposals it may take, its
+    context length (what a draft pass's row reads), the tokens a draft pass must feed for it
+    (1 when the draft has seen all but the last) and the tokens it may still emit."""
 
     request_id: str
     cap: int
     context: int = 0
+    unseen: int = 1
+    remaining: int = CATCH_UP_HORIZON
 
 
 @dataclass
@@ -105,6 +115,15 @@ def _one_more_query(shape: StepShape) -> StepShape:
     """`shape` with one more verified proposal: a query token of a row already counted."""
     return StepShape(shape.num_prefill_tokens + 1, shape.num_decode_rows,
                      shape.context_tokens + 1)
+
+
+def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float]) -> float:
+    """The draft's prefill of the row's unseen tokens before its last, spread over the passes
+    the row may still run (at most CATCH_UP_HORIZON)."""
+    if row.unseen <= 1:
+        return 0.0
+    horizon = max(1, min(row.remaining, CATCH_UP_HORIZON))
+    return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
 
 
 def _one_more_row(shape: StepShape, context: int) -> StepShape:
@@ -155,13 +174,22 @@ class SpecSizer:
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
 
+    def drafted(self, request_id: str, num_tokens: int) -> None:
+        """A draft model was shown the sequence's first `num_tokens` tokens."""
+        self._seqs.setdefault(request_id, _SeqState()).drafted = num_tokens
+
+    def unseen(self, request_id: str, num_tokens: int) -> int:
+        """Of the sequence's `num_tokens` tokens, those a draft pass would feed: the ones
+        since the draft was last shown it (all, if never), at least the last."""
+        s = self._seqs.get(request_id)
+        return max(num_tokens - (s.drafted if s is not None else 0), 1)
+
     def choose(self, rows: Sequence[SizingRow], base: StepShape,
                predict: Callable[[StepShape], float], now: float = 0.0, *,
-               limit_s: float = math.inf,
                draft: Callable[[StepShape], float] | None = None) -> list[int]:
         """Each row's k (0 .. its cap) for a pass whose rows so far have shape `base`, priced
-        by `predict` (the module docstring's rule): the pass with its draft passes kept within
-        `limit_s` seconds, each draft pass priced by `draft` (None: proposals cost no pass)."""
+        by `predict` (the module docstring's rule), each draft pass priced by `draft` (None:
+        proposals cost no pass)."""
         ks = [0] * len(rows)
         time_s = predict(base)
         tokens = float(base.num_decode_rows)
@@ -169,13 +197,15 @@ class SpecSizer:
             best = _Plan(ks, base, time_s, tokens, [])
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
+            catch_ups = [_catch_up_s(row, draft) if draft is not None else 0.0
+                         for row in rows]
             for depth in ([max((r.cap for r in rows), default=0)] if draft is None
                           else range(1, max((r.cap for r in rows), default=0) + 1)):
-                plan = self._plan(rows, base, predict, limit_s, draft, depth)
-                if plan is not None and plan.tokens * best.time_s > best.tokens * plan.time_s:
+                plan = self._plan(rows, base, predict, draft, depth, catch_ups)
+                if plan.tokens * best.time_s > best.tokens * plan.time_s:
                     best = plan
             ks = best.ks
-            self._probe(rows, ks, best, predict, limit_s, draft)
+            self._probe(rows, ks, best, predict, draft, catch_ups)
             shape_s, tokens = best.time_s, best.tokens
         elif time_s <= 0:
             ks = [row.cap for row in rows]  # no cost to weigh: every proposal is free
@@ -186,16 +216,15 @@ class SpecSizer:
         return ks
 
     def _plan(self, rows: Sequence[SizingRow], base: StepShape,
-              predict: Callable[[StepShape], float], limit_s: float,
-              draft: Callable[[StepShape], float] | None, depth: int) -> _Plan | None:
+              predict: Callable[[StepShape], float],
+              draft: Callable[[StepShape], float] | None, depth: int,
+              catch_ups: Sequence[float]) -> _Plan:
         """Proposals up to `depth` per row, taken in order of expected value while each beats
-        the rate so far and the whole stays within limit_s; None if even none fits."""
+        the rate so far (a row's first charged its share of the draft's catch-up)."""
         shape = base
         shape_s = predict(shape)
         passes = [StepShape()] * depth if draft is not None else []
         time_s = shape_s + (depth * draft(StepShape()) if draft is not None else 0.0)
-        if time_s > limit_s:
-            return None
         tokens = float(base.num_decode_rows)
         candidates = []
         for i, row in enumerate(rows):
@@ -209,14 +238,21 @@ class SpecSizer:
         candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
         ks = [0] * len(rows)
         for value, i, j in candidates:
+            if ks[i] != j:
+                continue  # the row's earlier proposal was not taken
+            catch_up = catch_ups[i] if j == 0 else 0.0
+            if catch_up > 0.0 and value * time_s <= tokens * catch_up:
+                continue  # its catch-up alone does not pay; another row's may
             grown = _one_more_query(shape)
             grown_s = predict(grown)
-            added = grown_s - shape_s
+            added = grown_s - shape_s + catch_up
             if draft is not None:
                 grown_pass = _one_more_row(passes[j], rows[i].context)
                 added += draft(grown_pass) - draft(passes[j])
-            if time_s + added > limit_s or value * time_s <= tokens * added:
-                break  # over the limit, or value per added second no better than the rate
+            if value * time_s <= tokens * added:
+                if catch_up > 0.0:
+                    continue  # this row's catch-up does not pay; another row's may
+                break  # value per added second no better than the rate
             ks[i] += 1
             tokens += value
             time_s += added
@@ -226,8 +262,8 @@ class SpecSizer:
         return _Plan(ks, shape, time_s, tokens, passes)
 
     def _probe(self, rows: Sequence[SizingRow], ks: list[int], plan: _Plan,
-               predict: Callable[[StepShape], float], limit_s: float,
-               draft: Callable[[StepShape], float] | None) -> None:
+               predict: Callable[[StepShape], float],
+               draft: Callable[[StepShape], float] | None, catch_ups: Sequence[float]) -> None:
         """One proposal for each long-sized-off row, where one at acceptance 1 would pay."""
         time_s, tokens = plan.time_s, plan.tokens
         for i, row in enumerate(rows):
@@ -235,11 +271,15 @@ class SpecSizer:
             if ks[i] or row.cap <= 0 or s is None or s.passes_off + 1 < PROBE_INTERVAL:
                 continue
             added = predict(_one_more_query(plan.shape)) - predict(plan.shape)
+            catch_up = 0.0
             if draft is not None:
                 first = plan.passes[0] if plan.passes else StepShape()
                 added += draft(_one_more_row(first, row.context)) - (
                     draft(first) if plan.passes else 0.0)
-            if time_s + added > limit_s or time_s <= tokens * added:
+                catch_up = catch_ups[i]
+            if time_s <= tokens * (added + catch_up):
+                if catch_up > 0.0 and time_s > tokens * added:
+                    continue  # this row's catch-up does not pay; another row's may
                 return  # not even a certain token pays: no probe in this pass
             ks[i] = 1
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
-from everystop.core.spec_room import prefill_reserve, proposal_room
+from everystop.core.spec_room import prompt_in_line
 from everystop.core.spec_sizing import SizingRow
 from everystop.core.speculation import BatchProposer, speculates
 from everystop.core.step_cost import StepCostModel, StepShape
@@ -56,12 +56,14 @@ def num_accepted(drafts: list[int], verified: list[int]) -> int:
 def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
                   prefilling: Iterable[Request] = ()) -> None:
     """Give each decode row of `step` whose request speculates the proposals the sizing rule
-    chooses for it (core/spec_sizing.py, at most k), within what the prompts in line leave
-    of the token budget and the TPOT target (core/spec_room.py; `prefilling`: the running
-    rows still in their prompt) and the KV pool above the watermark (proposals never take
-    room running sequences may need)."""
+    chooses for it (core/spec_sizing.py, at most k), within the token budget and the KV pool
+    above the watermark (proposals never take room running sequences may need); none while
+    a prompt is in line for its first token (core/spec_room.py; `prefilling`: the running
+    rows still in their prompt)."""
     proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
     assert proposer is not None
+    if prompt_in_line(sched, prefilling):
+        return
     # A proposer that drafts many sequences in one go (a draft model: one forward pass per
     # step for all) is asked once, with each row's k planned against the budget up front.
     batch = proposer.propose_batch if isinstance(proposer, BatchProposer) else None
@@ -79,17 +81,21 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
             rows.append((entry, req, cap))
     if not rows:
         return
-    reserve = prefill_reserve(sched, prefilling, budget.max_tokens)
-    left, limit_s = proposal_room(budget, reserve)
-    # A draft model's own passes are priced by its fitted cost (DraftModelProposer.pass_cost).
+    left = budget.tokens_left
+    # A draft model's own passes are priced by its fitted cost (DraftModelProposer.pass_cost),
+    # a sequence's first one with the tokens the draft has not been shown yet.
     draft_cost = getattr(proposer, "pass_cost", None)
-    ks = sched.spec_sizer.choose(
-        [SizingRow(req.request_id, cap, entry.start_pos + 1) for entry, req, cap in rows],
-        pass_shape(step), sched.step_cost.predict, step.now, limit_s=limit_s,
+    sizer = sched.spec_sizer
+    ks = sizer.choose(
+        [SizingRow(req.request_id, cap, entry.start_pos + 1,
+                   sizer.unseen(req.request_id, entry.start_pos + 1),
+                   entry.sampling_params.max_tokens - len(req.output_token_ids))
+         for entry, req, cap in rows],
+        pass_shape(step), sched.step_cost.predict, step.now,
         draft=draft_cost.predict if isinstance(draft_cost, StepCostModel) else None)
     planned: list[tuple[ScheduledSequence, Request, int]] = []
     for (entry, req, _), k in zip(rows, ks):
-        k = min(k, left if batch else budget.tokens_left - reserve)
+        k = min(k, left if batch else budget.tokens_left)
         if k <= 0:
             continue
         if batch:
@@ -98,8 +104,12 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
         else:
             _add(sched, step, entry, req,
                  proposer.propose(req.prompt_token_ids + req.output_token_ids, k)[:k])
+    if batch and not planned and callable(idle := getattr(proposer, "idle_pass", None)):
+        idle()  # a draft model that keeps its pass cost fresh while sized off
     if batch and planned:
         contexts = [req.prompt_token_ids + req.output_token_ids for _, req, _ in planned]
+        for (_, req, _), context in zip(planned, contexts):
+            sizer.drafted(req.request_id, len(context))
         for (entry, req, k), drafts in zip(planned, batch(contexts, [k for *_, k in planned])):
             _add(sched, step, entry, req, drafts[:k])
 

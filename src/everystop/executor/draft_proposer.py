@@ -16,8 +16,12 @@ A new context reuses the entry whose num_context tokens it starts with (the long
 keeps the K/V of their common prefix, and prefills only the rest before its k greedy steps;
 a context no entry starts (a new sequence, or one after preemption) is prefilled whole. Entries
 are evicted least recently used when the pool runs out of blocks. Each pass is timed into
-`pass_cost`, a step-cost fit of the draft's own (seeded by two passes measured at load), which
-the scheduler's sizing rule prices draft passes with.
+`pass_cost`, a step-cost fit of the draft's own (seeded by two passes measured at load, each
+the fastest of SEED_RUNS after a warm-up, so that neither a first call nor another process's
+burst sets it), which the scheduler's sizing rule prices draft passes with. A fit learns only
+from the passes the draft runs, and the rule runs none while it sizes every sequence off: so
+after REFRESH_INTERVAL scheduler passes with no draft pass (`idle_pass`) one one-token pass is
+timed into the fit, and a price taken on a busier host does not keep speculation off for good.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from everystop.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+SEED_RUNS = 3  # timed runs of each seed pass at load (the fastest counts)
+REFRESH_INTERVAL = 256  # scheduler passes without a draft pass before one is timed
 
 
 @dataclass
@@ -87,6 +93,7 @@ class DraftModelProposer:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
+        self._idle_passes = 0  # scheduler passes since the last draft pass
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """k tokens (fewer near the draft's context limit) the draft decodes greedily after
@@ -131,23 +138,38 @@ class DraftModelProposer:
         """_run, its time folded into pass_cost (the tokens are on the host when it returns)."""
         start = time.perf_counter()
         tokens = self._run(jobs)
+        self._idle_passes = 0
         fed = sum(len(job.feed) for job in jobs)
         context = sum(job.start_pos + len(job.feed) for job in jobs)
         self.pass_cost.observe(StepShape(fed - len(jobs), len(jobs), context),
                                time.perf_counter() - start)
         return tokens
 
-    def measure_pass_s(self, num_tokens: int) -> float:
-        """Seconds of one pass over a `num_tokens` context (after a warm-up run), on blocks
-        given back afterwards (0 when the pool cannot hold it)."""
+    def idle_pass(self) -> None:
+        """A scheduler pass ran no draft pass: the REFRESH_INTERVAL-th in a row times one
+        one-token pass into pass_cost."""
+        self._idle_passes += 1
+        if self._idle_passes >= REFRESH_INTERVAL:
+            seconds = self.measure_pass_s(1, runs=1, warm_up=False)
+            if seconds > 0:
+                self.pass_cost.observe(StepShape(0, 1, 1), seconds)
+            self._idle_passes = 0
+
+    def measure_pass_s(self, num_tokens: int, runs: int = SEED_RUNS,
+                       warm_up: bool = True) -> float:
+        """Seconds of one pass over a `num_tokens` context: the fastest of `runs` (after a
+        warm-up run), on blocks given back afterwards (0 when the pool cannot hold it)."""
         entry = _Entry([], 0)
         if not self._reserve(entry, num_tokens, set()):
             return 0.0
         job = _Job(0, 1, entry, [1] * num_tokens, 0)
-        self._run([job])
-        start = time.perf_counter()
-        self._run([job])
-        seconds = time.perf_counter() - start
+        if warm_up:
+            self._run([job])
+        seconds = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            self._run([job])
+            seconds = min(seconds, time.perf_counter() - start)
         self._free.extend(entry.block_ids)
         return seconds
 
