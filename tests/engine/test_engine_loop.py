@@ -105,6 +105,42 @@ def test_async_engine_streams_and_aborts_on_early_exit() -> None:
         front.shutdown()
 
 
+def test_async_engine_wakes_each_event_loop_once_per_step() -> None:
+    """A step's outputs for every stream of one event loop go over in one wake-up (not one per
+    stream), and each stream still gets exactly its own tokens in order."""
+    from everystop.engine.async_engine import AsyncEngine
+
+    eng = make_toy_engine()
+    front = AsyncEngine(eng)
+    wakeups = [0]
+
+    async def consume(prompt: str) -> list[int]:
+        got: list[int] = []
+        async for out in front.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)):
+            got.extend(out.new_token_ids)
+        return got
+
+    async def main() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            wakeups[0] += 1
+            return wake(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        return await asyncio.gather(*(consume(f"s{i}") for i in range(6)))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        front.shutdown()
+    for i, toks in enumerate(streams):
+        assert toks == reference_output([ord(c) for c in f"s{i}"], 12)
+    # Six streams of 12 tokens: 72 outputs, at most one wake-up per step that produced any.
+    assert 12 <= wakeups[0] <= eng.num_steps < 72
+
+
 class _TwoEosTokenizer(CharTokenizer):
     """A model with a second end-of-sequence id (as chat models have <|im_end|>)."""
 

@@ -176,8 +176,11 @@ def measure(build_engine: Callable[[], Any], prompt_ids: list[int], *, decode_st
         seen = []
         async for out in aengine.generate(list(prompt_ids), params):
             got = time.perf_counter()
-            choice = fmt.chunk_choice(0, out.new_text, None, out.finish_reason, first=False)
-            frame = sse(fmt.body([choice], None, chunk=True))
+            # As the server frames it: a text-only token from the template, others built.
+            frame = None if out.finished else fmt.text_frame(0, out.new_text)
+            if frame is None:
+                choice = fmt.chunk_choice(0, out.new_text, None, out.finish_reason, first=False)
+                frame = sse(fmt.body([choice], None, chunk=True))
             seen.append({"arrived": got, "sse": time.perf_counter() - got, "bytes": len(frame),
                          "handoff": got - returned_at.get(len(out.token_ids), got)})
         return seen

@@ -252,16 +252,23 @@ class AsyncEngine:
                     f"(stall timeout {self.stall_timeout_s:g}s)"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their consumers: one wake-up per event loop per step, not
+        one per output (each wake-up is a write to the loop's self-pipe and a loop iteration,
+        128 of them per step at 128 streams)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             # NOTE: a finished stream stays registered until its consumer has read the end
             # (stream()'s finally pops it), so a consumer that starts late still finds it.
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-            except RuntimeError:  # its event loop is gone: nobody will ever read this
-                self.abort(out.request_id)
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is gone: nobody will ever read these
+                for _, out in items:
+                    self.abort(out.request_id)
 
     def _watchdog(self) -> None:
         """Free sequences whose consumer is gone (stream closed or its loop stopped) without an
@@ -397,6 +404,12 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Event-loop side of `_deliver`: each output onto its stream's queue, in step order."""
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _drop_backlog(queue: asyncio.Queue) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from everystop.core.outputs import TokenLogprob
 from everystop.server import protocol
+from everystop.server.streaming import TextFrames
 from everystop.server.tool_stream import ToolCallStream
 from everystop.server.tools import parse_tool_calls
 
@@ -53,6 +54,12 @@ class CompletionFormat:
         self.model = model
         self.id = protocol.new_id("cmpl")
         self.token_text = _Tokens(tokenizer)
+        self._frames: dict[int, TextFrames] = {}
+
+    def text_frame(self, index: int, text: str) -> bytes | None:
+        """The SSE frame of choice `index`'s text-only chunk past its first (None: build it
+        with chunk_choice and body)."""
+        return _text_frame(self, self._frames, index, text)
 
     def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
         tokens, offsets = [], []
@@ -115,6 +122,7 @@ class ChatFormat:
         self.token_text = _Tokens(tokenizer)
         self.tool_names = tool_names
         self.parallel_tool_calls = parallel_tool_calls
+        self._frames: dict[int, TextFrames] = {}
         # With tools, each streamed choice's text goes through a ToolCallStream: content and
         # call argument deltas as they are generated.
         self._streams: dict[int, ToolCallStream] = {}
@@ -154,6 +162,12 @@ class ChatFormat:
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
+    def text_frame(self, index: int, text: str) -> bytes | None:
+        """As CompletionFormat's; None with tools (the text goes through a ToolCallStream)."""
+        if self.tool_names is not None:
+            return None
+        return _text_frame(self, self._frames, index, text)
+
     def final_choice(self, index: int, text: str, logprobs: dict[str, Any] | None,
                      finish_reason: str | None) -> dict[str, Any]:
         message, finish_reason = self._message(text, finish_reason)
@@ -178,3 +192,17 @@ class ChatFormat:
 
 
 Format = CompletionFormat | ChatFormat
+
+
+def _text_frame(fmt: Format, frames: dict[int, TextFrames], index: int,
+                text: str) -> bytes | None:
+    """`sse(fmt.body([fmt.chunk_choice(index, text, None, None, False)], None, chunk=True))`,
+    from a template kept per choice. Empty text has a shape of its own (chat: no content)."""
+    if not text:
+        return None
+    template = frames.get(index)
+    if template is None:
+        def build(t: str) -> dict[str, Any]:
+            return fmt.body([fmt.chunk_choice(index, t, None, None, False)], None, chunk=True)
+        template = frames[index] = TextFrames(build)
+    return template.frame(text)

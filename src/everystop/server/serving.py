@@ -351,6 +351,11 @@ async def _stream_events(ctx: ServingContext, body: _GenerationRequest, fmt: For
             if not (out.new_text or out.finished or first or (want_lp and out.new_logprobs)):
                 continue  # text held back (partial UTF-8 or a possible stop string)
             started.add(c.index)
+            if not (first or want_lp or out.finished or body.continuous_usage):
+                frame = fmt.text_frame(c.index, out.new_text)  # the usual token: text only
+                if frame is not None:
+                    yield frame
+                    continue
             lp = fmt.logprobs(out.new_logprobs, offset) if want_lp else None
             text = out.new_text
             if first:

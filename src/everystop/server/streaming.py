@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -29,6 +31,36 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def sse(obj: dict[str, Any]) -> bytes:
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
     return b"data: " + text.encode() + b"\n\n"
+
+
+class TextFrames:
+    """The SSE frames of mid-stream text chunks (text only: no logprobs, finish reason or
+    usage), byte for byte what `sse(build(text))` gives, without building and dumping the
+    chunk's dict each token: the frame is built once per second (its `created` field) with a
+    marker where the text goes, and the text's JSON string is spliced in."""
+
+    _MARK = "\x00everystop-text\x00"
+
+    def __init__(self, build: Callable[[str], dict[str, Any]]) -> None:
+        """`build(text)`: the chunk's body for `text` (its `created` read when called)."""
+        self._build = build
+        self._second = -1
+        self._parts: tuple[bytes, bytes] | None = None
+
+    def frame(self, text: str) -> bytes | None:
+        """The frame for `text`, or None where the body cannot be cut at one marker (a model
+        name holding the marker): the caller then builds it the long way."""
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            whole = sse(self._build(self._MARK))
+            mark = encode_basestring(self._MARK).encode()
+            self._parts = ((whole[:whole.index(mark)], whole[whole.index(mark) + len(mark):])
+                           if whole.count(mark) == 1 else None)
+        if self._parts is None:
+            return None
+        head, tail = self._parts
+        return head + encode_basestring(text).translate(_LINE_BREAKS).encode() + tail
 
 
 class SSEResponse(StreamingResponse):
