@@ -164,10 +164,10 @@ def _int_dot_path(kernels: CpuKernels) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_int8_block_equals_single_row_integer_gemvs(kernels, fmt):
-    """With int8 activations a decode row's experts (csrc/moe_experts.cpp's integer expert
-    kernel, two columns per 512-bit register where the build has it) give exactly what the
-    single-row integer GEMV gives through each expert's gate/up and down."""
+def test_int8_block_rows_equal_single_row_integer_gemvs(kernels, fmt):
+    """With int8 activations the block's kernel (csrc/moe_experts.cpp) gives every row, however
+    many rows share its experts, exactly what that row's experts give it through single-row
+    integer GEMVs: a token's output does not depend on the batch around it."""
     ks = dataclasses.replace(kernels, int8_decode_dot=True)
     path = _int_dot_path(ks)
     num_experts, top_k, hidden, inter = 8, 3, 96, 64
@@ -176,16 +176,18 @@ def test_int8_block_equals_single_row_integer_gemvs(kernels, fmt):
     gate_up = quantize(torch.randn(num_experts * 2 * inter, hidden, generator=g) * 0.2, fmt)
     down = quantize(torch.randn(num_experts * hidden, inter, generator=g) * 0.2, fmt)
     code = FORMATS[fmt][0]
-    for _ in range(6):
-        x = torch.randn(1, hidden, generator=g)
+    for rows in (1, 2, 5, 9, 20):  # up to more than one 8-row pass per expert
+        x = torch.randn(rows, hidden, generator=g)
         got, chosen = ks.moe_block(x, router, gate_up.data, code, down.data, code, top_k, True)
         weights, ids = route(torch.nn.functional.linear(x, router), top_k, True)
-        expected = torch.zeros(1, hidden)
-        for e in sorted(ids[0].tolist()):
-            gu = gate_up.data[e * 2 * inter:(e + 1) * 2 * inter]
-            h = ks.ops.linear_q_small_path(x, gu, code, hidden, path)
-            dn = down.data[e * hidden:(e + 1) * hidden]
-            y = ks.ops.linear_q_small_path(ks.silu_mul(h), dn, code, inter, path)
-            expected = expected + y * weights[0, (ids[0] == e).nonzero()[0, 0]]
-        assert chosen == top_k
-        assert torch.equal(got, expected)
+        expected = torch.zeros(rows, hidden)
+        for t in range(rows):
+            for e in sorted(ids[t].tolist()):
+                gu = gate_up.data[e * 2 * inter:(e + 1) * 2 * inter]
+                h = ks.ops.linear_q_small_path(x[t:t + 1], gu, code, hidden, path)
+                dn = down.data[e * hidden:(e + 1) * hidden]
+                y = ks.ops.linear_q_small_path(ks.silu_mul(h), dn, code, inter, path)
+                w = weights[t, (ids[t] == e).nonzero()[0, 0]]
+                expected[t] = expected[t] + y[0] * w
+        assert chosen == len(set(ids.flatten().tolist()))
+        assert torch.equal(got, expected), f"{rows} rows"

@@ -67,8 +67,9 @@ void add_weighted_rows(float* out, const T* y, int64_t cols, const std::vector<i
 // a pair of columns in one 512-bit register: column c's block dot in the low half, c + 1's in
 // the high half, x's 32 bytes broadcast to both. The dot, its conversion, its scaling and the
 // per-lane accumulation are the same operations on the same values as that kernel's 256-bit
-// ones, and each half ends in the same 8-lane sum, so every output is bit-identical to it;
-// the per-row work per column is halved. x is rounded once per layer for all experts' gate/up.
+// ones, and each half ends in the same 8-lane sum, so every output is bit-identical to it at
+// any row count; the per-row work per column is halved, which is what an expert's few rows at
+// 32 streams are bound by. x is rounded once per layer for all experts' gate/up.
 #if ES_W == 16 && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define ES_EXPERT_INT_DOTS 1
 
@@ -309,16 +310,13 @@ at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
   const bool int8_experts = int8_dot && h.scalar_type() == at::kFloat &&
                             (gate_up_fmt == kFmtQ8_0 || gate_up_fmt == kFmtQ4_0) &&
                             (down_fmt == kFmtQ8_0 || down_fmt == kFmtQ4_0) &&
-                            h.size(1) % kBlk == 0 && down.size(1) % kBlk == 0;
+                            hidden % kBlk == 0 && (gate_up_rows / 2) % kBlk == 0;
   std::optional<Int8Rows> hq;
   if (int8_experts) hq.emplace(h.contiguous().data_ptr<float>(), tokens, hidden);
 #endif
   auto run = [&](ExpertRows& ex) {
 #ifdef ES_EXPERT_INT_DOTS
-    // NOTE: an expert with one row only: with more, some outputs came out a few ulps from
-    // what the same rows give alone (not yet located: the kernel itself is row-count
-    // invariant in isolation), so those take direct_project below.
-    if (int8_experts && ex.rows.size() == 1) {
+    if (int8_experts) {
       const int64_t e = ex.expert;
       ex.y = expert_int8(*hq, ex.rows, gate_up.narrow(0, e * gate_up_rows, gate_up_rows),
                          gate_up_fmt, down.narrow(0, e * hidden, hidden), down_fmt);
