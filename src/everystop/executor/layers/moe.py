@@ -140,7 +140,10 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router then experts; a drop-in for the decoder layer's SwiGLU (`mlp`)."""
+    """Router then experts; a drop-in for the decoder layer's SwiGLU (`mlp`). With the CPU
+    kernels, where every expert's linears would take the decode GEMV, the whole block is one
+    kernel call (`CpuKernels.moe_block`, the code the decoder stack runs), which with int8
+    activations and Q8_0/Q4_0 experts multiplies each expert's rows on integer dots."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, ctx: ParallelContext = SINGLE,
