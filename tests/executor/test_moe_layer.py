@@ -5,12 +5,14 @@ leave the output bit for bit unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 from everystop.executor.layers.moe import SparseMoeBlock, route
-from everystop.executor.layers.quant import quantize
+from everystop.executor.layers.quant import FORMATS, quantize
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
@@ -119,10 +121,12 @@ def poison_unchosen(ours: SparseMoeBlock, chosen: set[int]) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
-@pytest.mark.parametrize("use_kernels", [False, True])
+@pytest.mark.parametrize("use_kernels,int8", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows", [1, 4, 12])
-def test_unchosen_experts_are_never_read(fmt, use_kernels, rows, request):
+def test_unchosen_experts_are_never_read(fmt, use_kernels, int8, rows, request):
     ks = request.getfixturevalue("kernels") if use_kernels else None
+    if ks is not None:
+        ks = dataclasses.replace(ks, int8_decode_dot=int8)
     hf = _hf_block("qwen3_moe", 32, 2, True)
     ours = _ours(hf, "qwen3_moe", 2, True, ks, fmt)
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
@@ -150,3 +154,40 @@ def test_poison_is_seen_when_a_chosen_expert_is_poisoned():
 def test_top_k_is_checked():
     with pytest.raises(ValueError, match="experts per token"):
         SparseMoeBlock(HIDDEN, EXPERT_FFN, 4, 5, True)
+
+
+def _int_dot_path(kernels: CpuKernels) -> int:
+    paths = [int(p) for p in kernels.ops.int_dot_paths()]
+    if paths[-1] == 0:
+        pytest.skip("no integer dot path in this build")
+    return paths[-1]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_int8_block_rows_equal_single_row_integer_gemvs(kernels, fmt):
+    """With int8 activations the block's kernel (csrc/moe_experts.cpp) gives every row, however
+    many rows share its experts, exactly what that row's experts give it through single-row
+    integer GEMVs: a token's output does not depend on the batch around it."""
+    ks = dataclasses.replace(kernels, int8_decode_dot=True)
+    path = _int_dot_path(ks)
+    num_experts, top_k, hidden, inter = 8, 3, 96, 64
+    g = torch.Generator().manual_seed(11)
+    router = torch.randn(num_experts, hidden, generator=g) * 0.3
+    gate_up = quantize(torch.randn(num_experts * 2 * inter, hidden, generator=g) * 0.2, fmt)
+    down = quantize(torch.randn(num_experts * hidden, inter, generator=g) * 0.2, fmt)
+    code = FORMATS[fmt][0]
+    for rows in (1, 2, 5, 9, 20):  # up to more than one 8-row pass per expert
+        x = torch.randn(rows, hidden, generator=g)
+        got, chosen = ks.moe_block(x, router, gate_up.data, code, down.data, code, top_k, True)
+        weights, ids = route(torch.nn.functional.linear(x, router), top_k, True)
+        expected = torch.zeros(rows, hidden)
+        for t in range(rows):
+            for e in sorted(ids[t].tolist()):
+                gu = gate_up.data[e * 2 * inter:(e + 1) * 2 * inter]
+                h = ks.ops.linear_q_small_path(x[t:t + 1], gu, code, hidden, path)
+                dn = down.data[e * hidden:(e + 1) * hidden]
+                y = ks.ops.linear_q_small_path(ks.silu_mul(h), dn, code, inter, path)
+                w = weights[t, (ids[t] == e).nonzero()[0, 0]]
+                expected[t] = expected[t] + y[0] * w
+        assert chosen == len(set(ids.flatten().tolist()))
+        assert torch.equal(got, expected), f"{rows} rows"

@@ -188,7 +188,8 @@ def test_q8_0_experts_are_held_as_the_file_stores_them(q8_gguf):
 def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path, monkeypatch):
     """Decode two sequences one step; poison (NaN) every expert no row chose in that step, in
     every layer; the same step again, in the C++ decoder stack, gives bit-identical logits.
-    (The choices are seen by hooks on the layer-by-layer path, which routes as the stack.)"""
+    (The choices are seen by hooks on the layer-by-layer blocks, routing their inputs as the
+    stack does.)"""
     path = tmp_path / "own.gguf"  # a copy: the runner's loaded model is ours alone to poison
     shutil.copy(q8_gguf, path)
     runner = ModelRunner(ModelConfig(model=str(path), dtype="float32"),
@@ -203,9 +204,9 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(q8_gguf, tmp_path, 
     model.backends = dataclasses.replace(stacked, decoder_stack=False)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     chosen: dict[int, set[int]] = {}
-    hooks = [b.gate.register_forward_hook(
+    hooks = [b.register_forward_hook(
         lambda mod, inp, out, i=i: chosen.setdefault(i, set()).update(
-            route(out, blocks[i].top_k, blocks[i].renormalize)[1].flatten().tolist()))
+            route(mod.gate(inp[0]), mod.top_k, mod.renormalize)[1].flatten().tolist()))
         for i, b in enumerate(blocks)]
     _, clean = runner.forward_logits(step)
     for h in hooks:

@@ -74,6 +74,7 @@ _OPS += ("linear_q_small_path", "int_dot_paths")  # decode dot paths, for tests 
 _OPS += ("round_int8_blocks",)
 _OPS += ("paged_attention_ext", "decoder_stack_ext")  # the families' differences as parameters
 _OPS += ("lora_add_",)
+_OPS += ("moe_block",)  # a sparse mixture-of-experts block (csrc/moe_experts.cpp)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_LORA_ROWS = torch.empty(0, dtype=torch.int64)
 
@@ -320,6 +321,16 @@ class CpuKernels:
         split_parts cuts a fused pair so)."""
         self.ops.lora_add_(out, x, slots, list(weights), list(col_offsets))
         return out
+
+    def moe_block(self, h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
+                  gate_up_fmt: int, down: torch.Tensor, down_fmt: int, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, int]:
+        """A sparse MoE block on h [tokens, hidden] (layers/moe.py: router softmax, top-k,
+        each chosen expert's SwiGLU over the stacked weights, format codes as the decoder stack
+        takes them): (the output in h's dtype, how many experts ran)."""
+        out, chosen = self.ops.moe_block(h.contiguous(), router, gate_up, gate_up_fmt, down,
+                                         down_fmt, top_k, renormalize, self.int8_decode_dot)
+        return out, int(chosen)
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int
                        ) -> torch.Tensor:

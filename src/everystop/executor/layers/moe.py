@@ -20,8 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
-from everystop.executor.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
+from everystop.executor.layers.linear import (
+    DENSE,
+    ColumnParallelLinear,
+    HeldWeight,
+    RowParallelLinear,
+    gemv_rows,
+    linear,
+)
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
+from everystop.executor.layers.quant import FORMATS
 from everystop.executor.layers.weight_reads import WeightReads
 
 
@@ -113,9 +121,13 @@ class Experts(nn.Module):
             rows = slots // top_k
             y = self.expert(e, x[rows])
             out.index_add_(0, rows, y.float() * slot_weights[slots])
+        self.count_reads(chosen)
+        return out
+
+    def count_reads(self, chosen: int) -> None:
+        """A pass ran `chosen` experts: their bytes are what it read of the stacked weights."""
         if self.reads is not None:
             self.reads.add_partial(chosen * self.expert_bytes())
-        return out
 
     def expert_bytes(self) -> int:
         """The bytes of one expert's weights on this rank, as held (blocks or float)."""
@@ -128,7 +140,10 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router then experts; a drop-in for the decoder layer's SwiGLU (`mlp`)."""
+    """Router then experts; a drop-in for the decoder layer's SwiGLU (`mlp`). With the CPU
+    kernels, where every expert's linears would take the decode GEMV, the whole block is one
+    kernel call (`CpuKernels.moe_block`, the code the decoder stack runs), which with int8
+    activations and Q8_0/Q4_0 experts multiplies each expert's rows on integer dots."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, ctx: ParallelContext = SINGLE,
@@ -143,6 +158,32 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(hidden_size, intermediate_size, num_experts, ctx, kernels, reads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        kernels = experts.kernels
+        if kernels is not None and self._whole_block_kernel(x, kernels):
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            out, chosen = kernels.moe_block(x, self.gate.weight, gate_up.weight,
+                                            _format_code(gate_up), down.weight,
+                                            _format_code(down), self.top_k, self.renormalize)
+            experts.count_reads(chosen)
+            return out
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        out = experts(x, weights, ids)
         return self.ctx.all_reduce(out if out.dtype == x.dtype else out.to(x.dtype))
+
+    def _whole_block_kernel(self, x: torch.Tensor, kernels: CpuKernels) -> bool:
+        """Whether the whole block runs as one kernel call (csrc/moe_experts.cpp, which the
+        decoder stack runs too): on one rank, where every expert's linears would take the
+        decode GEMV (x's rows are at least any expert's), which that kernel calls."""
+        if (self.ctx.world_size != 1 or x.dim() != 2 or not x.shape[0]
+                or not kernels.handles(x)
+                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+            return False
+        return all(m.weight.is_contiguous()
+                   and x.shape[0] <= gemv_rows(m.weight, m.weight_format, x.dtype, kernels)
+                   for m in (self.experts.gate_up_proj, self.experts.down_proj))
+
+
+def _format_code(m: HeldWeight) -> int:
+    """A held weight's format as the kernels take it: 0 dense, else the block format's code."""
+    return 0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]

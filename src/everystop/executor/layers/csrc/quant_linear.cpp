@@ -763,3 +763,16 @@ at::Tensor direct_project(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                   : linear_q_small_path(x, w, fmt, x.size(1), kFloatPath);
 }
 }  // namespace ES_NS
+
+namespace ES_NS {
+// x [rows, k] fp32 rounded to int8 per 32 values exactly as the integer dots above take it
+// (quantize_rows), for the expert kernel (csrc/moe_experts.cpp): q [rows, k], and per block its
+// scale d [rows, k / 32] and q4_0's start lanes m8 [rows, k / 32, 8].
+void direct_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d,
+                          int32_t* m8) {
+  const QuantizedRows xq = quantize_rows(x, rows, k);
+  std::copy(xq.q.begin(), xq.q.end(), q);
+  std::copy(xq.d.begin(), xq.d.end(), d);
+  std::copy(xq.m8.begin(), xq.m8.end(), m8);
+}
+}  // namespace ES_NS
