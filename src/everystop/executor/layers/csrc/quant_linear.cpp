@@ -323,13 +323,22 @@ at::Tensor round_int8_blocks(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0,
               "round_int8_blocks: x [rows, k] with k divisible by 32");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const int64_t rows = x32.size(0), k = x32.size(1), nb = k / kBlock;
-  const QuantizedRows xq = quantize_rows(x32.data_ptr<float>(), rows, k);
+  const int64_t rows = x32.size(0), k = x32.size(1);
   at::Tensor out = at::empty({rows, k}, x32.options());
+  const float* xp = x32.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < rows * nb; ++i)
-    for (int64_t j = 0; j < kBlock; ++j)
-      op[i * kBlock + j] = xq.d[i] * static_cast<float>(xq.q[i * kBlock + j]);
+  // quantize_rows' arithmetic, block by block over the threads (a prefill chunk rounds each
+  // projection's input: serial, it cost a 128-row step ~3%).
+  at::parallel_for(0, rows * (k / kBlock), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = xp + i * kBlock;
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(xb[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < kBlock; ++j)
+        op[i * kBlock + j] = d * static_cast<float>(static_cast<int32_t>(std::nearbyint(xb[j] * inv)));
+    }
+  });
   return out;
 }
 
