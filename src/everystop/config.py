@@ -255,12 +255,14 @@ class ModelConfig:
     # casts around each GEMM), "q8_0"/"q4_0" float weights quantized at load.
     quantization: str = "auto"
     # Block weights (Q8_0/Q4_0/Q4_1) meet activations rounded to int8 per 32 values, as
-    # llama.cpp does, at every row count: single-row decodes take integer dot products (~1.4x
-    # faster GEMV) and a token computes the same decoded alone as inside a prefill chunk. Off by
-    # default: the rounding moves the default model's first-step logits up to 0.72 from
-    # transformers' fp32 ones, which tests/executor/test_llama_vs_transformers.py holds within
-    # 1e-3.
-    int8_decode_dot: bool = False
+    # llama.cpp does, at every row count: the decode GEMVs take integer dot products (~1.4x
+    # faster at one row) and a row computes the same alone as beside others. "auto" (the
+    # default): on where the CPU kernels run on block weights with an integer dot path, off for
+    # float/16-bit weights (executor/dtype_choice.py). The rounding moves the default model's
+    # logits ~10x less than its Q4_1 weights themselves do
+    # (tests/executor/test_int8_vs_transformers.py); "off" keeps fp32 activations, the exact
+    # reference tests/executor/test_llama_vs_transformers.py holds within 1e-3.
+    int8_decode_dot: Literal["auto", "on", "off"] = "auto"
     # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
     # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
     # count, attention with one query token per work item. Needs the CPU kernels. Off by
@@ -303,6 +305,9 @@ class ModelConfig:
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
             raise ConfigError("onednn_cache_capacity must be >= 1 (0 would compile every GEMM "
                               f"at every call), got {self.onednn_cache_capacity}")
+        if self.int8_decode_dot not in ("auto", "on", "off"):
+            raise ConfigError("int8_decode_dot must be auto, on or off, not "
+                              f"{self.int8_decode_dot!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype must be auto, float32, bfloat16 or float16, not "
                               f"{self.dtype!r}")
@@ -318,10 +323,6 @@ class ModelConfig:
         if self.attention_backend in ("torch", "reference"):
             raise ConfigError("batch_invariant needs the kernel attention backend, not "
                               f"{self.attention_backend!r}")
-        if self.int8_decode_dot:
-            raise ConfigError("batch_invariant and int8_decode_dot exclude each other: the "
-                              "integer dot products of a single-row decode sum in another order "
-                              "than the rows of a larger pass")
 
 
 @dataclass(frozen=True)

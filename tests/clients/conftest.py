@@ -31,9 +31,10 @@ def _release_engines() -> Iterator[None]:
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # float32 KV cache: lm-eval's loglikelihoods are compared with transformers' float32 ones.
+    # float32 KV cache and activations (no int8 rounding): lm-eval's loglikelihoods are
+    # compared with transformers' float32 ones.
     proc = start_model_server(tmp_path_factory.mktemp("clients"), "--max-model-len", "1024",
-                              "--kv-cache-dtype", "float32")
+                              "--kv-cache-dtype", "float32", "--int8-decode-dot", "off")
     yield proc
     proc.stop()
 

@@ -26,19 +26,27 @@ ROW_COUNTS = (1, 2, 3, 5, 8, 9, 33, 40, 100)
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "bfloat16-x", "q8_0", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "bfloat16-x", "q8_0", "q4_1",
+                                     "q8_0-int8", "q4_0-int8", "q4_1-int8", "q4_1-int8-bf16x"])
 def test_linear_row_sums_alike_at_every_row_count(weights: str, isa: str) -> None:
     """Each row of x @ W.T is bit-equal computed alone and inside any larger batch (100
-    output columns: a remainder no column group divides), in every build this CPU runs."""
-    kernels = load_cpu_kernels(isa, batch_invariant=True)
+    output columns: a remainder no column group divides), in every build this CPU runs; block
+    weights with fp32 activations and with int8 ones (-int8: integer block dots where the build
+    has them, at every row count)."""
+    int8 = "-int8" in weights
+    kernels = load_cpu_kernels(isa, int8_decode_dot=int8, batch_invariant=True)
     assert kernels is not None
+    if weights.endswith("-bf16x"):
+        weights = weights.removesuffix("-bf16x") + "-x"
+    weights = weights.replace("-int8", "")
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(100, 96, generator=gen)
     x = torch.randn(max(ROW_COUNTS), 96, generator=gen)
     fmt, k = "dense", 0
-    if weights in FORMATS:
-        q = quantize(w, weights)
+    if weights.removesuffix("-x") in FORMATS:
+        q = quantize(w, weights.removesuffix("-x"))
         w, fmt, k = q.data, q.fmt, q.cols
+        x = x.bfloat16() if weights.endswith("-x") else x
     elif weights.startswith("bfloat16"):
         w = w.bfloat16()
         x = x.bfloat16() if weights.endswith("-x") else x
@@ -51,10 +59,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 BLOCKS_PER_SEQ = 16
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    """The default model (Q4_1 blocks, fp32 activations, the default 16-bit KV cache)."""
-    return ModelRunner(ModelConfig(batch_invariant=True),
+@pytest.fixture(scope="module", params=["on", "off"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """The default model (Q4_1 blocks, fp32 activations, the default 16-bit KV cache), with
+    int8 activations (integer block dots; what auto picks here) and without."""
+    return ModelRunner(ModelConfig(batch_invariant=True, int8_decode_dot=request.param),
                        CacheConfig(num_gpu_blocks_override=64 * BLOCKS_PER_SEQ,
                                    swap_space_gib=0.0), max_model_len=1024)
 
@@ -100,10 +109,17 @@ def test_row_logits_alike_in_every_batch(runner: ModelRunner) -> None:
 
 
 @pytest.mark.parametrize("options", [dict(cpu_kernels="off"), dict(attention_backend="torch"),
-                                     dict(int8_decode_dot=True), dict(device="cuda")])
+                                     dict(device="cuda")])
 def test_batch_invariant_refused_where_it_cannot_hold(options: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="batch_invariant"):
         ModelConfig(batch_invariant=True, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("int8", ["auto", "on", "off"])
+def test_batch_invariant_takes_int8_activations(int8: str) -> None:
+    """Integer block dots sum each row alike at every row count, so the modes combine."""
+    config = ModelConfig(batch_invariant=True, int8_decode_dot=int8)  # type: ignore[arg-type]
+    assert config.int8_decode_dot == int8
 
 
 def test_flag_sets_the_mode() -> None:
@@ -116,11 +132,14 @@ def test_flag_sets_the_mode() -> None:
     assert not engine_config_from_args(parser.parse_args([])).model.batch_invariant
 
 
-def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str) -> None:
+@pytest.mark.parametrize("quantization", ["auto", "q4_0"])
+def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str,
+                                                                quantization: str) -> None:
     """48 greedy requests equal their alone outputs whatever the batch mix, under a KV pool
     that forces preemptions (recompute, swap, either), over three seeds. In bfloat16, where
     the default kernels' batch dependence is large enough to change 2-3 of the 48 requests
-    per seed on this model."""
+    per seed on this model. "q4_0": the weights quantized at load, so int8 activations (auto)
+    and integer block dots at every row count."""
     from everystop import LLM
     from everystop.executor.models.loader import default_model_path
 
@@ -129,6 +148,7 @@ def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str)
     params = [SamplingParams(temperature=0.0, max_tokens=gen.randrange(4, 16), ignore_eos=True)
               for _ in prompts]
     common = dict(tokenizer=default_model_path(), batch_invariant=True, dtype="bfloat16",
+                  quantization=quantization,
                   enable_prefix_caching=False, block_size=16)
     llm = LLM(tiny_llama, max_num_seqs=1, **common)
     alone = [llm.generate([p], [s], use_tqdm=False)[0].token_ids

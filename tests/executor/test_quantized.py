@@ -61,8 +61,8 @@ def test_kernels_compute_with_the_held_weights(kernels, fmt, rows):
                                q.dequantize(), rtol=0, atol=0)
     torch.testing.assert_close(linear(x, q.data, None, fmt, 320), exact, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
-    # With int8_decode_dot x is rounded to int8 per block at every row count and a single row
-    # takes an integer dot path where the build has one
+    # With int8_decode_dot x is rounded to int8 per block at every row count and the GEMV rows
+    # take an integer dot path where the build has one
     # (test_every_decode_dot_path_computes_the_same_product checks each); by default every row
     # is widened to fp32.
     for k8 in (kernels, dataclasses.replace(kernels, int8_decode_dot=True)):
@@ -105,7 +105,7 @@ def _q8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
 def test_every_decode_dot_path_computes_the_same_product(kernels, fmt, rows):
     """Each dot path this build runs on this CPU (0: fp32 widening; 1: AVX2 maddubs; 2:
     AVX-VNNI; 3: AVX512-VNNI) against a plain matmul of the same weights: the integer paths
@@ -123,6 +123,23 @@ def test_every_decode_dot_path_computes_the_same_product(kernels, fmt, rows):
         torch.testing.assert_close(out, xin @ q.dequantize().T, rtol=1e-4, atol=1e-4,
                                    msg=f"path {path}")
     print(f"\n{kernels.isa}: dot paths {paths}")
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_decode_dot_path_sums_a_row_alike_at_any_row_count(kernels, fmt):
+    """On each dot path, each row of a k-row call is bit-identical to that row alone (what
+    batch-invariant mode relies on with int8 activations): the row's blocks accumulate in the
+    same order whatever rows and columns share the pass (17: two groups of 8 and one row)."""
+    g = torch.Generator().manual_seed(3)
+    q = quantize(torch.randn(200, 320, generator=g), fmt)
+    x = torch.randn(17, 320, generator=g)
+    for path in kernels.ops.int_dot_paths():
+        alone = torch.cat([kernels.ops.linear_q_small_path(x[i:i + 1], q.data,
+                                                           FORMATS[fmt][0], 320, path)
+                           for i in range(len(x))])
+        for rows in (2, 5, 8, 9, 17):
+            out = kernels.ops.linear_q_small_path(x[:rows], q.data, FORMATS[fmt][0], 320, path)
+            assert torch.equal(out, alone[:rows]), (path, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

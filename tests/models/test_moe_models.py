@@ -83,7 +83,8 @@ def pair(request, tmp_path_factory):
         path = root / f"model-{source}.gguf"
         held = write_moe_gguf(model.config, checkpoint, path, source)
         reference = _reference_with(held, hf_dir, root / "as_held")
-    runner = ModelRunner(ModelConfig(model=str(path), dtype="float32"),
+    # fp32 activations, none rounded to int8 for the Q8_0 weights: an exact comparison.
+    runner = ModelRunner(ModelConfig(model=str(path), dtype="float32", int8_decode_dot="off"),
                          CacheConfig(num_gpu_blocks_override=8 * PER_SEQ, swap_space_gib=0.0,
                                      kv_cache_dtype="float32"), 512)
     return runner, reference

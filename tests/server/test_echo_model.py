@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.model, pytest.mark.server]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_model_server(tmp_path_factory.mktemp("echo"), "--max-num-seqs", "4",
                               "--max-num-batched-tokens", "64", "--chunk-size", "16",
-                              "--kv-cache-dtype", "float32")
+                              "--kv-cache-dtype", "float32", "--int8-decode-dot", "off")
     yield proc
     proc.stop()
 

@@ -34,6 +34,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", default="auto",
                     help="how weights are held (auto keeps the default model's Q4_1 blocks; "
                     "none: --dtype throughout; bf16: 16-bit weights, --dtype activations)")
+    ap.add_argument("--int8-decode-dot", default="auto", choices=("auto", "on", "off"),
+                    help="block weights meet int8-rounded activations (auto: where they can)")
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
                     "3 GiB at fp32")
@@ -45,6 +47,7 @@ def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
                                "cpu_kernels": args.cpu_kernels,
                                "kv_cache_dtype": args.kv_cache_dtype,
                                "quantization": args.quantization,
+                               "int8_decode_dot": args.int8_decode_dot,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
     if args.threads is not None:
         options["num_threads"] = args.threads

@@ -109,10 +109,12 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    "converted to --dtype), bf16/f16 (held 16-bit next to --dtype activations: with "
                    "--dtype float32 the fastest like-for-like with an F16 GGUF on AVX2 CPUs), or "
                    "q8_0/q4_0 (float weights quantized at load)")
-    g.add_argument("--int8-decode-dot", action="store_true", default=None,
-                   help="block weights meet activations rounded to int8 per 32 values (as "
-                   "llama.cpp), single-row decodes through integer dot products (faster; logits "
-                   "move up to ~0.7 from fp32 activations)")
+    g.add_argument("--int8-decode-dot", choices=["auto", "on", "off"], nargs="?", const="on",
+                   default=None, help="block weights (Q8_0/Q4_0/Q4_1) meet activations rounded "
+                   "to int8 per 32 values, as llama.cpp: integer dot products (~1.4x faster "
+                   "decode GEMV; logits move ~10x less than from the weights' own quantization). "
+                   "Default auto: on for block weights on the CPU kernels, off for float weights; "
+                   "off: fp32 activations")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="a request's tokens do not depend on what else is in the pass (batch "
                    "size, prompt chunks, preemption): every linear on the GEMV kernels, "

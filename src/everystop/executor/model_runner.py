@@ -22,6 +22,7 @@ from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutp
 from everystop.core.sliding_window import SlidingWindow
 from everystop.executor.dtype_choice import choose_dtype
 from everystop.executor.inputs import ModelInputs, build_inputs
+from everystop.executor.int8_choice import choose_int8_decode_dot
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
@@ -66,9 +67,10 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def select_backends(config: ModelConfig) -> Backends:
-    """The kernels the layers call, chosen once from the config, the CPU's flags and (for 16-bit
-    weights with cpu_16bit_gemm="auto") a GEMM timed both ways."""
+def select_backends(config: ModelConfig, log: bool = True) -> Backends:
+    """The kernels the layers call, chosen once from the config, the CPU's flags, the weight
+    file (int8 activations for block weights) and (for 16-bit weights with
+    cpu_16bit_gemm="auto") a GEMM timed both ways. `log`: log what `auto` chose and why."""
     kernels = None
     if torch.device(config.device).type == "cpu":
         fp32_gemm = config.cpu_16bit_gemm == "fp32"
@@ -82,8 +84,13 @@ def select_backends(config: ModelConfig) -> Backends:
                               "GEMM (it needs AVX-512 or AMX); use 'auto' or 'fp32'")
         if config.cpu_16bit_gemm == "auto" and config.dtype != "float32":
             fp32_gemm = not native_ok or fp32_gemm_is_faster(DTYPES[config.dtype])
-        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm, config.int8_decode_dot,
-                                   config.batch_invariant)
+        kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm,
+                                   batch_invariant=config.batch_invariant)
+    int8_dot, why = choose_int8_decode_dot(config, kernels)
+    if log and config.int8_decode_dot == "auto":
+        logger.info("int8 decode dot auto: %s (%s)", "on" if int8_dot else "off", why)
+    if kernels is not None and int8_dot:
+        kernels = dataclasses.replace(kernels, int8_decode_dot=True)
     if config.batch_invariant and kernels is None:
         raise ConfigError("batch_invariant needs the CPU kernels, and none built here (see the "
                           "warnings above)")
@@ -144,7 +151,7 @@ class ModelRunner:
             threads = model_config.num_threads or usable_cpus()
             torch.set_num_threads(max(1, threads // parallel.world_size))
         self.num_threads = torch.get_num_threads()
-        self.backends = select_backends(model_config)
+        self.backends = select_backends(model_config, log=parallel.rank == 0)
         if parallel.rank == 0:
             kernels = self.backends.kernels
             gemm = ("" if kernels is None or self.dtype == torch.float32 else

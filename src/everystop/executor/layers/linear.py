@@ -284,8 +284,8 @@ class VocabParallelEmbedding(HeldWeight):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Use the rows as a vocabulary projection (an LM head, or a tied embedding): float32
         logits [N, vocab] on rank 0 (the only rank that samples), None on the others."""
-        full = self.ctx.gather_last_dim(self.project(hidden, self.kernels),
-                                        self.vocab_size)
+        kernels = self.kernels.fp32_activations if self.kernels is not None else None
+        full = self.ctx.gather_last_dim(self.project(hidden, kernels), self.vocab_size)
         return None if full is None else full.float()
 
 
