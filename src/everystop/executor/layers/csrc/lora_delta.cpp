@@ -38,8 +38,9 @@ using ES_NS::LoraPart;
 
 // Rows of one adapter per work item: few enough that a prefill chunk gives every thread items.
 constexpr int64_t kRowsPerItem = 16;
-// Multiply-adds below which a call runs on one thread (~0.1 ms of work).
-constexpr int64_t kParallelMacs = int64_t{4} << 20;
+// Multiply-adds below which a call runs on one thread (~0.05 ms of work): a 32-row decode
+// pass's [q; k; v], [gate; up] and down deltas split over the threads, a few rows' do not.
+constexpr int64_t kParallelMacs = int64_t{1} << 20;
 
 // Rows of an item computed together: each vector of A or B^T loaded is used for this many
 // rows (from registers). Fewer on AVX2, whose 16 registers hold fewer accumulators.
@@ -250,8 +251,17 @@ void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                   x.is_contiguous() && out.is_contiguous() &&
                   x.scalar_type() == out.scalar_type(),
               "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
+  // The adapters' dtype: x's, or bf16 under fp32 activations (layers/lora.py's adapter_dtype).
+  at::ScalarType wtype = x.scalar_type();
+  for (const LoraPart& part : parts)
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const at::Tensor& a = weights[part.first + static_cast<int64_t>(g) * stride];
+      if (!groups[g].empty() && a.numel()) wtype = a.scalar_type();
+    }
   switch (x.scalar_type()) {
     case at::kFloat:
+      if (wtype == at::kBFloat16)
+        return lora_add_typed<float, c10::BFloat16>(out, x, groups, weights, parts, stride);
       return lora_add_typed<float, float>(out, x, groups, weights, parts, stride);
     case at::kBFloat16:
       return lora_add_typed<c10::BFloat16, c10::BFloat16>(out, x, groups, weights, parts, stride);
