@@ -49,33 +49,31 @@ constexpr int kRowBlock = kW == 16 ? 4 : 2;
 constexpr int kARows = 4;
 
 // acc[i][r] = lanes of x_i . A[r] (one vector per row and A row, reduced afterwards), for
-// NR rows x_i (fp32, ld in) and A's rows a0..a0+na (na <= kARows), ld lda. Each (row, A row)
-// sum is taken in the same order whatever NR is, so a row's result does not depend on the
-// rows computed beside it.
-template <int NR, typename W>
-inline void shrink_block(const float* const* xs, const W* a, int64_t na, int64_t k,
-                         int64_t lda, vf (*acc)[ES_W]) {
-  vf s[NR][kARows] = {};
+// NR rows x_i (fp32) and NA rows of A from `a`, each k long. NR and NA are compile-time so the
+// NR x NA accumulators stay in registers. Each (row, A row) sum is taken in the same order
+// whatever NR and NA are, so a row's result does not depend on the rows computed beside it.
+template <int NR, int NA, typename W>
+inline void shrink_block(const float* const* xs, const W* a, int64_t k, vf (*acc)[ES_W]) {
+  vf s[NR][NA] = {};
   int64_t j = 0;
   for (; j + kW <= k; j += kW) {
     vf xv[NR];
     for (int i = 0; i < NR; ++i) xv[i] = loadv(xs[i] + j);
-    for (int r = 0; r < kARows; ++r) {
-      if (r >= na) break;
-      const vf av = loadv(a + r * lda + j);
+    for (int r = 0; r < NA; ++r) {
+      const vf av = loadv(a + r * k + j);
       for (int i = 0; i < NR; ++i) s[i][r] += xv[i] * av;
     }
   }
   if (j < k) {
     vf xv[NR];
     for (int i = 0; i < NR; ++i) xv[i] = loadv_n(xs[i] + j, k - j);
-    for (int r = 0; r < kARows && r < na; ++r) {
-      const vf av = loadv_n(a + r * lda + j, k - j);
+    for (int r = 0; r < NA; ++r) {
+      const vf av = loadv_n(a + r * k + j, k - j);
       for (int i = 0; i < NR; ++i) s[i][r] += xv[i] * av;
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < kARows && r < na; ++r) acc[i][r] = s[i][r];
+    for (int r = 0; r < NA; ++r) acc[i][r] = s[i][r];
 }
 
 // t_i[0:rank] = x_i @ A^T for NR rows: kW A rows at a time, their lanes reduced together.
@@ -86,11 +84,17 @@ void shrink_rows(const float* const* xs, const W* a, int64_t rank, int64_t k, fl
     const int64_t n = std::min(kW, rank - r0);
     for (int i = 0; i < NR; ++i)
       for (int64_t r = n; r < kW; ++r) acc[i][r] = vf{};
-    for (int64_t r = 0; r < n; r += kARows) {
+    int64_t r = 0;
+    for (; r + kARows <= n; r += kARows) {
       vf part[NR][ES_W];
-      shrink_block<NR>(xs, a + (r0 + r) * k, std::min<int64_t>(kARows, n - r), k, k, part);
+      shrink_block<NR, kARows>(xs, a + (r0 + r) * k, k, part);
       for (int i = 0; i < NR; ++i)
-        for (int64_t q = r; q < std::min<int64_t>(r + kARows, n); ++q) acc[i][q] = part[i][q - r];
+        for (int q = 0; q < kARows; ++q) acc[i][r + q] = part[i][q];
+    }
+    for (; r < n; ++r) {
+      vf part[NR][ES_W];
+      shrink_block<NR, 1>(xs, a + (r0 + r) * k, k, part);
+      for (int i = 0; i < NR; ++i) acc[i][r] = part[i][0];
     }
     for (int i = 0; i < NR; ++i) {
       const vf s = reduce_lanes(acc[i]);
