@@ -8,7 +8,7 @@ import torch
 
 from everystop.core.outputs import ScheduledSequence
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels, runnable_isas
-from everystop.executor.layers.lora import LoraPair, split_parts
+from everystop.executor.layers.lora import LoraPair, adapter_dtype, split_parts
 from everystop.executor.models.decoder import DecoderForCausalLM
 
 from .conftest import ADAPTERS, GREEDY, VOCAB, make_runner, transformers
@@ -156,3 +156,71 @@ def test_a_prefill_sized_call_over_several_parts_matches_torch_and_each_row_alon
         alone[row] = slots[row]
         one = kernels.lora_add_(out.clone(), x, alone, weights, offsets)
         assert torch.equal(one[row], got[row]), f"row {row}"
+
+
+@pytest.mark.parametrize("isa", sorted(set(ISAS)))
+def test_bf16_adapter_weights_under_fp32_rows_give_the_fp32_sums_of_their_values(isa):
+    """Adapters held bf16 next to fp32 activations (layers/lora.py's adapter_dtype): the kernel
+    widens each weight and sums in fp32, so it gives the fp32 product of the rounded weights."""
+    kernels = load_cpu_kernels(isa)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    rows, n_in, n_out, ranks = 11, 70, 45, (16, 3)
+    x = torch.randn(rows, n_in, generator=gen)
+    out = torch.randn(rows, n_out, generator=gen)
+    weights = [torch.randn(*shape, generator=gen).to(torch.bfloat16)
+               for r in ranks for shape in ((r, n_in), (r, n_out))]
+    slots = torch.tensor([0, 1, -1, 1, 0, 0, 1, -1, 0, 1, 1])
+    got = kernels.lora_add_(out.clone(), x, slots, weights)
+    want = out.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            a, bt = weights[2 * slot].float(), weights[2 * slot + 1].float()
+            want[row] += (x[row] @ a.T) @ bt
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.equal(got[slots < 0], out[slots < 0])
+
+
+def test_adapters_of_a_base_held_16_bit_are_bf16_and_decode_in_the_stack_as_layer_by_layer(
+        lora_dirs, monkeypatch):
+    base, adapters = lora_dirs
+    runners = [make_runner(base, adapters, quantization="bf16", decoder_stack=stack)
+               for stack in (True, False)]
+    pairs = runners[0].lora.bank.pairs["0.qkv_proj"]
+    assert {p.a.dtype for p in pairs.values()} == {torch.bfloat16}
+    assert runners[0].dtype == torch.float32
+    stack_calls: list[bool] = []
+    original = DecoderForCausalLM._decoder_stack
+
+    def spy(self, *args, **kwargs):
+        stack_calls.append(self.lora_bank.current is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderForCausalLM, "_decoder_stack", spy)
+    ids = [0, 1, 2, 3, -1, 2]
+    prompts = [[5 + i, 9, 4 + 2 * i] for i in range(len(ids))]
+    decoded, decode_stack_calls = [], []
+    for runner in runners:
+        for step in range(2):  # the prompts' pass, then a decode pass
+            stack_calls.clear()
+            seqs = [ScheduledSequence(str(i), prompts[i] if step == 0 else [7 + i],
+                                      len(prompts[i]) if step else 0,
+                                      list(range(i * 4, (i + 1) * 4)), True, GREEDY,
+                                      output_index=step, lora_id=ids[i])
+                    for i in range(len(ids))]
+            _, logits = runner.forward_logits(seqs)
+        assert logits is not None
+        decoded.append(logits)
+        decode_stack_calls.append(list(stack_calls))
+    assert decode_stack_calls == [[True], []]  # the decode pass: in the stack, then layer by layer
+    assert torch.allclose(decoded[0], decoded[1], rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_are_held_bf16_only_under_fp32_rows_of_a_base_held_below_fp32():
+    kernels = KERNELS
+    assert adapter_dtype(torch.float32, torch.uint8, kernels) == torch.bfloat16  # blocks
+    assert adapter_dtype(torch.float32, torch.bfloat16, kernels) == torch.bfloat16
+    assert adapter_dtype(torch.float32, torch.float32, kernels) == torch.float32
+    assert adapter_dtype(torch.bfloat16, torch.uint8, kernels) == torch.bfloat16
+    assert adapter_dtype(torch.float16, torch.float16, kernels) == torch.float16
+    assert adapter_dtype(torch.float32, torch.uint8, None) == torch.float32  # plain torch

@@ -26,9 +26,10 @@ from everystop.executor.int8_choice import choose_int8_decode_dot
 from everystop.executor.kv_pool import KVPool
 from everystop.executor.layers.cpu_kernels import load_cpu_kernels
 from everystop.executor.layers.linear import fp32_gemm_is_faster, onednn_bf16_gemm_supported
+from everystop.executor.layers.lora import adapter_dtype
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
 from everystop.executor.lora.manager import LoraManager
-from everystop.executor.models.decoder import Backends, DecoderForCausalLM, KVCache
+from everystop.executor.models.decoder import Backends, DecoderForCausalLM, KVCache, lora_targets
 from everystop.executor.models.loader import DTYPES, load_model, weight_memory
 from everystop.executor.onednn_caches import bound_onednn_caches
 from everystop.executor.prompt_logprobs import plan_prompt_logprobs, score
@@ -203,7 +204,12 @@ class ModelRunner:
         self.sampler = Sampler(self.device, model_config.seed, self.backends.kernels)
         self.lora: LoraManager | None = None
         if serves_lora:
-            self.lora = LoraManager(self.model, self.dtype, model_config.max_lora_rank,
+            first = lora_targets(self.model.model.layers[0])["qkv_proj"]
+            held = adapter_dtype(self.dtype, first.weight.dtype, self.backends.kernels)
+            if held != self.dtype and parallel.rank == 0:
+                logger.info("LoRA adapters held in %s (the base's projections are held below "
+                            "%s)", held, self.dtype)
+            self.lora = LoraManager(self.model, held, model_config.max_lora_rank,
                                     model_config.max_cpu_loras)
             for lora_id, (_, path) in enumerate(model_config.lora_modules):
                 self.lora.load(lora_id, path)

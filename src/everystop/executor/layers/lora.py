@@ -142,8 +142,9 @@ class LoraBank:
             pair = by_slot.get(slot)
             if pair is None:  # this adapter does not target this linear
                 continue
-            xs = x.index_select(0, rows).to(pair.a.dtype)
-            delta = (xs @ pair.a.T) @ pair.b.T
+            dtype = torch.promote_types(x.dtype, pair.a.dtype)  # bf16 adapters: fp32 math
+            xs = x.index_select(0, rows).to(dtype)
+            delta = (xs @ pair.a.to(dtype).T) @ pair.b.to(dtype).T
             out.index_add_(0, rows, delta.to(out.dtype))
         return out
 
@@ -160,7 +161,7 @@ class LoraBank:
         weights: list[torch.Tensor] = []
         for slot in batch.adapters:
             weights += by_slot.get(slot, none)
-        if any(w.dtype != x.dtype for w in weights if w.numel()):
+        if any(not kernel_takes(w.dtype, x.dtype) for w in weights if w.numel()):
             return False
         offsets = [sum(rows[:p]) for p in range(len(rows))]
         kernels.lora_add_(out, x.contiguous(), batch.row_adapters_for(x.shape[0]), weights,
@@ -211,6 +212,25 @@ def split_parts(pair: LoraPair | None, rows: tuple[int, ...]) -> list[torch.Tens
             out += (pair.a[first:last], b[:, first:last].T.contiguous())
         start += num
     return out
+
+
+def adapter_dtype(activations: torch.dtype, projections: torch.dtype,
+                  kernels: CpuKernels | None) -> torch.dtype:
+    """The dtype adapters are held in: the activations', or bf16 under fp32 activations when
+    the base's own projections are held below fp32 (quantized blocks, 16-bit weights) and the
+    CPU kernels add the deltas. A decode pass reads every adapter of the pass in full (8
+    rank-16 adapters of all seven projections: ~30% of a 135M base's parameters), so halving
+    their bytes matters, and their rounding is far below the base weights' own."""
+    if (activations == torch.float32 and projections != torch.float32
+            and kernels is not None):
+        return torch.bfloat16
+    return activations
+
+
+def kernel_takes(weights: torch.dtype, activations: torch.dtype) -> bool:
+    """Whether the grouped kernel takes adapter weights of `weights` under `activations`."""
+    return weights == activations or (weights == torch.bfloat16
+                                      and activations == torch.float32)
 
 
 _NONE = torch.empty(0)  # no pair (the stack checks a pair's shapes only where A is non-empty)

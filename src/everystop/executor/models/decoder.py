@@ -31,7 +31,7 @@ from everystop.executor.layers.linear import (
     VocabParallelEmbedding,
     gemv_rows,
 )
-from everystop.executor.layers.lora import LoraBank, LoraHook
+from everystop.executor.layers.lora import LoraBank, LoraHook, kernel_takes
 from everystop.executor.layers.mlp import ACTIVATIONS, SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
@@ -383,7 +383,8 @@ class DecoderForCausalLM(nn.Module):
         """The current pass's adapters as the decoder stack takes them: each row's index into
         the pass's adapters and their weights (per adapter, layer, linear: A, B); (None, [])
         when no row has an adapter. None: the stack cannot add these deltas (adapter weights
-        not in the activations' dtype), so the pass runs layer by layer (logged once)."""
+        in a dtype its kernel does not take under these activations), so the pass runs layer
+        by layer (logged once)."""
         bank = self.lora_bank
         if bank is None or bank.current is None:
             return None, []
@@ -393,11 +394,11 @@ class DecoderForCausalLM(nn.Module):
                 (f"{i}.{name}", parts[name]) for i in range(len(self.model.layers))
                 for name in STACK_LINEARS]
         weights = bank.pass_weights(self.__dict__["_stack_lora_linears"])
-        if any(w.dtype != dtype for w in weights if w.numel()):
+        if any(not kernel_takes(w.dtype, dtype) for w in weights if w.numel()):
             if not self._lora_stack_logged:
                 self._lora_stack_logged = True
-                logger.info("LoRA: adapter weights are not in the activations' dtype %s: "
-                            "passes with adapter rows run layer by layer", dtype)
+                logger.info("LoRA: the kernels take no adapter weights of this dtype under %s "
+                            "activations: passes with adapter rows run layer by layer", dtype)
             return None
         return bank.current.row_adapters, weights
 

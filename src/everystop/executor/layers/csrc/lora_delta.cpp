@@ -11,11 +11,12 @@
 //
 // x @ A^T is dot products against A's rows, kW of them at a time, their lanes reduced together
 // (reduce_lanes); (x @ A^T) @ B^T is kW output columns at a time, a multiply-add per rank
-// (no reduction). Rows are taken adapter by adapter and B^T a chunk of output columns at a
-// time, so that each chunk is read once per item and reused from L1 for each of its rows. Threads split work items of up to kRowsPerItem rows of one adapter (a
-// long prefill chunk of one adapter still spreads over every thread); a call with little
-// work runs on the calling thread alone, opening no parallel region (a region synchronizes
-// the threads, which costs more than a decode pass's deltas on a busy machine).
+// (no reduction). An adapter's rows are taken kRowBlock at a time, so that each vector of A
+// and of B^T read serves every row of the block from registers; each row's sums still run in
+// the same order whatever block it is in. Threads split work items of up to kRowsPerItem rows
+// of one adapter (a long prefill chunk of one adapter still spreads over every thread); a call
+// with little work runs on the calling thread alone, opening no parallel region (a region
+// synchronizes the threads, which costs more than a decode pass's deltas on a busy machine).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -35,48 +36,144 @@ namespace {
 
 using ES_NS::LoraPart;
 
-// Output columns of a part computed together: a chunk of B (64 x rank) stays in L1 across the
-// rows of its adapter.
-constexpr int64_t kOutChunk = 64;
-// Rows of one adapter per work item: enough to reuse each chunk of B from L1, few enough that
-// a prefill chunk gives every thread items.
+// Rows of one adapter per work item: few enough that a prefill chunk gives every thread items.
 constexpr int64_t kRowsPerItem = 16;
-// Multiply-adds below which a call runs on one thread (~0.1 ms of work).
-constexpr int64_t kParallelMacs = int64_t{4} << 20;
+// Multiply-adds below which a call runs on one thread (~0.05 ms of work): a 32-row decode
+// pass's [q; k; v], [gate; up] and down deltas split over the threads, a few rows' do not.
+constexpr int64_t kParallelMacs = int64_t{1} << 20;
 
-// out[i] = v[0:k] . m[i * ld : i * ld + k] for i in [0, n).
-template <typename T>
-void dot_rows(const float* v, const T* m, int64_t n, int64_t k, int64_t ld, float* out) {
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    vf acc[kW];
-    for (int64_t r = 0; r < kW; ++r) {
-      const T* row = m + (i + r) * ld;
-      vf a = {};
-      int64_t j = 0;
-      for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
-      if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
-      acc[r] = a;
+// Rows of an item computed together: each vector of A or B^T loaded is used for this many
+// rows (from registers). Fewer on AVX2, whose 16 registers hold fewer accumulators.
+constexpr int kRowBlock = kW == 16 ? 4 : 2;
+// A's rows per pass over x in the shrink (accumulators: kRowBlock x kARows).
+constexpr int kARows = 4;
+
+// acc[i][r] = lanes of x_i . A[r] (one vector per row and A row, reduced afterwards), for
+// NR rows x_i (fp32) and NA rows of A from `a`, each k long. NR and NA are compile-time so the
+// NR x NA accumulators stay in registers. Each (row, A row) sum is taken in the same order
+// whatever NR and NA are, so a row's result does not depend on the rows computed beside it.
+template <int NR, int NA, typename W>
+inline void shrink_block(const float* const* xs, const W* a, int64_t k, vf (*acc)[ES_W]) {
+  vf s[NR][NA] = {};
+  int64_t j = 0;
+  for (; j + kW <= k; j += kW) {
+    vf xv[NR];
+    for (int i = 0; i < NR; ++i) xv[i] = loadv(xs[i] + j);
+    for (int r = 0; r < NA; ++r) {
+      const vf av = loadv(a + r * k + j);
+      for (int i = 0; i < NR; ++i) s[i][r] += xv[i] * av;
     }
-    const vf s = reduce_lanes(acc);
-    std::memcpy(out + i, &s, sizeof(s));
   }
-  for (; i < n; ++i) {
-    const T* row = m + i * ld;
-    vf a = {};
-    int64_t j = 0;
-    for (; j + kW <= k; j += kW) a += loadv(v + j) * loadv(row + j);
-    if (j < k) a += loadv_n(v + j, k - j) * loadv_n(row + j, k - j);
-    out[i] = hsum(a);
+  if (j < k) {
+    vf xv[NR];
+    for (int i = 0; i < NR; ++i) xv[i] = loadv_n(xs[i] + j, k - j);
+    for (int r = 0; r < NA; ++r) {
+      const vf av = loadv_n(a + r * k + j, k - j);
+      for (int i = 0; i < NR; ++i) s[i][r] += xv[i] * av;
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < NA; ++r) acc[i][r] = s[i][r];
+}
+
+// t_i[0:rank] = x_i @ A^T for NR rows: kW A rows at a time, their lanes reduced together.
+template <int NR, typename W>
+void shrink_rows(const float* const* xs, const W* a, int64_t rank, int64_t k, float* const* ts) {
+  vf acc[NR][ES_W];
+  for (int64_t r0 = 0; r0 < rank; r0 += kW) {
+    const int64_t n = std::min(kW, rank - r0);
+    for (int i = 0; i < NR; ++i)
+      for (int64_t r = n; r < kW; ++r) acc[i][r] = vf{};
+    int64_t r = 0;
+    for (; r + kARows <= n; r += kARows) {
+      vf part[NR][ES_W];
+      shrink_block<NR, kARows>(xs, a + (r0 + r) * k, k, part);
+      for (int i = 0; i < NR; ++i)
+        for (int q = 0; q < kARows; ++q) acc[i][r + q] = part[i][q];
+    }
+    for (; r < n; ++r) {
+      vf part[NR][ES_W];
+      shrink_block<NR, 1>(xs, a + (r0 + r) * k, k, part);
+      for (int i = 0; i < NR; ++i) acc[i][r] = part[i][0];
+    }
+    for (int i = 0; i < NR; ++i) {
+      const vf s = reduce_lanes(acc[i]);
+      std::memcpy(ts[i] + r0, &s, sizeof(float) * static_cast<size_t>(n));
+    }
   }
 }
 
-template <typename T>
+// dst_i[0:n] += t_i[0:rank] @ B^T[:, 0:n] for NR rows: two vectors of output columns at a
+// time, a multiply-add per rank in rank order (the same for any NR).
+template <int NR, typename T, typename W>
+void expand_rows(const float* const* ts, const W* bt, int64_t rank, int64_t n, int64_t ldb,
+                 T* const* dsts) {
+  for (int64_t j = 0; j < n; j += 2 * kW) {
+    const int64_t m0 = std::min(kW, n - j), m1 = std::max<int64_t>(0, std::min(kW, n - j - kW));
+    vf acc[NR][2] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const vf b0 = loadv_n(bt + r * ldb + j, m0);
+      const vf b1 = m1 ? loadv_n(bt + r * ldb + j + kW, m1) : vf{};
+      for (int i = 0; i < NR; ++i) {
+        acc[i][0] += ts[i][r] * b0;
+        acc[i][1] += ts[i][r] * b1;
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      T* d = dsts[i] + j;
+      if constexpr (std::is_same_v<T, float>) {
+        const vf d0 = loadv_n(d, m0) + acc[i][0];
+        std::memcpy(d, &d0, sizeof(float) * static_cast<size_t>(m0));
+        if (m1) {
+          const vf d1 = loadv_n(d + kW, m1) + acc[i][1];
+          std::memcpy(d + kW, &d1, sizeof(float) * static_cast<size_t>(m1));
+        }
+      } else {
+        for (int64_t c = 0; c < m0; ++c) d[c] = static_cast<T>(static_cast<float>(d[c]) + acc[i][0][c]);
+        for (int64_t c = 0; c < m1; ++c)
+          d[kW + c] = static_cast<T>(static_cast<float>(d[kW + c]) + acc[i][1][c]);
+      }
+    }
+  }
+}
+
+// One block of NR rows of one adapter: every part's shrink, then its expand.
+template <int NR, typename T, typename W>
+void lora_rows_block(const T* xp, T* op, const int64_t* rows, int64_t in, int64_t ld_out,
+                     at::TensorList weights, const std::vector<LoraPart>& parts,
+                     int64_t base, float* xbuf, float* tbuf, int64_t max_rank) {
+  const float* xs[NR];
+  float* ts[NR];
+  for (int i = 0; i < NR; ++i) {
+    const T* xr = xp + rows[i] * in;
+    if constexpr (std::is_same_v<T, float>) {
+      xs[i] = xr;
+    } else {
+      float* xf = xbuf + i * in;
+      for (int64_t c = 0; c < in; ++c) xf[c] = static_cast<float>(xr[c]);
+      xs[i] = xf;
+    }
+    ts[i] = tbuf + i * max_rank;
+  }
+  for (const LoraPart& part : parts) {
+    const at::Tensor& a = weights[part.first + base];
+    if (a.numel() == 0) continue;
+    const at::Tensor& bt = weights[part.first + base + 1];
+    const int64_t rank = a.size(0);
+    shrink_rows<NR>(xs, a.data_ptr<W>(), rank, in, ts);
+    T* dsts[NR];
+    for (int i = 0; i < NR; ++i) dsts[i] = op + rows[i] * ld_out + part.col_offset;
+    expand_rows<NR>(ts, bt.data_ptr<W>(), rank, bt.size(1), bt.stride(0), dsts);
+  }
+}
+
+template <typename T, typename W>
 void lora_add_typed(at::Tensor& out, const at::Tensor& x,
                     const std::vector<std::vector<int64_t>>& groups, at::TensorList weights,
                     const std::vector<LoraPart>& parts, int64_t stride) {
   const int64_t in = x.size(1), ld_out = out.size(1);
   const int64_t num_groups = static_cast<int64_t>(groups.size());
+  const at::ScalarType wtype = c10::CppTypeToScalarType<W>::value;
   int64_t max_rank = 0;
   for (const LoraPart& part : parts) {
     int64_t n_out = -1;  // the part's output columns (every adapter's B has as many rows)
@@ -85,20 +182,19 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
       if (groups[g].empty() || a.numel() == 0) continue;
       const at::Tensor& bt = weights[part.first + g * stride + 1];
       TORCH_CHECK(a.dim() == 2 && a.size(1) == in && a.is_contiguous() &&
-                      a.scalar_type() == x.scalar_type(),
-                  "lora: A must be [rank, ", in, "], contiguous, of x's dtype");
+                      a.scalar_type() == wtype,
+                  "lora: A must be [rank, ", in, "], contiguous, of the adapters' dtype");
       if (n_out < 0 && bt.dim() == 2) n_out = bt.size(1);
       TORCH_CHECK(bt.dim() == 2 && bt.size(1) == n_out && bt.size(0) == a.size(0) &&
                       bt.stride(1) == 1 && bt.stride(0) >= bt.size(1) &&
-                      bt.scalar_type() == x.scalar_type() && part.col_offset >= 0 &&
+                      bt.scalar_type() == wtype && part.col_offset >= 0 &&
                       part.col_offset + n_out <= ld_out,
-                  "lora: B^T must be [rank, n] with unit column stride, of x's dtype, n the ",
+                  "lora: B^T must be [rank, n] with unit column stride, of A's dtype, n the ",
                   "same for every adapter and within out's columns from col_offset");
       max_rank = std::max(max_rank, a.size(0));
     }
   }
   if (max_rank == 0) return;
-  const int64_t num_parts = static_cast<int64_t>(parts.size());
   // Work items (adapter, first row) and the multiply-adds of the whole call.
   std::vector<std::pair<int64_t, int64_t>> items;
   int64_t macs = 0;
@@ -117,55 +213,20 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x,
   // grain: every item in one chunk (no parallel region) when the work is small.
   const int64_t grain = macs < kParallelMacs ? num_items : 1;
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(static_cast<size_t>(in));
-    std::vector<float> t(static_cast<size_t>(kRowsPerItem * num_parts * max_rank));
-    float delta[kOutChunk];
+    std::vector<float> xbuf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRowBlock * in));
+    std::vector<float> tbuf(static_cast<size_t>(kRowBlock * max_rank));
     for (int64_t it = begin; it < end; ++it) {
       const int64_t g = items[it].first;
       const int64_t* rows = groups[g].data() + items[it].second;
       const int64_t num_rows =
           std::min(kRowsPerItem, static_cast<int64_t>(groups[g].size()) - items[it].second);
-      // t[row][part][rank]: x @ A^T of each of the item's rows, every part.
-      for (int64_t i = 0; i < num_rows; ++i) {
-        const T* xr = xp + rows[i] * in;
-        const float* v;
-        if constexpr (std::is_same_v<T, float>) {
-          v = xr;
-        } else {
-          for (int64_t c = 0; c < in; ++c) xf[c] = static_cast<float>(xr[c]);
-          v = xf.data();
-        }
-        for (int64_t p = 0; p < num_parts; ++p) {
-          const at::Tensor& a = weights[parts[p].first + g * stride];
-          if (a.numel() == 0) continue;
-          dot_rows(v, a.data_ptr<T>(), a.size(0), in, in,
-                   t.data() + (i * num_parts + p) * max_rank);
-        }
-      }
-      // Then B^T a chunk of output columns at a time, each chunk reused from L1 for every row:
-      // delta[o] = sum over r of t[r] * B^T[r, o], r in order.
-      for (int64_t p = 0; p < num_parts; ++p) {
-        const at::Tensor& a = weights[parts[p].first + g * stride];
-        if (a.numel() == 0) continue;
-        const at::Tensor& bt = weights[parts[p].first + g * stride + 1];
-        const int64_t rank = a.size(0), n_out = bt.size(1), ldb = bt.stride(0);
-        const T* bp = bt.data_ptr<T>();
-        for (int64_t o0 = 0; o0 < n_out; o0 += kOutChunk) {
-          const int64_t n = std::min(kOutChunk, n_out - o0);
-          for (int64_t i = 0; i < num_rows; ++i) {
-            const float* ti = t.data() + (i * num_parts + p) * max_rank;
-            for (int64_t j = 0; j < n; j += kW) {
-              const int64_t m = std::min(kW, n - j);
-              vf acc = {};
-              for (int64_t r = 0; r < rank; ++r) acc += ti[r] * loadv_n(bp + r * ldb + o0 + j, m);
-              std::memcpy(delta + j, &acc, sizeof(acc));
-            }
-            T* dst = op + rows[i] * ld_out + parts[p].col_offset + o0;
-            for (int64_t j = 0; j < n; ++j)
-              dst[j] = static_cast<T>(static_cast<float>(dst[j]) + delta[j]);
-          }
-        }
-      }
+      int64_t i = 0;
+      for (; i + kRowBlock <= num_rows; i += kRowBlock)
+        lora_rows_block<kRowBlock, T, W>(xp, op, rows + i, in, ld_out, weights, parts,
+                                         g * stride, xbuf.data(), tbuf.data(), max_rank);
+      for (; i < num_rows; ++i)
+        lora_rows_block<1, T, W>(xp, op, rows + i, in, ld_out, weights, parts, g * stride,
+                                 xbuf.data(), tbuf.data(), max_rank);
     }
   });
 }
@@ -194,13 +255,22 @@ void direct_lora_add_(at::Tensor& out, const at::Tensor& x,
                   x.is_contiguous() && out.is_contiguous() &&
                   x.scalar_type() == out.scalar_type(),
               "lora: x [rows, in] and out [rows, out] must be contiguous, of one dtype");
+  // The adapters' dtype: x's, or bf16 under fp32 activations (layers/lora.py's adapter_dtype).
+  at::ScalarType wtype = x.scalar_type();
+  for (const LoraPart& part : parts)
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const at::Tensor& a = weights[part.first + static_cast<int64_t>(g) * stride];
+      if (!groups[g].empty() && a.numel()) wtype = a.scalar_type();
+    }
   switch (x.scalar_type()) {
     case at::kFloat:
-      return lora_add_typed<float>(out, x, groups, weights, parts, stride);
+      if (wtype == at::kBFloat16)
+        return lora_add_typed<float, c10::BFloat16>(out, x, groups, weights, parts, stride);
+      return lora_add_typed<float, float>(out, x, groups, weights, parts, stride);
     case at::kBFloat16:
-      return lora_add_typed<c10::BFloat16>(out, x, groups, weights, parts, stride);
+      return lora_add_typed<c10::BFloat16, c10::BFloat16>(out, x, groups, weights, parts, stride);
     case at::kHalf:
-      return lora_add_typed<c10::Half>(out, x, groups, weights, parts, stride);
+      return lora_add_typed<c10::Half, c10::Half>(out, x, groups, weights, parts, stride);
     default:
       TORCH_CHECK(false, "lora: x must be float32, bfloat16 or float16");
   }
