@@ -258,15 +258,15 @@ class ModelConfig:
     # llama.cpp does, at every row count: the decode GEMVs take integer dot products (~1.4x
     # faster at one row) and a row computes the same alone as beside others. "auto" (the
     # default): on where the CPU kernels run on block weights with an integer dot path, off for
-    # float/16-bit weights (executor/dtype_choice.py). The rounding moves the default model's
-    # logits ~10x less than its Q4_1 weights themselves do
+    # float/16-bit weights (executor/int8_choice.py). The rounding moves the default model's
+    # logits ~8x less than rounding its weights again to Q4_0 does
     # (tests/executor/test_int8_vs_transformers.py); "off" keeps fp32 activations, the exact
     # reference tests/executor/test_llama_vs_transformers.py holds within 1e-3.
     int8_decode_dot: Literal["auto", "on", "off"] = "auto"
     # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
     # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
-    # count, attention with one query token per work item. Needs the CPU kernels. Off by
-    # default: a 512-token prefill pass takes ~1.4x as long (decode passes ~1.0x; README).
+    # count, attention with one query token per work item. Needs the CPU kernels; off by
+    # default, as prefill passes take longer.
     batch_invariant: bool = False
     # Entries in each of oneDNN's two caches of compiled GEMMs (one per batch shape, ~0.4 MiB
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /
