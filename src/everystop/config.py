@@ -256,13 +256,15 @@ class ModelConfig:
     quantization: str = "auto"
     # Block weights (Q8_0/Q4_0/Q4_1) meet activations rounded to int8 per 32 values, as
     # llama.cpp does, at every row count: the decode GEMVs take integer dot products (~1.4x
-    # faster at one row) and a row computes the same alone as beside others. "auto" (the
-    # default): on where the CPU kernels run on block weights with an integer dot path, off for
-    # float/16-bit weights (executor/int8_choice.py). The rounding moves the default model's
-    # logits ~8x less than rounding its weights again to Q4_0 does
-    # (tests/executor/test_int8_vs_transformers.py); "off" keeps fp32 activations, the exact
-    # reference tests/executor/test_llama_vs_transformers.py holds within 1e-3.
-    int8_decode_dot: Literal["auto", "on", "off"] = "auto"
+    # faster at one row) and a row computes the same alone as beside others. "auto": on where
+    # the CPU kernels run on block weights with an integer dot path, off for float/16-bit
+    # weights (executor/int8_choice.py). The rounding moves the default model's logits ~8x less
+    # than rounding its weights again to Q4_0 does (tests/executor/test_int8_vs_transformers.py)
+    # but is not continuous: a ~1e-6 difference upstream (a prompt split at another chunk
+    # boundary, a prefix-cache hit) flips roundings and moves logprobs by up to ~0.04, so a
+    # repeated greedy request can answer differently. Hence "off" (fp32 activations, the exact
+    # reference tests/executor/test_llama_vs_transformers.py holds within 1e-3) is the default.
+    int8_decode_dot: Literal["auto", "on", "off"] = "off"
     # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
     # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
     # count, attention with one query token per work item. Needs the CPU kernels; off by

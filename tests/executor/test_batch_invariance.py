@@ -148,7 +148,7 @@ def test_engine_outputs_alike_under_kv_pressure_and_batch_mixes(tiny_llama: str,
     params = [SamplingParams(temperature=0.0, max_tokens=gen.randrange(4, 16), ignore_eos=True)
               for _ in prompts]
     common = dict(tokenizer=default_model_path(), batch_invariant=True, dtype="bfloat16",
-                  quantization=quantization,
+                  quantization=quantization, int8_decode_dot="auto",
                   enable_prefix_caching=False, block_size=16)
     llm = LLM(tiny_llama, max_num_seqs=1, **common)
     alone = [llm.generate([p], [s], use_tqdm=False)[0].token_ids

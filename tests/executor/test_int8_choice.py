@@ -25,6 +25,7 @@ KERNELS = CpuKernels("avx512")  # never called: the probes below stand in for it
 
 def _choose(blocks: bool, path: str | None = "AVX512-VNNI",
             kernels: CpuKernels | None = KERNELS, **config: object) -> bool:
+    config.setdefault("int8_decode_dot", "auto")
     return choose_int8_decode_dot(ModelConfig(**config), kernels,  # type: ignore[arg-type]
                                   blocks=lambda model, quant: blocks,
                                   dot_path=lambda k: path)[0]
@@ -45,13 +46,13 @@ def test_explicit_settings_override_auto() -> None:
             assert not _choose(blocks, path, int8_decode_dot="off")
 
 
-def test_cli_and_config_default_to_auto_and_take_explicit_settings() -> None:
+def test_cli_and_config_default_to_off_and_take_explicit_settings() -> None:
     parser = add_engine_args(argparse.ArgumentParser())
 
     def parsed(*argv: str) -> str:
         return engine_config_from_args(parser.parse_args(list(argv))).model.int8_decode_dot
 
-    assert parsed() == "auto" and ModelConfig().int8_decode_dot == "auto"
+    assert parsed() == "off" and ModelConfig().int8_decode_dot == "off"
     assert parsed("--int8-decode-dot") == "on"  # the bare flag, as before it took a value
     for value in ("auto", "on", "off"):
         assert parsed("--int8-decode-dot", value) == value
@@ -86,7 +87,8 @@ def test_backends_follow_the_weights_and_log_the_choice(
     and its reason are logged once, at start-up."""
     with caplog.at_level(logging.INFO, logger="everystop.executor.model_runner"):
         backends = select_backends(ModelConfig(model=tiny_llama, dtype="float32",
-                                               quantization=quantization))
+                                               quantization=quantization,
+                                               int8_decode_dot="auto"))
     assert backends.kernels is not None
     assert backends.kernels.int8_decode_dot == expected
     lines = [r.getMessage() for r in caplog.records if "int8 decode dot auto" in r.getMessage()]

@@ -113,8 +113,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    default=None, help="block weights (Q8_0/Q4_0/Q4_1) meet activations rounded "
                    "to int8 per 32 values, as llama.cpp: integer dot products (~1.4x faster "
                    "decode GEMV; logits move ~10x less than from the weights' own quantization). "
-                   "Default auto: on for block weights on the CPU kernels, off for float weights; "
-                   "off: fp32 activations")
+                   "auto: on for block weights on the CPU kernels, off for float weights. "
+                   "Default off (fp32 activations): int8 rounding makes outputs depend on chunk "
+                   "boundaries and prefix-cache hits")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="a request's tokens do not depend on what else is in the pass (batch "
                    "size, prompt chunks, preemption): every linear on the GEMV kernels, "
