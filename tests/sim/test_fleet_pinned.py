@@ -22,9 +22,9 @@ TRAFFIC = ("n=260,prompt=uniform:20:700,output=uniform:5:200,rate=40,tiers=0.3:0
 CASES = {
     # scheduling, KV blocks, scheduler options, router, stats interval, digest
     "chunked-swap": ("chunked", 700, {"preemption_mode": "auto"}, "prefix-affinity", 0.5,
-                     "9b2088d77f598646"),
+                     "c5a3b6592505184a"),
     "continuous-auto-tpot": ("continuous", 900, {"tpot_target_ms": None}, "least-loaded", 0.0,
-                             "0bdc09441638811e"),
+                             "e08ddf1f135321b7"),
     "static": ("static", 3000, {"max_batch_size": 8}, "round-robin", 1.0, "805b8cc1d004bb27"),
 }
 
