@@ -27,10 +27,8 @@ def _peft_last_logits(base: str, adapter: str | None, tokens: list[int]) -> torc
         return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-def test_a_decode_pass_mixing_adapters_and_base_runs_the_stack_and_matches_peft(
-        lora_dirs, monkeypatch):
-    base, adapters = lora_dirs
-    runner = make_runner(base, adapters)
+def spy_on_the_stack(monkeypatch) -> list[bool]:
+    """Each decoder-stack call from now on appends whether the pass had adapters active."""
     stack_calls: list[bool] = []
     original = DecoderForCausalLM._decoder_stack
 
@@ -39,6 +37,14 @@ def test_a_decode_pass_mixing_adapters_and_base_runs_the_stack_and_matches_peft(
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DecoderForCausalLM, "_decoder_stack", spy)
+    return stack_calls
+
+
+def test_a_decode_pass_mixing_adapters_and_base_runs_the_stack_and_matches_peft(
+        lora_dirs, monkeypatch):
+    base, adapters = lora_dirs
+    runner = make_runner(base, adapters)
+    stack_calls = spy_on_the_stack(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 6, 4, 5, 2)]
     ids = [0, 1, 2, 3, -1]
@@ -189,14 +195,7 @@ def test_adapters_of_a_base_held_16_bit_are_bf16_and_decode_in_the_stack_as_laye
     pairs = runners[0].lora.bank.pairs["0.qkv_proj"]
     assert {p.a.dtype for p in pairs.values()} == {torch.bfloat16}
     assert runners[0].dtype == torch.float32
-    stack_calls: list[bool] = []
-    original = DecoderForCausalLM._decoder_stack
-
-    def spy(self, *args, **kwargs):
-        stack_calls.append(self.lora_bank.current is not None)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(DecoderForCausalLM, "_decoder_stack", spy)
+    stack_calls = spy_on_the_stack(monkeypatch)
     ids = [0, 1, 2, 3, -1, 2]
     prompts = [[5 + i, 9, 4 + 2 * i] for i in range(len(ids))]
     decoded, decode_stack_calls = [], []
