@@ -53,7 +53,7 @@ def test_cli_and_config_default_to_off_and_take_explicit_settings() -> None:
         return engine_config_from_args(parser.parse_args(list(argv))).model.int8_decode_dot
 
     assert parsed() == "off" and ModelConfig().int8_decode_dot == "off"
-    assert parsed("--int8-decode-dot") == "on"  # the bare flag, as before it took a value
+    assert parsed("--int8-decode-dot") == "on"  # the bare flag
     for value in ("auto", "on", "off"):
         assert parsed("--int8-decode-dot", value) == value
     with pytest.raises(SystemExit):

@@ -3,9 +3,9 @@ sizes them): only when no prompt is in line for its first token.
 
 A proposal always lengthens the pass it rides in, and a prompt's chunk in that pass reaches
 its first token only when the pass ends: any proposal beside a prompt in line delays that
-prompt's first token by what it costs. (Filling the time a TPOT target leaves after the
-prompts' reserve still did: the pass grew from its decodes plus the prefill to the whole
-target, and at 32 concurrent streams TTFT p99 rose by a quarter.) So speculation yields the
+prompt's first token by what it costs. (Letting proposals fill the time a TPOT target leaves
+after the prompts' reserve is not enough: the pass grows from its decodes plus the prefill to
+the whole target.) So speculation yields the
 pass whenever the prefill could move: a running sequence still in its prompt, or a queued
 one (swapped, preempted or waiting) with a seat free to take. Once the prompts are through,
 the sizing rule's rate alone decides.
