@@ -43,13 +43,15 @@ def test_api_key_required_when_set(tmp_path: Path) -> None:
 
 
 def test_tenant_queue_cap_and_tier_wait_threshold_answer_429(tmp_path: Path) -> None:
+    # Tenant A's requests take 1000 steps of >= 20 ms: still running and queued however slowly
+    # this client gets to its checks on a loaded host (they are cancelled at the end).
     server = start_toy_server(tmp_path, "--step-delay", "0.02", "--max-num-seqs", "1",
                               "--max-num-batched-tokens", "64", "--max-queued-per-tenant", "2",
-                              "--max-queue-wait", "0,0,0.5")
+                              "--max-queue-wait", "0,0,0.5", "--max-model-len", "1100")
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-            def post(tenant: str, priority: int = 1, max_tokens: int = 100):  # type: ignore
+            def post(tenant: str, priority: int = 1, max_tokens: int = 1000):  # type: ignore
                 return http.post("/v1/completions", headers={"X-Tenant-Id": tenant},
                                  json={"model": "toy", "prompt": "q", "max_tokens": max_tokens,
                                        "priority": priority})
@@ -72,7 +74,7 @@ def test_tenant_queue_cap_and_tier_wait_threshold_answer_429(tmp_path: Path) -> 
             assert full.status_code == 429, full.text
             assert int(full.headers["Retry-After"]) >= 1
             assert full.json()["error"]["type"] == "rate_limit_error"
-            # Best-effort tier would wait for three ~2 s requests: over its 0.5 s threshold.
+            # Best-effort tier would wait for three ~20 s requests: over its 0.5 s threshold.
             slow = await post("B", priority=2)
             assert slow.status_code == 429 and slow.json()["error"]["code"] == \
                 "queue_wait_exceeded"
