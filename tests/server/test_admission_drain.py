@@ -99,7 +99,10 @@ def test_tenant_queue_cap_and_tier_wait_threshold_answer_429(tmp_path: Path) -> 
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
-    server = start_toy_server(tmp_path, "--step-delay", "0.02", "--grace-period", "1.5")
+    # The short stream needs 40 steps of >= 20 ms (0.8 s) within the 3 s grace, so a loaded
+    # host may take 75 ms a step; the long one 1000 (>= 20 s), so it cannot finish in it.
+    server = start_toy_server(tmp_path, "--step-delay", "0.02", "--grace-period", "3",
+                              "--max-model-len", "1100")
     results: dict[str, object] = {}
 
     async def stream(name: str, max_tokens: int) -> None:
@@ -111,8 +114,8 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
         results[name] = frames[-1]["choices"][0]["finish_reason"]
 
     async def main() -> None:
-        short = asyncio.ensure_future(stream("short", 40))  # ~0.8 s: finishes within grace
-        long = asyncio.ensure_future(stream("long", 200))  # ~4 s: aborted at the grace end
+        short = asyncio.ensure_future(stream("short", 40))  # finishes within grace
+        long = asyncio.ensure_future(stream("long", 1000))  # aborted at the grace end
         for _ in range(100):
             if server.metric("everystop:num_requests_running") == 2:
                 break
