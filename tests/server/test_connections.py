@@ -43,11 +43,13 @@ def slowloris_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
 
 
 def test_a_slowloris_is_closed_at_the_header_deadline(slowloris_server: ServerProcess) -> None:
-    sock = socket.create_connection(("127.0.0.1", slowloris_server.port), timeout=5)
+    # Timed from before the connection exists (the server's deadline starts after), so a
+    # client late after connect() cannot see the close early.
     start = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", slowloris_server.port), timeout=5)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
     closed_at = None
-    while time.monotonic() - start < 5:  # a header line every 0.1 s, never the blank line
+    while time.monotonic() - start < 8:  # a header line every 0.1 s, never the blank line
         if _closed_by_server(sock):
             closed_at = time.monotonic() - start
             break
@@ -59,7 +61,9 @@ def test_a_slowloris_is_closed_at_the_header_deadline(slowloris_server: ServerPr
         time.sleep(0.1)
     sock.close()
     assert closed_at is not None, "the trickling connection was never closed"
-    assert 0.8 < closed_at < 2.5
+    # Unguarded, every line would restart uvicorn's keep-alive timer: never closed. The upper
+    # bound leaves a loaded host's delays room.
+    assert 0.8 < closed_at < 5
 
 
 def test_complete_requests_and_long_streams_outlive_the_header_deadline(
