@@ -17,6 +17,7 @@ from everystop.executor.models.loader import default_model_path
 from everystop.sampling_params import StructuredOutput
 
 from .free_draft import free_draft
+from .test_speculation_model import every_proposal
 
 pytestmark = pytest.mark.model
 
@@ -91,6 +92,8 @@ def test_structured_output_with_speculation_gives_the_plain_greedy_tokens(
               num_speculative_tokens=4)
     if method == "draft":
         free_draft(llm)
+    else:
+        every_proposal(llm)
     sched = llm.engine.scheduler
     check = sched.draft_check
     assert check is not None
