@@ -81,6 +81,14 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
+    def num_aborted(self) -> float:
+        """Requests the server has ended as aborted, over every tenant and tier (0 before the
+        first)."""
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("everystop:request_success_total{")
+                   and 'finished_reason="abort"' in line)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
