@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -102,8 +103,28 @@ def test_admin_key_is_required_when_set() -> None:
     assert eng.scheduler.config.max_num_seqs == 8
 
 
+class HeldAfterAFullBatch(SlowExecutor):
+    """After its first pass of `full` sequences, holds every later pass until `go` is set:
+    the patch then lands mid-run however slowly the client gets to it (the forward pass runs
+    outside the engine's lock, so the config switch does not wait on the held pass)."""
+
+    def __init__(self, inner: ToyExecutor, pause_s: float, full: int) -> None:
+        super().__init__(inner, pause_s)
+        self.full = full
+        self.saw_full = False
+        self.go = threading.Event()
+
+    def execute(self, sched: Any) -> Any:
+        if self.saw_full:
+            assert self.go.wait(timeout=60), "the test never let the run go on"
+        out = super().execute(sched)
+        self.saw_full = self.saw_full or len(sched.scheduled) == self.full
+        return out
+
+
 def test_patch_max_num_seqs_down_under_load(store: Store) -> None:
-    eng = make_engine(executor=SlowExecutor(ToyExecutor(256, 4), 0.002), max_num_seqs=8)
+    executor = HeldAfterAFullBatch(ToyExecutor(256, 4), 0.002, full=8)
+    eng = make_engine(executor=executor, max_num_seqs=8)
     steps: list[tuple[int, int, int]] = []  # (step, sequences in the pass, running after it)
     eng.iteration_listeners.append(
         lambda rec, sched: steps.append((rec.step, rec.num_seqs, rec.num_running)))
@@ -121,6 +142,7 @@ def test_patch_max_num_seqs_down_under_load(store: Store) -> None:
                 await asyncio.sleep(0.005)
             patched = await c.patch("/admin/scheduler_config", json={"max_num_seqs": 2},
                                     headers=KEY)
+            executor.go.set()
             assert patched.status_code == 200, patched.text
             outs = await asyncio.gather(*tasks)
             got = await c.get("/admin/scheduler_config", headers=KEY)
@@ -129,6 +151,7 @@ def test_patch_max_num_seqs_down_under_load(store: Store) -> None:
     try:
         patched, outs, got = asyncio.run(main())
     finally:
+        executor.go.set()
         front.shutdown()
     switch = patched["applied_after_step"]
     assert patched["version"] == 2 and patched["config"]["max_num_seqs"] == 2
