@@ -139,8 +139,9 @@ def test_reads_what_write_kv_wrote():
     q, kc, vc, meta = make_batch([(37, 37)], h, kvh, d, bs, torch.float32, seed=5)
     kc.zero_()
     vc.zero_()
-    k_new = torch.randn(37, kvh, d)
-    v_new = torch.randn(37, kvh, d)
+    gen = torch.Generator().manual_seed(6)  # the same K/V every run, as q's seed gives q
+    k_new = torch.randn(37, kvh, d, generator=gen)
+    v_new = torch.randn(37, kvh, d, generator=gen)
     write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
     # Dense causal attention over the written K/V, computed without any block table.
     k = k_new.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
