@@ -27,12 +27,20 @@ def test_full_collections_are_timed_by_generation() -> None:
     install_gc_pause_recorder()
     install_gc_pause_recorder()  # idempotent: one callback, each pause counted once
     assert gc.callbacks.count(_PAUSES.callback) == 1
-    before = sum(_PAUSES.counts[2])
-    gc.collect()
-    gc.collect()
-    assert sum(_PAUSES.counts[2]) == before + 2 and _PAUSES.sums[2] > 0
-    frozen_before = gc.get_freeze_count()
-    [hist, frozen] = list(gc_pause_metrics())
+    # Automatic collections off meanwhile: one that an allocation (here or on a thread an
+    # earlier test left running) set off would be counted too.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = sum(_PAUSES.counts[2])
+        gc.collect()
+        gc.collect()
+        assert sum(_PAUSES.counts[2]) == before + 2 and _PAUSES.sums[2] > 0
+        frozen_before = gc.get_freeze_count()
+        [hist, frozen] = list(gc_pause_metrics())
+    finally:
+        if was_enabled:
+            gc.enable()
     samples = {(s.name, s.labels.get("generation"), s.labels.get("le")): s.value
                for s in hist.samples}
     assert samples[("everystop:gc_pause_seconds_count", "2", None)] == before + 2
