@@ -7,16 +7,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
 
-# Property tests draw the same examples on every run (derandomize: a seed from each test's
-# source) with no per-example deadline and no "data generation too slow" health check: what a
-# run finds must not hang on the run's luck or on how loaded the host is. `pytest
-# --hypothesis-profile explore` draws fresh examples, to look for new counterexamples.
-settings.register_profile("everystop", deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("explore", settings.get_profile("everystop"), derandomize=False)
-settings.load_profile("everystop")
+
+def _hypothesis_profile() -> None:
+    """Property tests draw the same examples on every run (derandomize: a seed from each test's
+    source) with no per-example deadline and no "data generation too slow" health check: what
+    a run finds must not hang on the run's luck or on how loaded the host is. `pytest
+    --hypothesis-profile explore` draws fresh examples, to look for new counterexamples."""
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # PyPy's run of the fleet tests (tests/sim/test_fleet_pypy.py)
+        return
+    settings.register_profile("everystop", deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("explore", settings.get_profile("everystop"), derandomize=False)
+    settings.load_profile("everystop")
+
+
+_hypothesis_profile()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
