@@ -30,7 +30,10 @@ def test_metrics_match_client_view() -> None:
     config = EngineConfig(cache=CacheConfig(block_size=4, watermark=0.0),
                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
                                                     chunk_size=16, max_queued_per_tenant=3))
-    engine = LLMEngine(config, SlowToyExecutor(256, 4, step_delay_s=0.01), ChatCharTokenizer())
+    # 50 ms a step: a request holds its seat for >= 200 ms, so the 16, all sent at once, meet a
+    # full tenant queue even when a loaded host takes tens of ms to take in each one (at 10 ms
+    # a step the seats could drain as fast as the requests came, and none was turned away).
+    engine = LLMEngine(config, SlowToyExecutor(256, 4, step_delay_s=0.05), ChatCharTokenizer())
     front = AsyncEngine(engine)
     metrics = ServerMetrics()
 
