@@ -191,7 +191,9 @@ def test_a_stalled_engine_is_declared_dead(
         make_client: Callable[..., tuple[TestClient, AsyncEngine]]) -> None:
     def fault(sched: SchedulerOutput, _: ModelOutput) -> None:
         if any(with_victim("hang")(e) for e in sched.scheduled):
-            time.sleep(1.5)
+            # Well past the 0.4 s stall timeout, so a watcher thread a loaded host runs late
+            # still finds the pass stuck (had the pass ended first, the request would succeed).
+            time.sleep(3.0)
 
     client, _ = make_client(faulty_engine(fault), stall_timeout_s=0.4)
     events = sse_events(client, "hang")
