@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -58,3 +60,42 @@ def default_runner():
                        CacheConfig(num_gpu_blocks_override=384, swap_space_gib=swap_gib,
                                    kv_cache_dtype="float32"), max_model_len=2048)
 
+
+
+HfGreedy = Callable[[list[int], int], tuple[list[int], torch.Tensor]]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> HfGreedy:
+    """transformers' greedy continuation of a prompt on the default model (float32) and the
+    logits of each step: the reference the exact and int8 tests compare with. Each
+    (prompt, length) is generated once per run, the run's workers sharing the results through
+    its temporary directory; transformers' model is loaded only on a miss."""
+    import fcntl
+    import hashlib
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above each worker's own
+    cache = base / "hf-greedy"
+    cache.mkdir(exist_ok=True)
+
+    def generate(prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        key = hashlib.sha256(repr((prompt, n)).encode()).hexdigest()[:24]
+        path = cache / f"{key}.pt"
+        with open(str(path) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker generates; the other waits, reads
+            if not path.exists():
+                model = request.getfixturevalue("hf_float32_model")
+                with torch.no_grad():
+                    res = model.generate(torch.tensor([prompt]), max_new_tokens=n,
+                                         do_sample=False, output_logits=True,
+                                         return_dict_in_generate=True, pad_token_id=0)
+                torch.save((res.sequences[0, len(prompt):].tolist(),
+                            torch.cat(res.logits).float()), path)
+            tokens, logits = torch.load(path)
+        return tokens, logits
+
+    return generate

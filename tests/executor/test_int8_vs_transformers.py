@@ -25,7 +25,7 @@ from everystop.executor.model_runner import ModelRunner
 
 from . import test_llama_vs_transformers as exact
 from .conftest import greedy_generate
-from .test_llama_vs_transformers import NUM_NEW, PER_SEQ, _hf_greedy
+from .test_llama_vs_transformers import NUM_NEW, PER_SEQ
 
 prompts, tok = exact.prompts, exact.tok  # the exact test's fixtures: the same prompts
 
@@ -59,10 +59,9 @@ def _kl(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-def test_int8_moves_logits_far_less_than_4bit_weights(int8_runner, hf_float32_model, prompts):
-    with torch.no_grad():
-        ref = torch.stack([hf_float32_model(torch.tensor([p])).logits[0, -1].float()
-                           for p in prompts])
+def test_int8_moves_logits_far_less_than_4bit_weights(int8_runner, hf_greedy, prompts):
+    # transformers' logits after each prompt: the first step of its greedy continuation
+    ref = torch.stack([hf_greedy(p, NUM_NEW)[1][0] for p in prompts])
     int8 = greedy_generate(int8_runner, prompts, 1, PER_SEQ)[1]
     q4 = greedy_generate(_runner(int8_decode_dot="off", quantization="q4_0"), prompts, 1,
                          PER_SEQ)[1]
@@ -75,11 +74,11 @@ def test_int8_moves_logits_far_less_than_4bit_weights(int8_runner, hf_float32_mo
     assert kl8 < MAX_KL_RATIO * kl4
 
 
-def test_int8_greedy_tokens_follow_transformers(int8_runner, hf_float32_model, prompts, tok):
+def test_int8_greedy_tokens_follow_transformers(int8_runner, hf_greedy, prompts, tok):
     ours, _ = greedy_generate(int8_runner, prompts, NUM_NEW, PER_SEQ)
     fully_equal, margins = 0, []
     for i, prompt in enumerate(prompts):
-        theirs, their_logits = _hf_greedy(hf_float32_model, prompt, NUM_NEW)
+        theirs, their_logits = hf_greedy(prompt, NUM_NEW)
         mine = ours[i][:len(theirs)]
         for j, (a, b) in enumerate(zip(mine, theirs)):
             if a != b:

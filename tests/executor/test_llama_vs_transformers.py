@@ -51,19 +51,11 @@ def prompts(tok) -> list[list[int]]:
     return out
 
 
-def _hf_greedy(hf_model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        res = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                output_logits=True, return_dict_in_generate=True,
-                                pad_token_id=0)
-    return res.sequences[0, len(prompt):].tolist(), torch.cat(res.logits).float()
-
-
-def test_greedy_tokens_and_logits_match_transformers(runner, hf_model, prompts, tok):
+def test_greedy_tokens_and_logits_match_transformers(runner, hf_greedy, prompts, tok):
     ours, first_logits = greedy_generate(runner, prompts, NUM_NEW, PER_SEQ)
     max_diff, fully_equal = 0.0, 0
     for i, prompt in enumerate(prompts):
-        theirs, their_logits = _hf_greedy(hf_model, prompt, NUM_NEW)
+        theirs, their_logits = hf_greedy(prompt, NUM_NEW)
         # transformers stops at EOS; our hand-driven loop does not (the engine will).
         assert len(theirs) == NUM_NEW or theirs[-1] == tok.eos_token_id
         mine = ours[i][:len(theirs)]
