@@ -5,6 +5,7 @@ comparison reads present and sane."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 from everystop.bench import served
 from everystop.cli import main
 from everystop.executor.models.loader import default_model_path
+from everystop.workload import load_workload
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -25,16 +29,23 @@ def test_a_step_reads_the_weights_of_the_file() -> None:
 
 def test_everystop_side_runs_both_scenarios_with_its_defaults(tmp_path: Path) -> None:
     out = tmp_path / "served.json"
+    # Both scenarios' own prompts with 16 new tokens each (not their 62-198 and 64): a figure
+    # needs a few decode steps, not many (each scenario is a warm-up request, then its own).
+    for name, source in (("concurrent", "perf-mixed-128"), ("single", "single-16")):
+        workload = load_workload(ROOT / "benchmarks/workloads" / f"{source}.json")
+        workload.requests = [replace(r, max_tokens=16) for r in workload.requests]
+        workload.save(tmp_path / f"{name}.json")
     # No --llama-server: everystop's side alone.
     assert main(["bench", "served", "--gguf", str(default_model_path()),
-                 "--model", "default", "--num-requests", "3",
+                 "--model", "default", "--workload", str(tmp_path / "concurrent.json"),
+                 "--num-requests", "3", "--single-workload", str(tmp_path / "single.json"),
                  "--single-requests", "2", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     for scenario, n in (("concurrent", 3), ("single", 2)):
         run = r[scenario]["everystop"]
         assert run["command"] == ["everystop", "serve"]  # no flags: the defaults
         assert run["completed"] == n and run["failed"] == 0
-        assert run["output_tokens"] > 0 and run["peak_rss_bytes"] > 50 << 20
+        assert 0 < run["output_tokens"] <= 16 * n and run["peak_rss_bytes"] > 50 << 20
         assert 0 < run["start_to_health_s"] < 300
         assert "llamacpp" not in r[scenario]
     single = r["single"]["everystop"]

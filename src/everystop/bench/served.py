@@ -123,6 +123,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--llama-flags", default="", help="flags added to llama-server")
     ap.add_argument("--slots", type=int, default=32, help="llama.cpp slots (-np)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--workload", help="the concurrent scenario's workload JSON (default: the "
+                    "benchmarks' perf workload)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--single-workload", default="benchmarks/workloads/single-16.json")
     ap.add_argument("--single-requests", type=int, default=16)
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = default_tokenizer()
     if tokenizer is None:
         raise SystemExit("bench served needs the default model's tokenizer")
-    workloads = {"concurrent": (perf_workload(args.num_requests), None),
+    workloads = {"concurrent": (perf_workload(args.num_requests, args.workload), None),
                  "single": (load_workload(args.single_workload).head(args.single_requests), 1)}
     longest = max(r.prompt_len + r.max_tokens for w, _ in workloads.values()
                   for r in w.requests) + 64
