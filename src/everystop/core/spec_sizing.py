@@ -126,6 +126,15 @@ def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float]) -> float:
     return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
 
 
+def _catch_up_blocks(value: float, time_s: float, tokens: float, added: float,
+                     catch_up: float) -> bool:
+    """Whether a row's proposal worth `value` tokens, adding `added` seconds plus its
+    `catch_up`, is passed over for the catch-up: it has one and does not pay at the rate
+    tokens / time_s. Another row's proposal, whose draft has less to catch up, may still pay,
+    so the search goes on past it."""
+    return catch_up > 0.0 and value * time_s <= tokens * (added + catch_up)
+
+
 def _one_more_row(shape: StepShape, context: int) -> StepShape:
     """A draft pass's `shape` with one more row, reading `context` tokens."""
     return StepShape(shape.num_prefill_tokens, shape.num_decode_rows + 1,
@@ -241,21 +250,21 @@ class SpecSizer:
             if ks[i] != j:
                 continue  # the row's earlier proposal was not taken
             catch_up = catch_ups[i] if j == 0 else 0.0
-            if catch_up > 0.0 and value * time_s <= tokens * catch_up:
-                continue  # its catch-up alone does not pay; another row's may
+            if _catch_up_blocks(value, time_s, tokens, 0.0, catch_up):
+                continue  # the catch-up alone does not pay: no need to price the row
             grown = _one_more_query(shape)
             grown_s = predict(grown)
-            added = grown_s - shape_s + catch_up
+            added = grown_s - shape_s
             if draft is not None:
                 grown_pass = _one_more_row(passes[j], rows[i].context)
                 added += draft(grown_pass) - draft(passes[j])
-            if value * time_s <= tokens * added:
-                if catch_up > 0.0:
-                    continue  # this row's catch-up does not pay; another row's may
+            if _catch_up_blocks(value, time_s, tokens, added, catch_up):
+                continue
+            if value * time_s <= tokens * (added + catch_up):
                 break  # value per added second no better than the rate
             ks[i] += 1
             tokens += value
-            time_s += added
+            time_s += added + catch_up
             shape, shape_s = grown, grown_s
             if draft is not None:
                 passes[j] = grown_pass
@@ -277,10 +286,10 @@ class SpecSizer:
                 added += draft(_one_more_row(first, row.context)) - (
                     draft(first) if plan.passes else 0.0)
                 catch_up = catch_ups[i]
-            if time_s <= tokens * (added + catch_up):
-                if catch_up > 0.0 and time_s > tokens * added:
-                    continue  # this row's catch-up does not pay; another row's may
+            if time_s <= tokens * added:
                 return  # not even a certain token pays: no probe in this pass
+            if _catch_up_blocks(1.0, time_s, tokens, added, catch_up):
+                continue
             ks[i] = 1
 
     def _record(self, rows: Sequence[SizingRow], ks: list[int], time_s: float,
