@@ -39,7 +39,9 @@ Catch-up. A draft model holds K/V only for the tokens it was shown: a sequence i
 drafted for since its last `unseen - 1` tokens (its whole prompt, if never) has them fed in
 its first draft pass, a prefill the sequence's first proposal is charged for. It buys every
 later proposal of the sequence, so it is spread over the passes it serves: the tokens the
-row may still emit, at most CATCH_UP_HORIZON. A sequence sized off is not caught up (no
+row may still emit, at most CATCH_UP_HORIZON, over the tokens a pass gives it at its
+acceptance and cap (expected_tokens(a, cap): a row that takes 3 tokens a pass runs a third
+as many passes as it has tokens to go). A sequence sized off is not caught up (no
 draft pass runs for it); a long prompt in a large batch stays undrafted.
 
 Prompts in line. A pass that could prefill a prompt takes no proposal at all
@@ -66,7 +68,7 @@ GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global
 SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
 GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
-CATCH_UP_HORIZON = 64  # the most passes a draft catch-up is spread over
+CATCH_UP_HORIZON = 64  # the most tokens to come a draft catch-up is spread over
 SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
 
 
@@ -117,12 +119,14 @@ def _one_more_query(shape: StepShape) -> StepShape:
                      shape.context_tokens + 1)
 
 
-def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float]) -> float:
+def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float],
+                tokens_per_pass: float) -> float:
     """The draft's prefill of the row's unseen tokens before its last, spread over the passes
-    the row may still run (at most CATCH_UP_HORIZON)."""
+    the row may still run: the tokens it may still emit (at most CATCH_UP_HORIZON), each
+    pass giving it `tokens_per_pass`."""
     if row.unseen <= 1:
         return 0.0
-    horizon = max(1, min(row.remaining, CATCH_UP_HORIZON))
+    horizon = max(1.0, min(row.remaining, CATCH_UP_HORIZON) / max(tokens_per_pass, 1.0))
     return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
 
 
@@ -206,8 +210,9 @@ class SpecSizer:
             best = _Plan(ks, base, time_s, tokens, [])
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
-            catch_ups = [_catch_up_s(row, draft) if draft is not None else 0.0
-                         for row in rows]
+            catch_ups = [_catch_up_s(row, draft, expected_tokens(
+                self.acceptance(row.request_id), row.cap)) if draft is not None else 0.0
+                for row in rows]
             for depth in ([max((r.cap for r in rows), default=0)] if draft is None
                           else range(1, max((r.cap for r in rows), default=0) + 1)):
                 plan = self._plan(rows, base, predict, draft, depth, catch_ups)
