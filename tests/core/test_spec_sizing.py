@@ -204,6 +204,17 @@ def test_a_draft_catch_up_is_charged_spread_over_the_passes_the_row_may_still_ru
     assert sizer.choose([SizingRow("a", 4, 200, 200, 4)], base, _target) != [0]  # no draft
 
 
+def test_the_summary_counts_the_draft_catch_ups_it_chose(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sizer = SpecSizer(initial_acceptance=0.8)
+    with caplog.at_level(logging.INFO, logger="everystop.core.spec_sizing"):
+        for now, unseen in ((0.0, 200), (30.0, 1), (60.0, 1)):
+            assert sizer.choose([SizingRow("a", 4, 200, unseen, 64)], StepShape(0, 1, 201),
+                                _target, now, draft=_draft)[0] > 0
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "3 passes, 3 rows" in summary and "1 draft catch-ups of 199 tokens" in summary
+
+
 def test_a_row_whose_catch_up_does_not_pay_leaves_the_others_their_proposals() -> None:
     """With a 1 ms draft pass, row `near` (caught up) gains; row `far` would need a
     2,000-token catch-up spread over its last 8 tokens (125 ms): near speculates, far decodes

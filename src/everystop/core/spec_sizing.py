@@ -157,7 +157,9 @@ class SpecSizer:
         self.num_sized_off = 0
         self.last_num_rows = 0
         self.last_num_proposals = 0
-        self._summary = [0, 0, 0, 0]  # passes, rows, proposals, sized off since the last log
+        # Passes, rows, proposals, sized off, catch-ups (rows drafted with unseen tokens to
+        # feed) and their tokens, since the last log.
+        self._summary = [0, 0, 0, 0, 0, 0]
         self._summary_since: float | None = None
 
     @property
@@ -321,10 +323,15 @@ class SpecSizer:
         summary[1] += len(rows)
         summary[2] += proposals
         summary[3] += off
+        for row, k in zip(rows, ks):
+            if k and row.unseen > 1:
+                summary[4] += 1
+                summary[5] += row.unseen - 1
         if self._summary_since is None:
             self._summary_since = now
         elif now - self._summary_since >= SUMMARY_INTERVAL_S:
-            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off; "
-                        "global acceptance %.2f", summary[0], summary[1],
-                        summary[2] / max(summary[1], 1), summary[3], self.global_acceptance)
-            self._summary, self._summary_since = [0, 0, 0, 0], now
+            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off, "
+                        "%d draft catch-ups of %d tokens; global acceptance %.2f", summary[0],
+                        summary[1], summary[2] / max(summary[1], 1), summary[3], summary[4],
+                        summary[5], self.global_acceptance)
+            self._summary, self._summary_since = [0] * 6, now

@@ -54,6 +54,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 SEED_RUNS = 3  # timed runs of each seed pass at load (the fastest counts)
 SEED_ROWS = 32  # rows of the seed's decode-shaped pass (a busy batch's size)
 REFRESH_INTERVAL = 256  # scheduler passes without a draft pass before one is timed
+SUMMARY_INTERVAL_S = 60.0  # how often the passes' predicted and measured time is logged
 
 
 @dataclass
@@ -95,6 +96,8 @@ class DraftModelProposer:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
         self._idle_passes = 0  # scheduler passes since the last draft pass
+        self._totals = [0.0, 0.0, 0.0]  # passes, predicted and measured seconds since the log
+        self._totals_since = time.monotonic()
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """k tokens (fewer near the draft's context limit) the draft decodes greedily after
@@ -139,12 +142,30 @@ class DraftModelProposer:
         """_run, its time folded into pass_cost (the tokens are on the host when it returns)."""
         start = time.perf_counter()
         tokens = self._run(jobs)
+        seconds = time.perf_counter() - start
         self._idle_passes = 0
         fed = sum(len(job.feed) for job in jobs)
         context = sum(job.start_pos + len(job.feed) for job in jobs)
-        self.pass_cost.observe(StepShape(fed - len(jobs), len(jobs), context),
-                               time.perf_counter() - start)
+        shape = StepShape(fed - len(jobs), len(jobs), context)
+        self._log_pass(shape, seconds)
+        self.pass_cost.observe(shape, seconds)
         return tokens
+
+    def _log_pass(self, shape: StepShape, seconds: float) -> None:
+        """What the sizing rule was told a pass costs against what it took: a debug line per
+        pass, an info summary every SUMMARY_INTERVAL_S."""
+        predicted = self.pass_cost.predict(shape)
+        logger.debug("draft pass: %d rows, %d more tokens, predicted %.4f s, took %.4f s",
+                     shape.num_decode_rows, shape.num_prefill_tokens, predicted, seconds)
+        totals = self._totals
+        totals[0] += 1
+        totals[1] += predicted
+        totals[2] += seconds
+        now = time.monotonic()
+        if now - self._totals_since >= SUMMARY_INTERVAL_S:
+            logger.info("draft passes: %d, predicted %.2f s, took %.2f s", int(totals[0]),
+                        totals[1], totals[2])
+            self._totals, self._totals_since = [0.0, 0.0, 0.0], now
 
     def idle_pass(self) -> None:
         """A scheduler pass ran no draft pass: the REFRESH_INTERVAL-th in a row times one
