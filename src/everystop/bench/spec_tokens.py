@@ -26,7 +26,7 @@ BASELINE = "batch-invariant servers, every request at once, greedy: text equal t
 
 async def _texts(url: str, workloads: dict[str, tuple[Workload, int, bool]]
                  ) -> dict[str, str]:
-    """Each request's completion text (keyed scenario/request id), all sent at once."""
+    """Each request's completion text (keyed workload/request id), all sent at once."""
     from everystop.bench.client import discover_model
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
@@ -37,13 +37,17 @@ async def _texts(url: str, workloads: dict[str, tuple[Workload, int, bool]]
             r.raise_for_status()
             return key, str(r.json()["choices"][0]["text"])
 
-        jobs = []
-        for name, (wl, _, natural) in workloads.items():
+        jobs, seen = [], set()
+        for wl, _, natural in workloads.values():
             for req in wl.requests:
+                key = f"{wl.name}/{req.id}"
+                if key in seen:
+                    continue  # one workload in two scenarios (alone, 32 at once): once here
+                seen.add(key)
                 body = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0,
                         "ignore_eos": not natural,
                         "prompt": req.prompt_token_ids or req.prompt}
-                jobs.append(one(f"{name}/{req.id}", body))
+                jobs.append(one(key, body))
         return dict(await asyncio.gather(*jobs))
 
 
