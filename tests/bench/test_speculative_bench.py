@@ -132,3 +132,13 @@ def test_scenarios_can_be_picked_and_their_outputs_capped() -> None:
     assert max(r.max_tokens for r in whole["grounded_concurrent"][0].requests) > 24
     with pytest.raises(SystemExit, match="--scenarios"):
         main(["bench", "speculative", "--scenarios", "nope", "--quick"])
+
+
+def test_the_token_check_names_each_request_whose_text_is_not_offs() -> None:
+    from everystop.bench.spec_tokens import differing
+
+    texts = {"off": {"a/1": "x y", "a/2": "z"},
+             "ngram": {"a/1": "x y", "a/2": "z"},
+             "draft": {"a/1": "x y", "a/2": "z z"}}
+    assert differing(texts) == {"ngram": [], "draft": ["a/2"]}
+    assert differing({"off": {"a/1": "x"}, "draft": {}}) == {"draft": ["a/1"]}

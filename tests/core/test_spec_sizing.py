@@ -183,11 +183,12 @@ def _draft(shape: StepShape) -> float:
     return 0.004 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
 
 
-def test_a_draft_catch_up_is_charged_spread_over_the_tokens_the_row_may_still_emit() -> None:
-    """A 200-token context the draft has not seen costs 99.5 ms of draft prefill. Spread
-    over 64 tokens to come (1.6 ms) the first proposal still pays (1.8 tokens in 17 ms beats
-    1 in 10.5 ms); over the last 4 (25 ms) it does not. Caught up, the same row speculates
-    with 4 tokens to go."""
+def test_a_draft_catch_up_is_charged_spread_over_the_passes_the_row_may_still_run() -> None:
+    """A 200-token context the draft has not seen costs 99.5 ms of draft prefill. At
+    acceptance 0.8 and cap 4 a pass gives the row 3.36 tokens, so 64 tokens to come are 19
+    passes (5.2 ms each): three proposals still pay (2.95 tokens in 30.7 ms beats 1 in
+    10.5 ms); 32 tokens to come are 9.5 passes (10.4 ms each) and none does, nor over the
+    last 4. Caught up, the same row speculates with 4 tokens to go."""
     sizer = SpecSizer(initial_acceptance=0.8)
     base = StepShape(0, 1, 201)
 
@@ -196,10 +197,22 @@ def test_a_draft_catch_up_is_charged_spread_over_the_tokens_the_row_may_still_em
                             draft=_draft)
 
     assert ks(200, 64)[0] > 0
+    assert ks(200, 32) == [0]
     assert ks(200, 4) == [0]
     assert ks(1, 4)[0] > 0
     assert ks(200, 4000)[0] > 0  # never spread wider than CATCH_UP_HORIZON passes
     assert sizer.choose([SizingRow("a", 4, 200, 200, 4)], base, _target) != [0]  # no draft
+
+
+def test_the_summary_counts_the_draft_catch_ups_it_chose(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sizer = SpecSizer(initial_acceptance=0.8)
+    with caplog.at_level(logging.INFO, logger="everystop.core.spec_sizing"):
+        for now, unseen in ((0.0, 200), (30.0, 1), (60.0, 1)):
+            assert sizer.choose([SizingRow("a", 4, 200, unseen, 64)], StepShape(0, 1, 201),
+                                _target, now, draft=_draft)[0] > 0
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "3 passes, 3 rows" in summary and "1 draft catch-ups of 199 tokens" in summary
 
 
 def test_a_row_whose_catch_up_does_not_pay_leaves_the_others_their_proposals() -> None:

@@ -105,6 +105,10 @@ def test_each_draft_pass_is_timed_into_its_cost_fit(tiny: str) -> None:
     proposer = _proposer(tiny, num_blocks=32)
     proposer.pass_cost = proposer.measure_pass_cost()
     assert sorted(proposer._free) == list(range(32))  # the measurement's blocks are back
+    # A decode-shaped seed pass of more rows than the pool holds is not run (a row is then
+    # priced as a prompt token), and gives back what it had reserved.
+    assert proposer.measure_pass_s(1, num_rows=33) == 0.0
+    assert sorted(proposer._free) == list(range(32))
     assert proposer.pass_cost.predict(StepShape(0, 1, 1)) > 0
     assert proposer.pass_cost.num_observations == 0
     proposer.propose_batch([list(range(10, 20)), list(range(30, 35))], [3, 1])

@@ -158,10 +158,14 @@ def speculative_table(r: dict[str, Any]) -> list[str]:
                    f"{'n/a' if rate is None else f'{rate:.0%}'} |")
     same = r.get("same_tokens_as_off", {}).get("everystop", {})
     verdicts = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in same.items()) or "n/a"
+    # A result with a token check compared text on batch-invariant servers (bench/spec_tokens.py);
+    # one without, the timed runs' token counts.
+    same_what = ("The same text for every request with speculation as without, on "
+                 "batch-invariant servers" if "token_check" in r else
+                 "The same number of tokens for every request with speculation as without")
     out += ["", f"Target {Path(r['target']).name}, draft {Path(r['draft']).name}, at most "
             f"{r['num_speculative_tokens']} guesses a step; everystop {r['dtype']}. Grounded "
-            "requests stop at the end of their answer. The same number of tokens for every "
-            f"request with speculation as without (everystop): {verdicts}."]
+            f"requests stop at the end of their answer. {same_what} (everystop): {verdicts}."]
     return out
 
 

@@ -39,7 +39,9 @@ Catch-up. A draft model holds K/V only for the tokens it was shown: a sequence i
 drafted for since its last `unseen - 1` tokens (its whole prompt, if never) has them fed in
 its first draft pass, a prefill the sequence's first proposal is charged for. It buys every
 later proposal of the sequence, so it is spread over the passes it serves: the tokens the
-row may still emit, at most CATCH_UP_HORIZON. A sequence sized off is not caught up (no
+row may still emit, at most CATCH_UP_HORIZON, over the tokens a pass gives it at its
+acceptance and cap (expected_tokens(a, cap): a row that takes 3 tokens a pass runs a third
+as many passes as it has tokens to go). A sequence sized off is not caught up (no
 draft pass runs for it); a long prompt in a large batch stays undrafted.
 
 Prompts in line. A pass that could prefill a prompt takes no proposal at all
@@ -66,7 +68,7 @@ GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global
 SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
 GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
-CATCH_UP_HORIZON = 64  # the most passes a draft catch-up is spread over
+CATCH_UP_HORIZON = 64  # the most tokens to come a draft catch-up is spread over
 SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
 
 
@@ -117,13 +119,24 @@ def _one_more_query(shape: StepShape) -> StepShape:
                      shape.context_tokens + 1)
 
 
-def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float]) -> float:
+def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float],
+                tokens_per_pass: float) -> float:
     """The draft's prefill of the row's unseen tokens before its last, spread over the passes
-    the row may still run (at most CATCH_UP_HORIZON)."""
+    the row may still run: the tokens it may still emit (at most CATCH_UP_HORIZON), each
+    pass giving it `tokens_per_pass`."""
     if row.unseen <= 1:
         return 0.0
-    horizon = max(1, min(row.remaining, CATCH_UP_HORIZON))
+    horizon = max(1.0, min(row.remaining, CATCH_UP_HORIZON) / max(tokens_per_pass, 1.0))
     return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
+
+
+def _catch_up_blocks(value: float, time_s: float, tokens: float, added: float,
+                     catch_up: float) -> bool:
+    """Whether a row's proposal worth `value` tokens, adding `added` seconds plus its
+    `catch_up`, is passed over for the catch-up: it has one and does not pay at the rate
+    tokens / time_s. Another row's proposal, whose draft has less to catch up, may still pay,
+    so the search goes on past it."""
+    return catch_up > 0.0 and value * time_s <= tokens * (added + catch_up)
 
 
 def _one_more_row(shape: StepShape, context: int) -> StepShape:
@@ -144,7 +157,9 @@ class SpecSizer:
         self.num_sized_off = 0
         self.last_num_rows = 0
         self.last_num_proposals = 0
-        self._summary = [0, 0, 0, 0]  # passes, rows, proposals, sized off since the last log
+        # Passes, rows, proposals, sized off, catch-ups (rows drafted with unseen tokens to
+        # feed) and their tokens, since the last log.
+        self._summary = [0, 0, 0, 0, 0, 0]
         self._summary_since: float | None = None
 
     @property
@@ -197,8 +212,9 @@ class SpecSizer:
             best = _Plan(ks, base, time_s, tokens, [])
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
-            catch_ups = [_catch_up_s(row, draft) if draft is not None else 0.0
-                         for row in rows]
+            catch_ups = [_catch_up_s(row, draft, expected_tokens(
+                self.acceptance(row.request_id), row.cap)) if draft is not None else 0.0
+                for row in rows]
             for depth in ([max((r.cap for r in rows), default=0)] if draft is None
                           else range(1, max((r.cap for r in rows), default=0) + 1)):
                 plan = self._plan(rows, base, predict, draft, depth, catch_ups)
@@ -241,21 +257,21 @@ class SpecSizer:
             if ks[i] != j:
                 continue  # the row's earlier proposal was not taken
             catch_up = catch_ups[i] if j == 0 else 0.0
-            if catch_up > 0.0 and value * time_s <= tokens * catch_up:
-                continue  # its catch-up alone does not pay; another row's may
+            if _catch_up_blocks(value, time_s, tokens, 0.0, catch_up):
+                continue  # the catch-up alone does not pay: no need to price the row
             grown = _one_more_query(shape)
             grown_s = predict(grown)
-            added = grown_s - shape_s + catch_up
+            added = grown_s - shape_s
             if draft is not None:
                 grown_pass = _one_more_row(passes[j], rows[i].context)
                 added += draft(grown_pass) - draft(passes[j])
-            if value * time_s <= tokens * added:
-                if catch_up > 0.0:
-                    continue  # this row's catch-up does not pay; another row's may
+            if _catch_up_blocks(value, time_s, tokens, added, catch_up):
+                continue
+            if value * time_s <= tokens * (added + catch_up):
                 break  # value per added second no better than the rate
             ks[i] += 1
             tokens += value
-            time_s += added
+            time_s += added + catch_up
             shape, shape_s = grown, grown_s
             if draft is not None:
                 passes[j] = grown_pass
@@ -277,10 +293,10 @@ class SpecSizer:
                 added += draft(_one_more_row(first, row.context)) - (
                     draft(first) if plan.passes else 0.0)
                 catch_up = catch_ups[i]
-            if time_s <= tokens * (added + catch_up):
-                if catch_up > 0.0 and time_s > tokens * added:
-                    continue  # this row's catch-up does not pay; another row's may
+            if time_s <= tokens * added:
                 return  # not even a certain token pays: no probe in this pass
+            if _catch_up_blocks(1.0, time_s, tokens, added, catch_up):
+                continue
             ks[i] = 1
 
     def _record(self, rows: Sequence[SizingRow], ks: list[int], time_s: float,
@@ -307,10 +323,15 @@ class SpecSizer:
         summary[1] += len(rows)
         summary[2] += proposals
         summary[3] += off
+        for row, k in zip(rows, ks):
+            if k and row.unseen > 1:
+                summary[4] += 1
+                summary[5] += row.unseen - 1
         if self._summary_since is None:
             self._summary_since = now
         elif now - self._summary_since >= SUMMARY_INTERVAL_S:
-            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off; "
-                        "global acceptance %.2f", summary[0], summary[1],
-                        summary[2] / max(summary[1], 1), summary[3], self.global_acceptance)
-            self._summary, self._summary_since = [0, 0, 0, 0], now
+            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off, "
+                        "%d draft catch-ups of %d tokens; global acceptance %.2f", summary[0],
+                        summary[1], summary[2] / max(summary[1], 1), summary[3], summary[4],
+                        summary[5], self.global_acceptance)
+            self._summary, self._summary_since = [0] * 6, now

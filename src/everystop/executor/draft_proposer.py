@@ -16,7 +16,7 @@ A new context reuses the entry whose num_context tokens it starts with (the long
 keeps the K/V of their common prefix, and prefills only the rest before its k greedy steps;
 a context no entry starts (a new sequence, or one after preemption) is prefilled whole. Entries
 are evicted least recently used when the pool runs out of blocks. Each pass is timed into
-`pass_cost`, a step-cost fit of the draft's own (seeded by two passes measured at load, each
+`pass_cost`, a step-cost fit of the draft's own (seeded by three passes measured at load, each
 the fastest of SEED_RUNS after a warm-up, so that neither a first call nor another process's
 burst sets it), which the scheduler's sizing rule prices draft passes with. A fit learns only
 from the passes the draft runs, and the rule runs none while it sizes every sequence off: so
@@ -52,7 +52,9 @@ from everystop.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 SEED_RUNS = 3  # timed runs of each seed pass at load (the fastest counts)
+SEED_ROWS = 32  # rows of the seed's decode-shaped pass (a busy batch's size)
 REFRESH_INTERVAL = 256  # scheduler passes without a draft pass before one is timed
+SUMMARY_INTERVAL_S = 60.0  # how often the passes' predicted and measured time is logged
 
 
 @dataclass
@@ -94,6 +96,8 @@ class DraftModelProposer:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
         self._idle_passes = 0  # scheduler passes since the last draft pass
+        self._totals = [0.0, 0.0, 0.0]  # passes, predicted and measured seconds since the log
+        self._totals_since = time.monotonic()
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """k tokens (fewer near the draft's context limit) the draft decodes greedily after
@@ -138,12 +142,30 @@ class DraftModelProposer:
         """_run, its time folded into pass_cost (the tokens are on the host when it returns)."""
         start = time.perf_counter()
         tokens = self._run(jobs)
+        seconds = time.perf_counter() - start
         self._idle_passes = 0
         fed = sum(len(job.feed) for job in jobs)
         context = sum(job.start_pos + len(job.feed) for job in jobs)
-        self.pass_cost.observe(StepShape(fed - len(jobs), len(jobs), context),
-                               time.perf_counter() - start)
+        shape = StepShape(fed - len(jobs), len(jobs), context)
+        self._log_pass(shape, seconds)
+        self.pass_cost.observe(shape, seconds)
         return tokens
+
+    def _log_pass(self, shape: StepShape, seconds: float) -> None:
+        """What the sizing rule was told a pass costs against what it took: a debug line per
+        pass, an info summary every SUMMARY_INTERVAL_S."""
+        predicted = self.pass_cost.predict(shape)
+        logger.debug("draft pass: %d rows, %d more tokens, predicted %.4f s, took %.4f s",
+                     shape.num_decode_rows, shape.num_prefill_tokens, predicted, seconds)
+        totals = self._totals
+        totals[0] += 1
+        totals[1] += predicted
+        totals[2] += seconds
+        now = time.monotonic()
+        if now - self._totals_since >= SUMMARY_INTERVAL_S:
+            logger.info("draft passes: %d, predicted %.2f s, took %.2f s", int(totals[0]),
+                        totals[1], totals[2])
+            self._totals, self._totals_since = [0.0, 0.0, 0.0], now
 
     def idle_pass(self) -> None:
         """A scheduler pass ran no draft pass: the REFRESH_INTERVAL-th in a row times one
@@ -156,30 +178,42 @@ class DraftModelProposer:
             self._idle_passes = 0
 
     def measure_pass_s(self, num_tokens: int, runs: int = SEED_RUNS,
-                       warm_up: bool = True) -> float:
-        """Seconds of one pass over a `num_tokens` context: the fastest of `runs` (after a
-        warm-up run), on blocks given back afterwards (0 when the pool cannot hold it)."""
-        entry = _Entry([], 0)
-        if not self._reserve(entry, num_tokens, set()):
-            return 0.0
-        job = _Job(0, 1, entry, [1] * num_tokens, 0)
+                       warm_up: bool = True, num_rows: int = 1) -> float:
+        """Seconds of one pass over `num_rows` sequences of `num_tokens` tokens each (a prompt,
+        or with many rows of one token a decode pass): the fastest of `runs` (after a warm-up
+        run), on blocks given back afterwards (0 when the pool cannot hold them)."""
+        jobs: list[_Job] = []
+        for i in range(num_rows):
+            entry = _Entry([], 0)
+            if not self._reserve(entry, num_tokens, set()):
+                for job in jobs:
+                    self._free.extend(job.entry.block_ids)
+                self._free.extend(entry.block_ids)
+                return 0.0
+            jobs.append(_Job(i, 1, entry, [1] * num_tokens, 0))
         if warm_up:
-            self._run([job])
+            self._run(jobs)
         seconds = float("inf")
         for _ in range(runs):
             start = time.perf_counter()
-            self._run([job])
+            self._run(jobs)
             seconds = min(seconds, time.perf_counter() - start)
-        self._free.extend(entry.block_ids)
+        for job in jobs:
+            self._free.extend(job.entry.block_ids)
         return seconds
 
     def measure_pass_cost(self) -> StepCostModel:
-        """A pass_cost seeded by two measured passes: one token (the fixed cost a draft step
-        mostly is) and SEED_PROMPT_TOKENS tokens (the cost per token beyond it); a context
-        token at 1/1000 of one, as the target's prior has it."""
+        """A pass_cost seeded by three measured passes: one token (the fixed cost a draft step
+        mostly is), one prompt of SEED_PROMPT_TOKENS tokens (the cost per prompt token beyond
+        it) and SEED_ROWS one-token rows (the cost per row beyond the first: a decode row
+        takes other kernels than a prompt token: 2-4x its time on the default model's Q4_1);
+        a context token at 1/1000 of a prompt token, as the target's prior has it. Where the
+        pool cannot hold the rows, a row is priced as a prompt token."""
         one, many = self.measure_pass_s(1), self.measure_pass_s(SEED_PROMPT_TOKENS)
         per_token = max(many - one, 0.0) / (SEED_PROMPT_TOKENS - 1)
-        return StepCostModel(StepCoefficients(max(one - per_token, 0.0), per_token, per_token,
+        rows = self.measure_pass_s(1, num_rows=SEED_ROWS)
+        per_row = max(rows - one, 0.0) / (SEED_ROWS - 1) if rows > 0 else per_token
+        return StepCostModel(StepCoefficients(max(one - per_row, 0.0), per_token, per_row,
                                               per_token / 1000))
 
     @torch.inference_mode()
