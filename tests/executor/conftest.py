@@ -46,8 +46,7 @@ def greedy_generate(runner, prompts: list[list[int]], num_new: int, per_seq: int
 @pytest.fixture(scope="session")
 def default_runner():
     """The default model (SmolLM2-135M, float32, CPU, float32 KV cache, fp32 activations into
-    the block weights and fp32 tiles in their GEMMs: the strict reference tests compare exact
-    numerics; tests/executor/test_bf16_tiles_vs_transformers.py covers the bf16 tiles;
+    the block weights: the strict reference tests compare exact numerics;
     tests/executor/test_kv_cache_dtype.py covers 16-bit caches,
     tests/executor/test_int8_vs_transformers.py int8 activations) with 384 device and 64 host
     blocks, loaded once for the whole session."""
@@ -55,7 +54,7 @@ def default_runner():
     from everystop.executor.model_runner import ModelRunner
 
     swap_gib = 64 * 46080 * 16 / 2**30  # 64 host blocks of 16 tokens at 46080 B/token
-    return ModelRunner(ModelConfig(int8_decode_dot="off", cpu_16bit_gemm="fp32"),
+    return ModelRunner(ModelConfig(int8_decode_dot="off"),
                        CacheConfig(num_gpu_blocks_override=384, swap_space_gib=swap_gib,
                                    kv_cache_dtype="float32"), max_model_len=2048)
 
