@@ -242,6 +242,8 @@ class ModelConfig:
     # 16-bit weights on CPU: multiply compute-bound inputs in fp32 ("fp32") or with the
     # library's 16-bit GEMM ("native"); "auto" times both at start-up and keeps the faster
     # (native bf16 is ~4x fp32 on a Zen 5, ~0.5x on CPUs whose bf16 GEMM is emulated).
+    # Block weights: "native" multiplies them in bf16 tiles whatever the activation dtype,
+    # "auto"/"fp32" in fp32 tiles (executor/block_gemm_choice.py says why).
     cpu_16bit_gemm: Literal["auto", "fp32", "native"] = "auto"
     # Decode-sized batches (<= 8 tokens; up to 32 where every linear keeps the GEMV that far:
     # block weights, 16-bit weights beside fp32 activations) run every decoder layer in one CPU

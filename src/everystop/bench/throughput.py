@@ -36,6 +36,9 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
                     "none: --dtype throughout; bf16: 16-bit weights, --dtype activations)")
     ap.add_argument("--int8-decode-dot", default="auto", choices=("auto", "on", "off"),
                     help="block weights meet int8-rounded activations (auto: where they can)")
+    ap.add_argument("--cpu-16bit-gemm", default="auto", choices=("auto", "fp32", "native"),
+                    help="compute-bound GEMMs on 16-bit weights and block-weight tiles: fp32 "
+                    "or bf16 (auto: as the engine picks)")
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
                     "3 GiB at fp32")
@@ -48,6 +51,7 @@ def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
                                "kv_cache_dtype": args.kv_cache_dtype,
                                "quantization": args.quantization,
                                "int8_decode_dot": args.int8_decode_dot,
+                               "cpu_16bit_gemm": args.cpu_16bit_gemm,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
     if args.threads is not None:
         options["num_threads"] = args.threads

@@ -20,6 +20,7 @@ import torch
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.core.sliding_window import SlidingWindow
+from everystop.executor.block_gemm_choice import choose_block_gemm_bf16
 from everystop.executor.dtype_choice import choose_dtype
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.int8_choice import choose_int8_decode_dot
@@ -70,7 +71,7 @@ def available_memory_bytes() -> int | None:
 
 def select_backends(config: ModelConfig, log: bool = True) -> Backends:
     """The kernels the layers call, chosen once from the config, the CPU's flags, the weight
-    file (int8 activations for block weights) and (for 16-bit weights with
+    file (int8 activations and bf16 tiles for block weights) and (for 16-bit weights with
     cpu_16bit_gemm="auto") a GEMM timed both ways. `log`: log what `auto` chose and why."""
     kernels = None
     if torch.device(config.device).type == "cpu":
@@ -92,6 +93,11 @@ def select_backends(config: ModelConfig, log: bool = True) -> Backends:
         logger.info("int8 decode dot auto: %s (%s)", "on" if int8_dot else "off", why)
     if kernels is not None and int8_dot:
         kernels = dataclasses.replace(kernels, int8_decode_dot=True)
+    block_bf16, why = choose_block_gemm_bf16(config, kernels)
+    if log and config.cpu_16bit_gemm == "auto" and kernels is not None:
+        logger.info("block-weight GEMM auto: %s (%s)", "bf16" if block_bf16 else "fp32", why)
+    if kernels is not None and block_bf16:
+        kernels = dataclasses.replace(kernels, block_gemm_bf16=True)
     if config.batch_invariant and kernels is None:
         raise ConfigError("batch_invariant needs the CPU kernels, and none built here (see the "
                           "warnings above)")

@@ -196,6 +196,9 @@ class CpuKernels:
     isa: str
     fp32_gemm_for_16bit: bool = True
     int8_decode_dot: bool = False  # ModelConfig.int8_decode_dot
+    # Block weights in passes over the GEMV's rows take bf16 tiles and the bf16 GEMM whatever
+    # x's dtype (fp32 x rounded to bf16 on the way in): executor/block_gemm_choice.py.
+    block_gemm_bf16: bool = False
     # ModelConfig.batch_invariant: a row computes the same whatever else is in the pass. Every
     # linear takes the GEMV kernels (each output sums in one order for any row count) and
     # attention sees every query token as a one-token sequence (the decode kernel's order,
@@ -211,11 +214,14 @@ class CpuKernels:
 
     @functools.cached_property
     def fp32_activations(self) -> CpuKernels:
-        """These kernels with int8_decode_dot off, for the vocabulary projection: its Q8_0
-        GEMV (49152 x 576 on the default model) ran 1.2x slower on integer dots than widened
-        to fp32 (AVX512-VNNI, Zen 4; 18 blocks per output leave little to amortize each
-        output's set-up), and the logits are the most sensitive product."""
-        return dataclasses.replace(self, int8_decode_dot=False) if self.int8_decode_dot else self
+        """These kernels with int8_decode_dot and block_gemm_bf16 off, for the vocabulary
+        projection: its Q8_0 GEMV (49152 x 576 on the default model) ran 1.2x slower on
+        integer dots than widened to fp32 (AVX512-VNNI, Zen 4; 18 blocks per output leave
+        little to amortize each output's set-up), and the logits are the most sensitive
+        product."""
+        if self.int8_decode_dot or self.block_gemm_bf16:
+            return dataclasses.replace(self, int8_decode_dot=False, block_gemm_bf16=False)
+        return self
 
     def handles(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu"
@@ -357,7 +363,11 @@ class CpuKernels:
         meeting a bf16 x go to bf16 tiles and the bf16 GEMM where that was timed faster
         (`fp32_gemm_for_16bit` False). With int8_decode_dot block weights meet x rounded as
         the decode GEMV rounds it, so a token computes the same in a prefill chunk as decoded
-        alone."""
+        alone; with block_gemm_bf16 they meet x rounded to bf16 in bf16 tiles instead."""
+        if self.block_gemm_bf16 and fmt != 0:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            out = self.ops.linear_q_tiled_bf16(xb, weight, fmt, k)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if self.int8_decode_dot and fmt != 0:
             out = self.ops.linear_q_tiled(self.ops.round_int8_blocks(x), weight, fmt, k)
             return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -368,8 +378,8 @@ class CpuKernels:
     def bf16_tiles(self, x_dtype: torch.dtype) -> bool:
         """Whether block weights meeting x of this dtype take bf16 tiles and the bf16 GEMM
         (linear_q_tiled)."""
-        return (x_dtype == torch.bfloat16 and not self.fp32_gemm_for_16bit
-                and not self.int8_decode_dot)
+        return x_dtype == torch.bfloat16 and (
+            self.block_gemm_bf16 or (not self.fp32_gemm_for_16bit and not self.int8_decode_dot))
 
     def dequantize(self, weight: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
         """The fp32 [n, k] weight that blocks (or a dense 16-bit weight, fmt 0) hold."""
