@@ -107,12 +107,21 @@ def test_rope_write_kv_matches_rope_then_write_kv(dtype, cache_dtype, kernels):
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
-def test_argmax_rows_first_maximum_and_nan(kernels):
-    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("cols", [1000, 1003, 5])  # 1003, 5: values past the last vector
+def test_argmax_rows_first_maximum_and_nan(kernels, cols):
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(3))
     x[1] = 2.0  # all tied: first index
-    x[2, 10] = x[2, 900] = 50.0
-    x[3, 77] = float("nan")
+    x[2, 1] = x[2, cols - 2] = 50.0
+    x[3, 4] = float("nan")
     x[4, :] = float("-inf")
+    x[5, cols - 1] = 60.0  # the maximum last
+    x[6, cols - 1] = float("nan")  # a NaN last
+    x[7, 0] = x[7, cols - 1] = float("nan")  # the first NaN of two
+    x[8] = -1.0
+    x[8, 3], x[8, 2] = 0.0, -0.0  # equal zeros: the first of them
+    x[9, 2] = float("inf")
+    x[10, cols - 3] = float("nan")
+    x[10, 0] = float("inf")
     assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
