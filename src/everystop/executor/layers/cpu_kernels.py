@@ -38,6 +38,7 @@ _SOURCES += [_CSRC / "moe_experts.cpp"]  # the decoder stack's mixture-of-expert
 _SOURCES += [_CSRC / "lora_delta.cpp"]  # LoRA deltas of rows over several adapters
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
 _HEADERS += [_CSRC / "lora.h"]  # the LoRA kernel's interface (lora_delta.cpp, decoder_stack.cpp)
+_HEADERS += [_CSRC / "int_dots.h"]  # the integer block dots (quant_linear.cpp, moe_experts.cpp)
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
 # glibc declares its vector variants only under -ffast-math, hence exp_v in csrc/simd.h.)

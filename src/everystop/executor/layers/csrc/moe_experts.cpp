@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "int_dots.h"
 #include "simd.h"
 
 namespace {
@@ -98,18 +99,6 @@ struct Int8Rows {
   }
 };
 
-// The 8 lanes summed in the order of quant_linear.cpp's hsum8 (the outputs must match it).
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
-}
-
 inline __m512i pair(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -127,9 +116,7 @@ inline __m512 pair_scales(const uint8_t* b0, const uint8_t* b1) {
 template <bool kVnni>
 inline __m512i dot(__m512i acc, __m512i u, __m512i s) {
   if constexpr (kVnni) {
-    // Inline assembly, as in quant_linear.cpp: the caller checked the CPU flag.
-    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-    return acc;
+    return vpdpbusd_512(acc, u, s);  // the caller checked the CPU flag
   } else {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
                                                    _mm512_set1_epi16(1)));
@@ -167,7 +154,7 @@ void pair_columns(const Int8Rows& xq, const int64_t* rows, const uint8_t* w, int
           wq[p] = pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2)),
                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)));
         else
-          wq[p] = pair(nibbles(b0 + 2), nibbles(b1 + 2));
+          wq[p] = pair(nibbles_u8(b0 + 2), nibbles_u8(b1 + 2));
       }
       for (int m = 0; m < R; ++m) {
         const int64_t r = rows[m];

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int_dots.h"
 #include "simd.h"
 
 namespace {
@@ -357,18 +358,6 @@ inline __m256 half_broadcast(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
 }
 
-inline __m256i nibbles_u8(const uint8_t* qs) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // acc + the dot of unsigned bytes u and signed bytes s, each int32 lane summing 4 products.
 struct DotMaddubs {
   static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
@@ -377,20 +366,14 @@ struct DotMaddubs {
   }
 };
 
-// NOTE: the VNNI instructions are written as inline assembly, not intrinsics: an intrinsic
-// needs its target enabled in every function it is inlined into, so the shared loop body could
-// not be inlined into per-path entry points. The caller checks the CPU flag first (path_runs).
+// The VNNI paths (int_dots.h's inline assembly); the caller checks the CPU flag (path_runs).
 struct DotAvxVnni {
-  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
-    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-    return acc;
-  }
+  static inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return vpdpbusd_vex(acc, u, s); }
 };
 
 struct DotAvx512Vnni {
   static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
-    asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-    return acc;
+    return vpdpbusd_evex(acc, u, s);
   }
 };
 
