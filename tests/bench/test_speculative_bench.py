@@ -142,3 +142,11 @@ def test_the_token_check_names_each_request_whose_text_is_not_offs() -> None:
              "draft": {"a/1": "x y", "a/2": "z z"}}
     assert differing(texts) == {"ngram": [], "draft": ["a/2"]}
     assert differing({"off": {"a/1": "x"}, "draft": {}}) == {"draft": ["a/1"]}
+
+
+def test_the_token_check_runs_the_timed_flags_batch_invariant_in_fp32() -> None:
+    from everystop.bench.spec_tokens import check_flags
+
+    timed = ["--model", "t.gguf", "--dtype", "bfloat16", "--speculative", "ngram"]
+    assert check_flags(timed) == ["--model", "t.gguf", "--dtype", "float32", "--speculative",
+                                  "ngram", "--batch-invariant"]

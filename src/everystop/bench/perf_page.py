@@ -161,12 +161,19 @@ def speculative_table(r: dict[str, Any]) -> list[str]:
     # A result with a token check compared text on batch-invariant servers (bench/spec_tokens.py);
     # one without, the timed runs' token counts.
     same_what = ("The same text for every request with speculation as without, on "
-                 "batch-invariant servers" if "token_check" in r else
+                 f"batch-invariant {_check_dtype(r)} servers" if "token_check" in r else
                  "The same number of tokens for every request with speculation as without")
     out += ["", f"Target {Path(r['target']).name}, draft {Path(r['draft']).name}, at most "
             f"{r['num_speculative_tokens']} guesses a step; everystop {r['dtype']}. Grounded "
             f"requests stop at the end of their answer. {same_what} (everystop): {verdicts}."]
     return out
+
+
+def _check_dtype(r: dict[str, Any]) -> str:
+    """The activation dtype the token check's servers ran with (from their commands)."""
+    command = next(iter(r["token_check"].get("commands", {}).values()), "")
+    words = command.split()
+    return words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else r["dtype"]
 
 
 def throughput_line(r: dict[str, Any]) -> str:

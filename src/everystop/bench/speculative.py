@@ -21,8 +21,8 @@ The grounded requests stop at the model's end of turn (`ignore_eos` false): past
 model writes text its input does not contain, which is not what this workload measures. Greedy
 speculation is lossless, so every everystop configuration emits the same tokens; rates are per
 emitted token. Whether it did is checked on servers run once more with `--batch-invariant`
-(bench/spec_tokens.py: 16-bit activations are not batch-invariant, so the timed runs' outputs
-differ with the batch whatever the method; `--token-check none` skips it). The chat scenario
+and fp32 activations (bench/spec_tokens.py: 16-bit activations are not batch-invariant, and bf16
+logits tie at their rounding step; `--token-check none` skips it). The chat scenario
 keeps the client's `ignore_eos` (64 tokens each). Recorded: each server's exact command, its
 peak RSS, the draft acceptance (each server's /metrics), the CPU's flags (the result's
 envelope); a PNG of output tok/s per scenario goes next to the JSON. `--quick`: 2-4 requests
