@@ -99,3 +99,22 @@ def hf_greedy(request: pytest.FixtureRequest,
         return tokens, logits
 
     return generate
+
+
+def follow_greedy(ours: list[list[int]], prompts: list[list[int]], hf_greedy: HfGreedy,
+                  num_new: int, max_flip_margin: float) -> tuple[int, list[float]]:
+    """How many of `ours` (greedy continuations of `prompts`) equal transformers' whole, and
+    the reference's top margins where the rest first part: each must be a near-tie (below
+    `max_flip_margin`), since only a near-tie may flip greedy's choice."""
+    fully_equal, margins = 0, []
+    for i, prompt in enumerate(prompts):
+        theirs, their_logits = hf_greedy(prompt, num_new)
+        mine = ours[i][:len(theirs)]
+        for j, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                margin = (their_logits[j, b] - their_logits[j, a]).item()
+                margins.append(round(margin, 3))
+                assert margin < max_flip_margin, f"prompt {i} step {j}: {a} != {b} ({margin})"
+                break
+        fully_equal += mine == theirs
+    return fully_equal, margins

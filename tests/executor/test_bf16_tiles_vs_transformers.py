@@ -1,6 +1,6 @@
-"""Block weights in bf16 tiles (executor/block_gemm_choice.py: the default for passes over the
-GEMV's rows where the CPU multiplies bf16 natively) against transformers' float32 on the
-default model's weights.
+"""Block weights in bf16 tiles (`--cpu-16bit-gemm native`, executor/block_gemm_choice.py: passes
+over the GEMV's rows, where the CPU multiplies bf16 natively) against transformers' float32 on
+the default model's weights.
 
 The prompts' prefill (up to ~150 tokens a pass) takes the bf16 route; their decode rows stay on
 the GEMV. The rounding (activations and widened weights to bf16, the GEMM's output once more)
@@ -24,9 +24,9 @@ from everystop.executor.layers.linear import onednn_bf16_gemm_supported
 from everystop.executor.model_runner import ModelRunner
 
 from . import test_llama_vs_transformers as exact
-from .conftest import greedy_generate
+from .conftest import follow_greedy, greedy_generate
 from .test_int8_vs_transformers import MAX_FLIP_MARGIN, _kl
-from .test_llama_vs_transformers import NUM_NEW, PER_SEQ, _hf_greedy
+from .test_llama_vs_transformers import NUM_NEW, PER_SEQ
 
 prompts, tok = exact.prompts, exact.tok  # the exact test's fixtures: the same prompts
 
@@ -55,11 +55,9 @@ def bf16_runner() -> ModelRunner:
     return runner
 
 
-def test_bf16_tiles_move_logits_far_less_than_4bit_weights(bf16_runner, hf_float32_model,
-                                                           prompts):
-    with torch.no_grad():
-        ref = torch.stack([hf_float32_model(torch.tensor([p])).logits[0, -1].float()
-                           for p in prompts])
+def test_bf16_tiles_move_logits_far_less_than_4bit_weights(bf16_runner, hf_greedy, prompts):
+    # transformers' logits after each prompt: the first step of its greedy continuation
+    ref = torch.stack([hf_greedy(p, NUM_NEW)[1][0] for p in prompts])
     ours = greedy_generate(bf16_runner, prompts, 1, PER_SEQ)[1]
     q4 = greedy_generate(_runner(quantization="q4_0", cpu_16bit_gemm="fp32"), prompts, 1,
                          PER_SEQ)[1]
@@ -73,21 +71,9 @@ def test_bf16_tiles_move_logits_far_less_than_4bit_weights(bf16_runner, hf_float
     assert kl16 < MAX_KL_RATIO * kl4
 
 
-def test_bf16_tiles_greedy_tokens_follow_transformers(bf16_runner, hf_float32_model, prompts,
-                                                      tok):
+def test_bf16_tiles_greedy_tokens_follow_transformers(bf16_runner, hf_greedy, prompts, tok):
     ours, _ = greedy_generate(bf16_runner, prompts, NUM_NEW, PER_SEQ)
-    fully_equal, margins = 0, []
-    for i, prompt in enumerate(prompts):
-        theirs, their_logits = _hf_greedy(hf_float32_model, prompt, NUM_NEW)
-        mine = ours[i][:len(theirs)]
-        for j, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                # Only a near-tie in the reference may flip greedy's choice.
-                margin = (their_logits[j, b] - their_logits[j, a]).item()
-                margins.append(round(margin, 3))
-                assert margin < MAX_FLIP_MARGIN, f"prompt {i} step {j}: {a} != {b} ({margin})"
-                break
-        fully_equal += mine == theirs
+    fully_equal, margins = follow_greedy(ours, prompts, hf_greedy, NUM_NEW, MAX_FLIP_MARGIN)
     print(f"{fully_equal}/{len(prompts)} continuations identical; flips at margins {margins}")
     # The near-tie escape must stay an exception: measured, every continuation is identical.
     assert fully_equal >= len(prompts) - 1

@@ -24,7 +24,7 @@ from everystop.config import CacheConfig, ModelConfig
 from everystop.executor.model_runner import ModelRunner
 
 from . import test_llama_vs_transformers as exact
-from .conftest import greedy_generate
+from .conftest import follow_greedy, greedy_generate
 from .test_llama_vs_transformers import NUM_NEW, PER_SEQ
 
 prompts, tok = exact.prompts, exact.tok  # the exact test's fixtures: the same prompts
@@ -76,18 +76,7 @@ def test_int8_moves_logits_far_less_than_4bit_weights(int8_runner, hf_greedy, pr
 
 def test_int8_greedy_tokens_follow_transformers(int8_runner, hf_greedy, prompts, tok):
     ours, _ = greedy_generate(int8_runner, prompts, NUM_NEW, PER_SEQ)
-    fully_equal, margins = 0, []
-    for i, prompt in enumerate(prompts):
-        theirs, their_logits = hf_greedy(prompt, NUM_NEW)
-        mine = ours[i][:len(theirs)]
-        for j, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                # Only a near-tie in the reference may flip greedy's choice.
-                margin = (their_logits[j, b] - their_logits[j, a]).item()
-                margins.append(round(margin, 3))
-                assert margin < MAX_FLIP_MARGIN, f"prompt {i} step {j}: {a} != {b} ({margin})"
-                break
-        fully_equal += mine == theirs
+    fully_equal, margins = follow_greedy(ours, prompts, hf_greedy, NUM_NEW, MAX_FLIP_MARGIN)
     print(f"{fully_equal}/{len(prompts)} continuations identical; flips at margins {margins}")
     # The near-tie escape must stay an exception, not hide a systematic difference.
     assert fully_equal >= len(prompts) // 2
