@@ -18,9 +18,9 @@ top-2 margin of 0 or 0.125 (one at the first token, before any guess); in fp32, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -73,17 +73,17 @@ def check_flags(timed: list[str]) -> list[str]:
     return flags
 
 
-def check_tokens(methods: list[str], target: str, draft: str, args: argparse.Namespace,
+def check_tokens(methods: list[str], timed_flags: Callable[[str], list[str]],
                  workloads: dict[str, tuple[Workload, int, bool]]) -> dict[str, Any]:
-    """Run off and each of `methods` batch-invariant; {"baseline", "same": {method: bool},
-    "differing": {method: [requests]}, "commands"}."""
+    """Run off and each of `methods` (`timed_flags(method)`: the timed run's serve flags)
+    batch-invariant in fp32; {"baseline", "same": {method: bool}, "differing": {method:
+    [requests]}, "commands"}."""
     from everystop.bench.servers import everystop_server
-    from everystop.bench.speculative import everystop_flags
 
     texts: dict[str, dict[str, str]] = {}
     commands = {}
     for method in ["off", *(m for m in methods if m != "off")]:
-        flags = check_flags(everystop_flags(method, target, draft, args))
+        flags = check_flags(timed_flags(method))
         print(f"+ everystop {method} (batch-invariant, the token check)", flush=True)
         with everystop_server(flags, failure=f"everystop serve {shlex.join(flags)} did not "
                                              "come up") as (_, url):

@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if args.token_check == "batch-invariant" and set(methods) - {"off"}:
         from everystop.bench.spec_tokens import check_tokens
 
-        check = check_tokens(methods, target, draft, args, workloads)
+        check = check_tokens(methods, lambda m: everystop_flags(m, target, draft, args),
+                             workloads)
         out["token_check"] = check
         out["same_tokens_as_off"] = {"everystop": check["same"]}
     out["load_avg_after"] = os.getloadavg()
