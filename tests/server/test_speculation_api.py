@@ -80,13 +80,8 @@ def test_streamed_logprobs_on_the_default_model_are_those_of_plain_decoding(
 
     from .conftest import start_model_server
 
-    # No prefix cache: the second request's cache hit would prefill its prompt's tail in a
-    # smaller pass than the first's whole prompt, and a pass's size still moves a row's
-    # logprobs by ~1e-3 under --batch-invariant (an open gap of the speculation issue); what
-    # this test checks is speculation's own effect.
     server = start_model_server(tmp_path_factory.mktemp("spec-model"), "--speculative",
-                                "ngram", "--batch-invariant", "--dtype", "float32",
-                                "--no-prefix-caching")
+                                "ngram", "--batch-invariant", "--dtype", "float32")
     prompt = ("Copy each line.\nInput: birds sing in the tall trees\nOutput: birds sing in the "
               "tall trees\nInput: the red balloon sleeps in the warm sun\nOutput:")
     try:

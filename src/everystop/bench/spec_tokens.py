@@ -10,10 +10,9 @@ row computes as it would alone) and fp32 activations, every request of the measu
 sent at once, greedy; a method passes when each request's text equals off's. Any difference
 left is speculation's own.
 
-Why fp32 there: bf16 logits of about 16 are rounded to steps of 0.125, so greedy picks often
-face exact ties, and under bf16 even batch-invariant runs part at them. On the grounded
-workload, off and ngram both batch-invariant in bf16 parted on 7 of 32 requests, each at a
-top-2 margin of 0 or 0.125 (one at the first token, before any guess); in fp32, on none.
+Why fp32 there: it is the mode whose exactness the tests check; bf16 logits near 16 round to
+steps of 0.125, so greedy often faces exact ties, where any difference in summation order
+decides.
 """
 
 from __future__ import annotations

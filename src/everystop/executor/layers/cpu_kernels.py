@@ -435,7 +435,9 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
     if choice == "auto":
         for name in runnable_isas():
             if library_available(name):
-                return CpuKernels(name, fp32_gemm_for_16bit, int8_decode_dot, batch_invariant)
+                return CpuKernels(name, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
+                                  int8_decode_dot=int8_decode_dot,
+                                  batch_invariant=batch_invariant)
         return None
     _isa(choice)  # an unknown name is a ValueError
     if choice not in runnable_isas():
@@ -443,4 +445,5 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
                          f"(it runs: {', '.join(runnable_isas())})")
     if not library_available(choice):
         raise RuntimeError(f"CPU kernels {choice!r} failed to build (see the warning above)")
-    return CpuKernels(choice, fp32_gemm_for_16bit, int8_decode_dot, batch_invariant)
+    return CpuKernels(choice, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
+                      int8_decode_dot=int8_decode_dot, batch_invariant=batch_invariant)
