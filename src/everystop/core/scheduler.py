@@ -55,6 +55,7 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
+from everystop.core.spec_room import ArrivalRate
 from everystop.core.spec_sizing import SpecSizer
 from everystop.core.speculation import DraftCheck, Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
@@ -108,6 +109,9 @@ class Scheduler:
         # Structured output's grammar check on proposals, set by the engine that owns it.
         self.draft_check: DraftCheck | None = None
         self.spec_sizer = SpecSizer()
+        # The recent arrival rate: speculation yields passes that arrivals would wait behind
+        # (core/spec_room.py).
+        self.arrivals = ArrivalRate()
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -130,6 +134,7 @@ class Scheduler:
         self.serves_lora = self.serves_lora or req.lora_id >= 0
         self.waiting.push(req)
         self._queued.add(req, +1, self.clock())
+        self.arrivals.note(req.arrival_time)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -211,8 +216,8 @@ class Scheduler:
 
     def _speculate(self, step: PassBuilder, prefilling: list[Request]) -> None:
         """1b. Proposals on the decode rows, after all of them and before any prefill, when no
-        prompt is in line (core/spec_room.py). Not in the static baseline, nor
-        while a caller holds decode rows in bulk (the simulator)."""
+        prompt is in line or likely to arrive (core/spec_room.py). Not in the static
+        baseline, nor while a caller holds decode rows in bulk (the simulator)."""
         if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):
             add_proposals(self, step, model_len_limit(self.config, self.kv), prefilling)

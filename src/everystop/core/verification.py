@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from everystop.core.outputs import RequestUpdate, ScheduledSequence, TokenLogprob
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
-from everystop.core.spec_room import prompt_in_line
+from everystop.core.spec_room import arrival_likely, prompt_in_line
 from everystop.core.spec_sizing import SizingRow
 from everystop.core.speculation import BatchProposer, speculates
 from everystop.core.step_cost import StepCostModel, StepShape
@@ -58,11 +58,12 @@ def add_proposals(sched: Scheduler, step: PassBuilder, max_len: int,
     """Give each decode row of `step` whose request speculates the proposals the sizing rule
     chooses for it (core/spec_sizing.py, at most k), within the token budget and the KV pool
     above the watermark (proposals never take room running sequences may need); none while
-    a prompt is in line for its first token (core/spec_room.py; `prefilling`: the running
-    rows still in their prompt)."""
+    a prompt is in line for its first token or likely to arrive during the pass
+    (core/spec_room.py; `prefilling`: the running rows still in their prompt)."""
     proposer, k_max = sched.proposer, sched.config.num_speculative_tokens
     assert proposer is not None
-    if prompt_in_line(sched, prefilling):
+    if prompt_in_line(sched, prefilling) or arrival_likely(
+            sched, step.now, sched.step_cost.predict(pass_shape(step))):
         return
     # A proposer that drafts many sequences in one go (a draft model: one forward pass per
     # step for all) is asked once, with each row's k planned against the budget up front.

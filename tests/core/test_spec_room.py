@@ -1,0 +1,100 @@
+"""When speculation yields a pass to prompts on their way (core/spec_room.py): the arrival
+rate, and the passes a burst of arrivals keeps plain."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everystop.core.spec_room import ARRIVAL_LIKELY, ARRIVAL_MEMORY_S, ArrivalRate
+
+from .helpers import make_harness
+from .test_spec_sizing import FakeStepCost, memory_bound
+from .test_speculation import OracleProposer
+
+
+def test_arrivals_at_once_read_as_their_count_over_the_memory_and_fade_by_e() -> None:
+    rate = ArrivalRate(memory_s=0.5)
+    assert rate.rate(0.0) == 0.0 and rate.expected(0.0, 1.0) == 0.0
+    for _ in range(4):
+        rate.note(10.0)
+    assert rate.rate(10.0) == pytest.approx(8.0)
+    assert rate.rate(10.5) == pytest.approx(8.0 / math.e)
+    assert rate.expected(10.5, 0.25) == pytest.approx(2.0 / math.e)
+    assert rate.rate(9.0) == pytest.approx(8.0)  # no growth looking back before the latest
+
+
+def test_a_memory_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="memory_s"):
+        ArrivalRate(memory_s=0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(times=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=20),
+       later=st.floats(0.0, 3.0), memory=st.floats(0.01, 2.0))
+def test_the_rate_is_each_arrivals_decayed_share_in_any_order(times, later, memory) -> None:
+    """Arrivals noted in any order (a request dated before the latest) give the rate
+    sum(exp(-(now - t) / memory)) / memory after the last of them, falling as time passes."""
+    in_order, shuffled = ArrivalRate(memory), ArrivalRate(memory)
+    for t in sorted(times):
+        in_order.note(t)
+    for t in times:
+        shuffled.note(t)
+    now = max(times) + later
+    want = sum(math.exp(-(now - t) / memory) for t in times) / memory
+    assert in_order.rate(now) == pytest.approx(want, rel=1e-9)
+    assert shuffled.rate(now) == pytest.approx(want, rel=1e-9)
+    assert shuffled.rate(now + 0.1) <= shuffled.rate(now)
+
+
+def _decoding(num_seats: int = 64):
+    """One sequence decoding alone, long after it arrived, with an oracle that proposes 4
+    tokens always (a memory-bound pass: 30 ms)."""
+    h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
+                     max_num_seqs=num_seats, max_num_batched_tokens=8192, chunk_size=512,
+                     step_cost=FakeStepCost(memory_bound, per_token=1e-6))
+    h.scheduler.proposer = OracleProposer(0.0, seed=1, always_k=True)
+    h.add("r0", [3, 4, 5, 6], max_tokens=400)
+    h.step()
+    h.clock.now += 10 * ARRIVAL_MEMORY_S
+    assert h.step()[0].num_draft_tokens == 4
+    return h
+
+
+def test_a_burst_of_arrivals_keeps_the_passes_plain_until_it_has_faded() -> None:
+    """Eight requests arrive at once and are all admitted in one pass: no prompt is in line
+    after it, but more arrivals are likely (the rate says about 32 a second, a pass takes
+    30 ms), so the decoding rows run plain until the rate has decayed below an even chance of
+    one arrival per pass; then they all speculate."""
+    h = _decoding()
+    for i in range(8):
+        h.add(f"b{i}", [7 + i, 8, 9], max_tokens=400)
+    sched, _ = h.step()
+    assert sched.num_draft_tokens == 0 and sched.num_prefill_tokens == 24
+    plain = 0
+    while (sched := h.step()[0]).num_draft_tokens == 0:
+        plain += 1
+    assert plain > 0
+    assert [row.num_draft_tokens for row in sched.scheduled] == [4] * 9
+    # The rate fell below an even chance of an arrival during the pass (30 ms) only then:
+    # 8 / memory arrivals a second, decaying by e per memory; the harness steps 10 ms.
+    fade_s = ARRIVAL_MEMORY_S * math.log(8 / ARRIVAL_MEMORY_S * 0.030 / ARRIVAL_LIKELY)
+    assert plain == pytest.approx(fade_s / 0.01, abs=1.5)
+
+
+def test_a_lone_arrival_leaves_speculation_on_once_its_prompt_is_through() -> None:
+    h = _decoding()
+    h.add("one", [7, 8, 9], max_tokens=400)
+    assert h.step()[0].num_draft_tokens == 0  # its prompt is in line
+    assert [row.num_draft_tokens for row in h.step()[0].scheduled] == [4, 4]
+
+
+def test_arrivals_with_no_seat_free_leave_speculation_on() -> None:
+    """Every seat taken: an arrival could not start this pass anyway."""
+    h = _decoding(num_seats=1)
+    for i in range(8):
+        h.add(f"b{i}", [7 + i, 8, 9], max_tokens=400)
+    assert h.step()[0].num_draft_tokens == 4
