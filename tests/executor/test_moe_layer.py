@@ -191,3 +191,56 @@ def test_int8_block_rows_equal_single_row_integer_gemvs(kernels, fmt):
                 expected[t] = expected[t] + y[0] * w
         assert chosen == len(set(ids.flatten().tolist()))
         assert torch.equal(got, expected), f"{rows} rows"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_pass_kernel_equals_module_path(kernels, fmt, int8):
+    """A prefill-sized pass runs the block's kernel, and each expert there takes what the
+    module path's linear() takes for its rows (the GEMV up to gemv_rows, fp32 tiles past it):
+    bit for bit the per-expert module path, for passes where some experts have more rows than
+    the GEMV takes and others fewer."""
+    ks = dataclasses.replace(kernels, int8_decode_dot=int8)
+    hf = _hf_block("qwen3_moe", 16, 4)
+    ours = _ours(hf, "qwen3_moe", 4, True, ks, fmt)
+    g = torch.Generator().manual_seed(5)
+    sizes = []
+    for rows in (33, 150, 300):
+        x = torch.randn(rows, HIDDEN, generator=g)
+        weights, ids = route(ours.gate(x), 4, True)
+        counts = torch.bincount(ids.flatten(), minlength=16)
+        with torch.no_grad():
+            got = ours(x)
+            expected = ours.experts(x, weights, ids)
+        assert torch.equal(got, expected), f"{rows} rows, expert rows {counts.tolist()}"
+        sizes += counts[counts > 0].tolist()
+    assert max(sizes) > 32 and min(sizes) <= 32  # both paths ran
+
+
+def test_prefill_pass_kernel_honours_gemv_rows(kernels):
+    """Past `gemv_rows` an expert takes fp32 tiles, up to it the GEMV: with the bound at every
+    row count the pass equals the all-GEMV pass (the decoder stack's), with it at 1 the
+    module path with every expert in tiles, and the two differ only by the sums' order."""
+    fmt = "q4_0"
+    hf = _hf_block("mixtral", 8, 2)
+    ours = _ours(hf, "mixtral", 2, True, kernels, fmt)
+    experts = ours.experts
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(9))
+    args = (x, ours.gate.weight, experts.gate_up_proj.weight, FORMATS[fmt][0],
+            experts.down_proj.weight, FORMATS[fmt][0], 2, True)
+    gemv, _ = kernels.moe_block(*args)
+    tiles, _ = kernels.moe_block(*args, gemv_rows=1)
+    weights, ids = route(ours.gate(x), 2, True)
+    expected = torch.zeros_like(x)
+    for e in sorted(set(ids.flatten().tolist())):
+        rows = (ids == e).any(-1).nonzero()[:, 0]
+        span = experts.local_gate_up
+        gu = experts.gate_up_proj.weight[e * span:(e + 1) * span]
+        h = kernels.ops.linear_q_tiled(x[rows], gu, FORMATS[fmt][0], HIDDEN)
+        dn = experts.down_proj.weight[e * HIDDEN:(e + 1) * HIDDEN]
+        y = kernels.ops.linear_q_tiled(kernels.silu_mul(h), dn, FORMATS[fmt][0], EXPERT_FFN)
+        w = (weights * (ids == e)).sum(-1)[rows].unsqueeze(1)
+        expected.index_add_(0, rows, y * w)
+    assert torch.equal(tiles, expected)
+    assert not torch.equal(tiles, gemv)
+    torch.testing.assert_close(tiles, gemv, rtol=1e-5, atol=1e-5)

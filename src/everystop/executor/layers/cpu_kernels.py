@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -340,12 +341,16 @@ class CpuKernels:
 
     def moe_block(self, h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
                   gate_up_fmt: int, down: torch.Tensor, down_fmt: int, top_k: int,
-                  renormalize: bool) -> tuple[torch.Tensor, int]:
+                  renormalize: bool, gemv_rows: int = sys.maxsize
+                  ) -> tuple[torch.Tensor, int]:
         """A sparse MoE block on h [tokens, hidden] (layers/moe.py: router softmax, top-k,
         each chosen expert's SwiGLU over the stacked weights, format codes as the decoder stack
-        takes them): (the output in h's dtype, how many experts ran)."""
+        takes them): (the output in h's dtype, how many experts ran). An expert that more than
+        `gemv_rows` rows chose multiplies them in fp32 tiles (linear_q_tiled) instead of the
+        GEMV; block weights only."""
         out, chosen = self.ops.moe_block(h.contiguous(), router, gate_up, gate_up_fmt, down,
-                                         down_fmt, top_k, renormalize, self.int8_decode_dot)
+                                         down_fmt, top_k, renormalize, self.int8_decode_dot,
+                                         min(gemv_rows, sys.maxsize))
         return out, int(chosen)
 
     def linear_q_small(self, x: torch.Tensor, weight: torch.Tensor, fmt: int, k: int

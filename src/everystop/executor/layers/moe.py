@@ -164,7 +164,8 @@ class SparseMoeBlock(nn.Module):
             gate_up, down = experts.gate_up_proj, experts.down_proj
             out, chosen = kernels.moe_block(x, self.gate.weight, gate_up.weight,
                                             _format_code(gate_up), down.weight,
-                                            _format_code(down), self.top_k, self.renormalize)
+                                            _format_code(down), self.top_k, self.renormalize,
+                                            self._expert_gemv_rows(x, kernels))
             experts.count_reads(chosen)
             return out
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -173,15 +174,31 @@ class SparseMoeBlock(nn.Module):
 
     def _whole_block_kernel(self, x: torch.Tensor, kernels: CpuKernels) -> bool:
         """Whether the whole block runs as one kernel call (csrc/moe_experts.cpp, which the
-        decoder stack runs too): on one rank, where every expert's linears would take the
-        decode GEMV (x's rows are at least any expert's), which that kernel calls."""
+        decoder stack runs too): on one rank, where each expert's linears take what the kernel
+        runs: the decode GEMV (x's rows are at least any expert's), or, for block weights
+        meeting fp32 tiles, the GEMV up to its rows and the tiles past them."""
+        projections = (self.experts.gate_up_proj, self.experts.down_proj)
         if (self.ctx.world_size != 1 or x.dim() != 2 or not x.shape[0]
                 or not kernels.handles(x)
-                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or not all(m.weight.is_contiguous() for m in projections)):
             return False
-        return all(m.weight.is_contiguous()
-                   and x.shape[0] <= gemv_rows(m.weight, m.weight_format, x.dtype, kernels)
+        return (x.shape[0] <= self._expert_gemv_rows(x, kernels)
+                or _fp32_tiles(projections, x.dtype, kernels))
+
+    def _expert_gemv_rows(self, x: torch.Tensor, kernels: CpuKernels) -> int:
+        """Up to how many rows an expert's linears take the GEMV (linear()'s choice)."""
+        return min(gemv_rows(m.weight, m.weight_format, x.dtype, kernels)
                    for m in (self.experts.gate_up_proj, self.experts.down_proj))
+
+
+def _fp32_tiles(projections: tuple[HeldWeight, ...], x_dtype: torch.dtype,
+                kernels: CpuKernels) -> bool:
+    """Whether linear() multiplies these projections past the GEMV's rows in fp32 tiles of
+    their blocks (CpuKernels.linear_q_tiled), as the expert kernel does: block weights, no
+    bf16 tiles."""
+    return (not kernels.block_gemm_bf16 and not kernels.bf16_tiles(x_dtype)
+            and all(m.weight_format != DENSE for m in projections))
 
 
 def _format_code(m: HeldWeight) -> int:

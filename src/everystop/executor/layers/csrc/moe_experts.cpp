@@ -10,7 +10,10 @@
 // Expert e is a row range of the stacked weights (gate_up [E * 2I, H], down [E * H, I]; dense
 // or GGUF blocks), multiplied by the decode GEMV: each chosen expert's weights stream once per
 // step for all the rows that chose it, and no other expert's are read. The chosen experts run
-// in one parallel region, a whole expert per thread at a time.
+// in one parallel region, a whole expert per thread at a time. In a prefill pass an expert
+// that more rows chose than the GEMV takes (`gemv_rows`, as layers/linear.py's gemv_rows says
+// for its weights) multiplies them in fp32 tiles and the library GEMM on its thread instead,
+// as the module path's linear() would: the pass's experts never return to Python.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -22,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -39,15 +43,16 @@ struct ExpertRows {
   at::Tensor y;
 };
 
-// out[row[i]] += float(y[i]) * w[i], the product rounded to fp32 before the add (as the module
-// path's `out.index_add_(0, rows, y.float() * weights)`): no fused multiply-add.
+// out[row[i]] += float(y[i]) * w[i] for i in [i0, i1), the product rounded to fp32 before the
+// add (as the module path's `out.index_add_(0, rows, y.float() * weights)`): no fused
+// multiply-add.
 template <typename T>
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
 void add_weighted_rows(float* out, const T* y, int64_t cols, const std::vector<int64_t>& rows,
-                       const std::vector<float>& weights) {
-  for (size_t i = 0; i < rows.size(); ++i) {
+                       const std::vector<float>& weights, size_t i0, size_t i1) {
+  for (size_t i = i0; i < i1; ++i) {
     float* o = out + rows[i] * cols;
     const T* yi = y + static_cast<int64_t>(i) * cols;
     const float w = weights[i];
@@ -249,13 +254,45 @@ at::Tensor expert_int8(const Int8Rows& xq, const std::vector<int64_t>& rows,
 
 namespace ES_NS {
 at::Tensor direct_project(const at::Tensor& x, const at::Tensor& w, int64_t fmt, bool int8_dot);
+at::Tensor direct_project_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                bool int8_dot);
 at::Tensor direct_silu_mul(const at::Tensor& gate_up);
+}  // namespace ES_NS
 
-// h [tokens, H] -> the block's output in h's dtype; *chosen = the number of experts run.
-at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
-                            const at::Tensor& gate_up, int64_t gate_up_fmt, const at::Tensor& down,
-                            int64_t down_fmt, int64_t top_k, bool renormalize, bool int8_dot,
-                            int64_t* chosen) {
+namespace {
+// The weighted sum of the experts' outputs into out [tokens, hidden] (fp32), each row adding
+// its experts in ascending order (as the module path adds), the rows split over the threads:
+// at a prefill chunk's thousands of rows it is ~64 MB of reads a layer.
+void add_experts(float* out, int64_t tokens, int64_t hidden, const std::vector<ExpertRows>& work) {
+  auto add_range = [&](int64_t t0, int64_t t1) {
+    for (const ExpertRows& ex : work) {
+      const auto lo = std::lower_bound(ex.rows.begin(), ex.rows.end(), t0) - ex.rows.begin();
+      const auto hi = std::lower_bound(ex.rows.begin(), ex.rows.end(), t1) - ex.rows.begin();
+      if (lo == hi) continue;
+      switch (ex.y.scalar_type()) {
+        case at::kFloat:
+          add_weighted_rows(out, ex.y.data_ptr<float>(), hidden, ex.rows, ex.weights, lo, hi);
+          break;
+        case at::kBFloat16:
+          add_weighted_rows(out, ex.y.data_ptr<at::BFloat16>(), hidden, ex.rows, ex.weights, lo,
+                            hi);
+          break;
+        case at::kHalf:
+          add_weighted_rows(out, ex.y.data_ptr<at::Half>(), hidden, ex.rows, ex.weights, lo, hi);
+          break;
+        default: TORCH_CHECK(false, "moe: activations must be fp32, bf16 or fp16");
+      }
+    }
+  };
+  if (at::in_parallel_region() || tokens < 64) add_range(0, tokens);
+  else at::parallel_for(0, tokens, 32, add_range);
+}
+
+// The block (see the file's head); an expert with more than gemv_rows rows takes fp32 tiles.
+at::Tensor moe_block_rows(const at::Tensor& h, const at::Tensor& router,
+                          const at::Tensor& gate_up, int64_t gate_up_fmt, const at::Tensor& down,
+                          int64_t down_fmt, int64_t top_k, bool renormalize, bool int8_dot,
+                          int64_t gemv_rows, int64_t* chosen) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t num_experts = router.size(0);
   TORCH_CHECK(top_k > 0 && top_k <= num_experts, "moe: top_k must be in 1..experts");
@@ -302,6 +339,18 @@ at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
   if (int8_experts) hq.emplace(h.contiguous().data_ptr<float>(), tokens, hidden);
 #endif
   auto run = [&](ExpertRows& ex) {
+    const int64_t count = static_cast<int64_t>(ex.rows.size());
+    if (count > gemv_rows) {
+      const int64_t e = ex.expert;
+      const at::Tensor x = h.index_select(
+          0, at::from_blob(ex.rows.data(), {count}, at::TensorOptions().dtype(at::kLong)));
+      const at::Tensor y = ES_NS::direct_project_tiled(
+          x, gate_up.narrow(0, e * gate_up_rows, gate_up_rows), gate_up_fmt, int8_dot);
+      ex.y = ES_NS::direct_project_tiled(ES_NS::direct_silu_mul(y),
+                                         down.narrow(0, e * hidden, hidden), down_fmt, int8_dot)
+                 .contiguous();
+      return;
+    }
 #ifdef ES_EXPERT_INT_DOTS
     if (int8_experts) {
       const int64_t e = ex.expert;
@@ -337,47 +386,47 @@ at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
     });
   }
 
-  // The weighted sum in ascending expert order, as the module path adds.
   at::Tensor out = at::zeros({tokens, hidden}, h.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  for (const ExpertRows& ex : work) {
-    switch (ex.y.scalar_type()) {
-      case at::kFloat:
-        add_weighted_rows(op, ex.y.data_ptr<float>(), hidden, ex.rows, ex.weights);
-        break;
-      case at::kBFloat16:
-        add_weighted_rows(op, ex.y.data_ptr<at::BFloat16>(), hidden, ex.rows, ex.weights);
-        break;
-      case at::kHalf:
-        add_weighted_rows(op, ex.y.data_ptr<at::Half>(), hidden, ex.rows, ex.weights);
-        break;
-      default: TORCH_CHECK(false, "moe: activations must be fp32, bf16 or fp16");
-    }
-  }
+  add_experts(out.data_ptr<float>(), tokens, hidden, work);
   return out.to(h.scalar_type());
+}
+}  // namespace
+
+namespace ES_NS {
+// h [tokens, H] -> the block's output in h's dtype; *chosen = the number of experts run. The
+// decoder stack's decode-sized passes: every expert on the GEMV.
+at::Tensor direct_moe_block(const at::Tensor& h, const at::Tensor& router,
+                            const at::Tensor& gate_up, int64_t gate_up_fmt, const at::Tensor& down,
+                            int64_t down_fmt, int64_t top_k, bool renormalize, bool int8_dot,
+                            int64_t* chosen) {
+  return moe_block_rows(h, router, gate_up, gate_up_fmt, down, down_fmt, top_k, renormalize,
+                        int8_dot, std::numeric_limits<int64_t>::max(), chosen);
 }
 }  // namespace ES_NS
 
 namespace {
 // The block as an op of its own (layers/moe.py's SparseMoeBlock with kernels calls it, so its
 // module path and the stack compute alike): the output in h's dtype and the number of experts
-// run, as a 0-d int64 tensor.
+// run, as a 0-d int64 tensor. Experts with more than gemv_rows rows take fp32 tiles.
 std::tuple<at::Tensor, at::Tensor> moe_block(const at::Tensor& h, const at::Tensor& router,
                                              const at::Tensor& gate_up, int64_t gate_up_fmt,
                                              const at::Tensor& down, int64_t down_fmt,
-                                             int64_t top_k, bool renormalize, bool int8_dot) {
+                                             int64_t top_k, bool renormalize, bool int8_dot,
+                                             int64_t gemv_rows) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(0) > 0,
               "moe_block: h must be contiguous [tokens > 0, hidden]");
   int64_t chosen = 0;
-  at::Tensor out = ES_NS::direct_moe_block(h, router, gate_up, gate_up_fmt, down, down_fmt,
-                                           top_k, renormalize, int8_dot, &chosen);
+  TORCH_CHECK(gemv_rows > 0, "moe_block: gemv_rows must be positive");
+  at::Tensor out = moe_block_rows(h, router, gate_up, gate_up_fmt, down, down_fmt, top_k,
+                                  renormalize, int8_dot, gemv_rows, &chosen);
   return {out, at::scalar_tensor(chosen, at::TensorOptions().dtype(at::kLong))};
 }
 }  // namespace
 
 ES_LIBRARY_FRAGMENT(m) {
   m.def("moe_block(Tensor h, Tensor router, Tensor gate_up, int gate_up_fmt, Tensor down, "
-        "int down_fmt, int top_k, bool renormalize, bool int8_decode_dot) -> (Tensor, Tensor)");
+        "int down_fmt, int top_k, bool renormalize, bool int8_decode_dot, int gemv_rows) "
+        "-> (Tensor, Tensor)");
 }
 
 ES_LIBRARY_IMPL(m) { m.impl("moe_block", &moe_block); }

@@ -774,6 +774,16 @@ at::Tensor direct_project(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
   return int8_dot ? linear_q_small(x, w, fmt, x.size(1))
                   : linear_q_small_path(x, w, fmt, x.size(1), kFloatPath);
 }
+
+// x @ w.T for block weights past the GEMV's rows, as CpuKernels.linear_q_tiled takes it with
+// fp32 tiles (x rounded as the integer dots round it when int8_dot): the expert kernel's
+// many-row experts in a prefill pass (csrc/moe_experts.cpp).
+at::Tensor direct_project_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                                bool int8_dot) {
+  if (!int8_dot) return linear_q_tiled(x, w, fmt, x.size(1));
+  const at::Tensor out = linear_q_tiled(round_int8_blocks(x), w, fmt, x.size(1));
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
 }  // namespace ES_NS
 
 namespace ES_NS {
