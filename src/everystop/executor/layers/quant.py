@@ -31,7 +31,8 @@ BLOCK = 32
 FORMATS: dict[str, tuple[int, int]] = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
 X16 = "_x16"  # the suffix of an interleaved format's name
 INTERLEAVE_ROWS = 16
-FORMATS.update({name + X16: (code + 3, nbytes) for name, (code, nbytes) in list(FORMATS.items())})
+# The interleaved formats, as held (never in a file): name -> (kernel format code, bytes per block).
+INTERLEAVED = {name + X16: (code + 3, nbytes) for name, (code, nbytes) in FORMATS.items()}
 DENSE = "dense"
 # Bits per weight, for logs and memory accounting.
 BITS_PER_WEIGHT = {name: 8 * nbytes / BLOCK for name, (_, nbytes) in FORMATS.items()}
@@ -54,6 +55,11 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.data, self.fmt, self.cols)
+
+
+def format_code(fmt: str) -> int:
+    """A held weight's format as the CPU kernels take it: 0 dense, else its block format's code."""
+    return 0 if fmt == DENSE else {**FORMATS, **INTERLEAVED}[fmt][0]
 
 
 def row_bytes(fmt: str, cols: int) -> int:
@@ -94,7 +100,7 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedTensor:
 
 def interleave(w: QuantizedTensor) -> QuantizedTensor:
     """w in its format's interleaved layout (csrc/block_x16.h); w's rows: a multiple of 16."""
-    if w.fmt not in FORMATS or w.fmt.endswith(X16):
+    if w.fmt not in FORMATS:
         raise ValueError(f"cannot interleave a {w.fmt!r} weight")
     n, nbytes = w.data.shape[0], FORMATS[w.fmt][1]
     if n % INTERLEAVE_ROWS:
