@@ -85,7 +85,9 @@ class Experts(nn.Module):
                                            kernels=kernels)
         # This rank's share of one expert's gate_up rows.
         self.local_gate_up = 2 * self.gate_up_proj.out_sizes[0]
-        # Held interleaved only where every expert's rows are whole groups of 16.
+        # Held interleaved only where every expert's rows are whole groups of 16. The expert
+        # kernel (csrc/moe_experts.cpp) then runs each expert through the projection GEMV
+        # (its 16-column dots) rather than its own standard-layout integer dots.
         self.gate_up_proj.interleave_blocks = self.local_gate_up % INTERLEAVE_ROWS == 0
         self.down_proj.interleave_blocks = hidden_size % INTERLEAVE_ROWS == 0
 
