@@ -15,7 +15,14 @@ import torch
 from everystop.bench.quant_accuracy import measure, prompts
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.layers.linear import HeldWeight, linear, onednn_bf16_gemm_supported
-from everystop.executor.layers.quant import DENSE, FORMATS, dequantize, quantize
+from everystop.executor.layers.quant import (
+    DENSE,
+    FORMATS,
+    X16,
+    deinterleave,
+    dequantize,
+    quantize,
+)
 from everystop.executor.models.loader import (
     default_model_path,
     load_model,
@@ -158,10 +165,12 @@ def test_gguf_blocks_are_held_as_the_file_stores_them(default_runner):
     reader = GGUFReader(default_model_path())
     file = {t.name: t for t in reader.tensors}
     down = model.model.layers[3].mlp.down_proj
-    assert down.weight_format == "q4_1"
-    assert torch.equal(down.weight, torch.from_numpy(np.array(file["blk.3.ffn_down.weight"].data)))
+    # The file's blocks, interleaved 16 rows at a time for the kernels (a permutation of bytes).
+    assert down.weight_format == "q4_1_x16"
+    held = deinterleave(down.weight, down.weight_format, down.weight_cols)
+    assert torch.equal(held, torch.from_numpy(np.array(file["blk.3.ffn_down.weight"].data)))
     embed = model.model.embed_tokens
-    assert embed.weight_format == "q8_0"  # the file's embedding (tied head) type
+    assert embed.weight_format == "q8_0_x16"  # the file's embedding (tied head) type
     nbytes, params = weight_memory(model)
     assert 0.6 < nbytes / params < 0.8, nbytes / params  # Q4_1 (5 bits) + a Q8_0 embedding
     print(f"\ndefault GGUF held as-is: {nbytes / params:.3f} bytes/param")
@@ -213,7 +222,7 @@ def test_rounding_variant_holds_exactly_the_real_variants_values(fp32_model, fmt
     blocks = {f"{n}.weight": m for n, m in real.named_modules()
               if isinstance(m, HeldWeight) and m.weight_format != DENSE}
     assert changed == len(blocks) > 0
-    assert blocks["model.embed_tokens.weight"].weight_format == "q8_0"
+    assert blocks["model.embed_tokens.weight"].weight_format.removesuffix(X16) == "q8_0"
     for name, w in rounded.named_parameters():
         if name in blocks:
             m = blocks[name]

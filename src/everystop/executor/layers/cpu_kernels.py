@@ -40,6 +40,7 @@ _SOURCES += [_CSRC / "lora_delta.cpp"]  # LoRA deltas of rows over several adapt
 _HEADERS = [_CSRC / "simd.h"]  # included by every source
 _HEADERS += [_CSRC / "lora.h"]  # the LoRA kernel's interface (lora_delta.cpp, decoder_stack.cpp)
 _HEADERS += [_CSRC / "int_dots.h"]  # the integer block dots (quant_linear.cpp, moe_experts.cpp)
+_HEADERS += [_CSRC / "block_x16.h"]  # interleaved block weights (quant_linear.cpp)
 
 # -fno-math-errno: libm calls need not set errno. (It does not make GCC vectorize std::exp:
 # glibc declares its vector variants only under -ffast-math, hence exp_v in csrc/simd.h.)

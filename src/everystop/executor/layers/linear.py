@@ -25,7 +25,15 @@ from torch import nn
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.lora import LoraHook
 from everystop.executor.layers.parallel import ParallelContext, shard_heads, shard_range
-from everystop.executor.layers.quant import DENSE, FORMATS, QuantizedTensor, dequantize
+from everystop.executor.layers.quant import (
+    DENSE,
+    INTERLEAVE_ROWS,
+    X16,
+    QuantizedTensor,
+    dequantize,
+    format_code,
+    interleave,
+)
 
 # Up to this many rows (decode-sized inputs) weights go through the weight-streaming CPU GEMV:
 # the library GEMM leaves most of the memory bandwidth unused there (measured: at 8 rows the
@@ -82,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None = N
 
 def _quantized_linear(x: torch.Tensor, blocks: torch.Tensor, kernels: CpuKernels | None,
                       fmt: str, k: int) -> torch.Tensor:
-    code = FORMATS[fmt][0]
+    code = format_code(fmt)
     if kernels is not None and x.dim() == 2 and x.shape[0] and kernels.handles(x):
         if x.shape[0] <= gemv_rows(blocks, fmt, x.dtype, kernels):
             return kernels.linear_q_small(x, blocks, code, k)
@@ -100,10 +108,18 @@ class HeldWeight(nn.Module):
     weight_cols: int = 0  # the matrix's columns (its `in` size), for block formats
     # Set on the projections LoRA adapters target, once adapters are loaded (layers/lora.py).
     lora: LoraHook | None = None
+    # Whether block weights read by the CPU kernels are held interleaved 16 rows at a time
+    # (layers/quant.py), for the GEMV's 16-column integer dots; off where row slices of the
+    # weight must stay whole groups and do not.
+    interleave_blocks: bool = True
 
     def hold(self, weight: torch.Tensor | QuantizedTensor) -> None:
         """Install the loaded weight in place of the (meta) placeholder."""
         if isinstance(weight, QuantizedTensor):
+            if (self.interleave_blocks and getattr(self, "kernels", None) is not None
+                    and weight.data.device.type == "cpu"
+                    and weight.data.shape[0] % INTERLEAVE_ROWS == 0):
+                weight = interleave(weight)
             self.weight_format, self.weight_cols = weight.fmt, weight.cols
             weight = weight.data
         else:
@@ -270,13 +286,22 @@ class VocabParallelEmbedding(HeldWeight):
         """The rows of `ids` in the activation dtype (a held 16-bit or block weight's rows are
         widened: only the rows looked up)."""
         if self.weight_format != DENSE:
-            blocks = self.weight[ids.reshape(-1)]
+            flat = ids.reshape(-1)
+            grouped = self.weight_format.endswith(X16)
+            if grouped:  # interleaved: each id's whole group of 16 rows, then its row of them
+                blocks = self.weight.view(-1, INTERLEAVE_ROWS * self.weight.shape[1])[
+                    flat // INTERLEAVE_ROWS].view(-1, self.weight.shape[1])
+            else:
+                blocks = self.weight[flat]
             kernels = self.kernels
             # The fused op widens the same values (tests/executor/test_quantized.py) in one
             # call instead of a dozen small tensor ops: ~40 us per decode step.
-            rows = (kernels.dequantize(blocks, FORMATS[self.weight_format][0], self.weight_cols)
+            rows = (kernels.dequantize(blocks, format_code(self.weight_format), self.weight_cols)
                     if kernels is not None and kernels.handles(blocks) else
                     dequantize(blocks, self.weight_format, self.weight_cols))
+            if grouped:
+                rows = rows.view(-1, INTERLEAVE_ROWS, self.weight_cols)[
+                    torch.arange(flat.numel()), flat % INTERLEAVE_ROWS]
             return rows.view(*ids.shape, -1).to(self.act_dtype or torch.float32)
         x = F.embedding(ids, self.weight)
         return x if self.act_dtype is None else x.to(self.act_dtype)

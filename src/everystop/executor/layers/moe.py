@@ -21,7 +21,6 @@ from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (
-    DENSE,
     ColumnParallelLinear,
     HeldWeight,
     RowParallelLinear,
@@ -29,7 +28,7 @@ from everystop.executor.layers.linear import (
     linear,
 )
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.layers.quant import FORMATS
+from everystop.executor.layers.quant import INTERLEAVE_ROWS, format_code
 from everystop.executor.layers.weight_reads import WeightReads
 
 
@@ -86,6 +85,11 @@ class Experts(nn.Module):
                                            kernels=kernels)
         # This rank's share of one expert's gate_up rows.
         self.local_gate_up = 2 * self.gate_up_proj.out_sizes[0]
+        # Held interleaved only where every expert's rows are whole groups of 16. The expert
+        # kernel (csrc/moe_experts.cpp) then runs each expert through the projection GEMV
+        # (its 16-column dots) rather than its own standard-layout integer dots.
+        self.gate_up_proj.interleave_blocks = self.local_gate_up % INTERLEAVE_ROWS == 0
+        self.down_proj.interleave_blocks = hidden_size % INTERLEAVE_ROWS == 0
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU of x [n, H] (this rank's partial sum under tensor parallelism),
@@ -203,4 +207,4 @@ def _fp32_tiles(projections: tuple[HeldWeight, ...], x_dtype: torch.dtype,
 
 def _format_code(m: HeldWeight) -> int:
     """A held weight's format as the kernels take it: 0 dense, else the block format's code."""
-    return 0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
+    return format_code(m.weight_format)

@@ -11,6 +11,11 @@ read from a file is used as it is (no repacking, no second copy)::
     q4_1  [fp16 d][fp16 m][u8 qs x16]           20 B   w = d * q + m
           (qs[j]: value j in the low nibble, value j + 16 in the high nibble)
 
+For the CPU kernels a weight with a multiple of 16 rows is held interleaved (`interleave`,
+formats ``*_x16``): each group of 16 rows block by block, the 16 rows' scales side by side and
+then their quants a dword at a time (csrc/block_x16.h), the same bytes in the same total size,
+so that one 512-bit integer dot serves 16 output columns.
+
 Quantizing follows ggml's reference rounding, so a weight quantized here equals the one
 llama-quantize writes for the same values (up to ties).
 """
@@ -24,6 +29,10 @@ import torch
 BLOCK = 32
 # name -> (kernel format code, bytes per block); code 0 is a dense 16-bit weight.
 FORMATS: dict[str, tuple[int, int]] = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+X16 = "_x16"  # the suffix of an interleaved format's name
+INTERLEAVE_ROWS = 16
+# The interleaved formats, as held (never in a file): name -> (kernel format code, bytes per block).
+INTERLEAVED = {name + X16: (code + 3, nbytes) for name, (code, nbytes) in FORMATS.items()}
 DENSE = "dense"
 # Bits per weight, for logs and memory accounting.
 BITS_PER_WEIGHT = {name: 8 * nbytes / BLOCK for name, (_, nbytes) in FORMATS.items()}
@@ -46,6 +55,11 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.data, self.fmt, self.cols)
+
+
+def format_code(fmt: str) -> int:
+    """A held weight's format as the CPU kernels take it: 0 dense, else its block format's code."""
+    return 0 if fmt == DENSE else {**FORMATS, **INTERLEAVED}[fmt][0]
 
 
 def row_bytes(fmt: str, cols: int) -> int:
@@ -84,8 +98,47 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedTensor:
     return QuantizedTensor(fmt, data, k)
 
 
+def interleave(w: QuantizedTensor) -> QuantizedTensor:
+    """w in its format's interleaved layout (csrc/block_x16.h); w's rows: a multiple of 16."""
+    if w.fmt not in FORMATS:
+        raise ValueError(f"cannot interleave a {w.fmt!r} weight")
+    n, nbytes = w.data.shape[0], FORMATS[w.fmt][1]
+    if n % INTERLEAVE_ROWS:
+        raise ValueError(f"interleaving needs a multiple of {INTERLEAVE_ROWS} rows, not {n}")
+    nb = w.cols // BLOCK
+    # [group, block, row in group, bytes of the block]
+    b = w.data.reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS, nb, nbytes).transpose(1, 2)
+    scales = 4 if w.fmt == "q4_1" else 2
+    parts = [b[..., i:i + 2].reshape(*b.shape[:2], -1) for i in range(0, scales, 2)]
+    qs = b[..., scales:]
+    if w.fmt == "q8_0":
+        qs = qs ^ 0x80
+    qs = qs.reshape(*b.shape[:3], -1, 4).transpose(2, 3)  # [group, block, dword, row, 4]
+    parts.append(qs.reshape(*b.shape[:2], -1))
+    return QuantizedTensor(w.fmt + X16, torch.cat(parts, -1).reshape(n, -1).contiguous(), w.cols)
+
+
+def deinterleave(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+    """The standard-layout blocks of an interleaved weight `data` of format `fmt` (``*_x16``)."""
+    base = fmt.removesuffix(X16)
+    n, nbytes, nb = data.shape[0], FORMATS[base][1], cols // BLOCK
+    g = data.reshape(n // INTERLEAVE_ROWS, nb, INTERLEAVE_ROWS * nbytes)
+    scales = 4 if base == "q4_1" else 2
+    head = INTERLEAVE_ROWS * scales
+    parts = [g[..., i * 16:(i + 2) * 16].reshape(*g.shape[:2], INTERLEAVE_ROWS, 2)
+             for i in range(0, scales, 2)]
+    qs = g[..., head:].reshape(*g.shape[:2], -1, INTERLEAVE_ROWS, 4).transpose(2, 3)
+    qs = qs.reshape(*g.shape[:2], INTERLEAVE_ROWS, -1)
+    if base == "q8_0":
+        qs = qs ^ 0x80
+    rows = torch.cat([*parts, qs], -1)  # [group, block, row in group, bytes]
+    return rows.transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
     """The fp32 weight [n, cols] the blocks `data` hold."""
+    if fmt.endswith(X16):
+        data, fmt = deinterleave(data, fmt, cols), fmt.removesuffix(X16)
     n = data.shape[0]
     nb = cols // BLOCK
     b = data.reshape(n, nb, FORMATS[fmt][1])

@@ -35,7 +35,7 @@ from everystop.executor.layers.lora import LoraBank, LoraHook, kernel_takes
 from everystop.executor.layers.mlp import ACTIVATIONS, SwiGLU
 from everystop.executor.layers.norm import RMSNorm
 from everystop.executor.layers.parallel import SINGLE, ParallelContext
-from everystop.executor.layers.quant import DENSE, FORMATS
+from everystop.executor.layers.quant import format_code
 from everystop.executor.layers.rotary import (
     LONGROPE,
     LongRope,
@@ -469,8 +469,7 @@ class DecoderForCausalLM(nn.Module):
                 gate_up.weight, down.weight)]
             linears = [m for layer, (gate_up, down) in zip(layers, mlps, strict=True) for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, gate_up, down)]
-            formats = [0 if m.weight_format == DENSE else FORMATS[m.weight_format][0]
-                       for m in linears]
+            formats = [format_code(m.weight_format) for m in linears]
             usable = all(w.is_contiguous() for w in weights)
             cached = (layers[0].self_attn.qkv_proj.weight, mlps[-1][1].weight,
                       (weights, formats) if usable else None, {}, linears,

@@ -16,7 +16,8 @@
 //                                 the library GEMM (single-threaded inside the tile loop).
 //   linear_q_tiled_bf16(...)      the same with bf16 tiles and a bf16 GEMM, for a bf16 x.
 //
-// fmt: 0 = a dense fp16/bf16 weight [n, k], 1 = q8_0, 2 = q4_0, 3 = q4_1 (layers/quant.py).
+// fmt: 0 = a dense fp16/bf16 weight [n, k], 1 = q8_0, 2 = q4_0, 3 = q4_1, and 4..6 the same
+// three interleaved 16 rows at a time (csrc/block_x16.h; layers/quant.py).
 // Activations are fp32 inside (a 16-bit x is widened once; the output is cast back), except in
 // linear_q_tiled_bf16.
 #include <ATen/ATen.h>
@@ -33,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_x16.h"
 #include "int_dots.h"
 #include "simd.h"
 
@@ -81,7 +83,26 @@ inline vf nibbles_to_vf(const uint8_t* p, bool high) {
 #endif
 }
 
-enum Fmt { kDense = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+enum Fmt { kDense = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0x16 = 4, kQ4_0x16 = 5, kQ4_1x16 = 6 };
+
+// An interleaved format's standard one (the same blocks, stored 16 rows at a time).
+inline int64_t base_fmt(int64_t fmt) { return fmt >= kQ8_0x16 ? fmt - 3 : fmt; }
+inline bool is_x16(int64_t fmt) { return fmt >= kQ8_0x16; }
+inline int64_t block_bytes(int64_t fmt) {
+  const int64_t f = base_fmt(fmt);
+  return f == kQ8_0 ? 34 : (f == kQ4_0 ? 18 : 20);
+}
+
+// A block weight: the blocks of rows [n0, n0 + rows) in the standard layout, for the readers
+// that take rows one at a time. An interleaved weight's rows are unpacked into `buf`.
+inline const uint8_t* standard_rows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t n0,
+                                    int64_t rows, std::vector<uint8_t>& buf) {
+  if (!is_x16(fmt)) return w + n0 * row_bytes;
+  buf.resize(rows * row_bytes);
+  for (int64_t r = 0; r < rows; ++r)
+    x16_unpack_row(w, row_bytes, block_bytes(fmt), n0 + r, buf.data() + r * row_bytes);
+  return buf.data();
+}
 
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -240,11 +261,30 @@ void over_columns(int64_t n, int64_t row_bytes, const Fn& body) {
 constexpr int64_t kGroupBytes = int64_t{256} << 10;
 
 template <int F>
-void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, at::Tensor& out) {
+void linear_q_small_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, bool x16,
+                         at::Tensor& out) {
   const int64_t n = w.size(0), row_bytes = w.size(1), rows = x32.size(0);
   const float* xp = x32.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (x16) {
+    // A group of 16 rows unpacked to the standard layout (it stays in L1/L2) and multiplied
+    // into every row of x there: each column's sums are the standard layout's.
+    over_columns(n, row_bytes, [&](int64_t b, int64_t e) {
+      std::vector<uint8_t> buf;
+      for (int64_t c0 = b; c0 < e; c0 += kX16) {
+        const uint8_t* g = standard_rows(wp, F + 3, row_bytes, c0, kX16, buf);
+        for (int64_t r0 = 0; r0 < rows; r0 += kMaxSmallRows) {
+          with_rows(std::min(kMaxSmallRows, rows - r0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            qgemv_columns<F, R, kQCols<R>>(xp + r0 * k, k, g, row_bytes, 0, kX16,
+                                           op + r0 * n + c0, n);
+          });
+        }
+      }
+    });
+    return;
+  }
   if (rows <= kMaxSmallRows) {
     with_rows(rows, [&](auto r) {
       constexpr int R = decltype(r)::value;
@@ -293,12 +333,14 @@ struct QuantizedRows {
   // [rows, k / 32, 8] -8 * the sum of each 4 consecutive qx: the int32 lanes a 32-byte dot
   // starts from so that it takes q4_0's nibbles q as q - 8 (one add per block saved per column).
   std::vector<int32_t> m8;
+  std::vector<int32_t> sum;  // [rows, k / 32] sum(qx), for the interleaved layout's dots
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb * 8)};
+                    std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb * 8),
+                    std::vector<int32_t>(rows * nb)};
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* xb = x + i * kBlock;
     float amax = 0.f;
@@ -313,6 +355,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     }
     out.d[i] = d;
     out.s[i] = d * static_cast<float>(sum);
+    out.sum[i] = sum;
   }
   return out;
 }
@@ -360,6 +403,7 @@ inline __m256 half_broadcast(const uint8_t* p) {
 
 // acc + the dot of unsigned bytes u and signed bytes s, each int32 lane summing 4 products.
 struct DotMaddubs {
+  static constexpr bool kSigned8 = true;  // saturates on unsigned bytes above 127 (block_x16.h)
   static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
                                                    _mm256_set1_epi16(1)));
@@ -368,10 +412,12 @@ struct DotMaddubs {
 
 // The VNNI paths (int_dots.h's inline assembly); the caller checks the CPU flag (path_runs).
 struct DotAvxVnni {
+  static constexpr bool kSigned8 = false;
   static inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return vpdpbusd_vex(acc, u, s); }
 };
 
 struct DotAvx512Vnni {
+  static constexpr bool kSigned8 = false;
   static inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
     return vpdpbusd_evex(acc, u, s);
   }
@@ -460,20 +506,34 @@ bool path_runs(int64_t path) {
 // register whatever R and C are, and the threads split columns, never a sum.
 template <typename Dot, int F>
 void linear_q_int_rows(const QuantizedRows& xq, int64_t rows, int64_t k, const at::Tensor& w,
-                       float* op) {
-  const int64_t n = w.size(0), row_bytes = w.size(1);
+                       bool x16, float* op) {
+  const int64_t n = w.size(0), row_bytes = w.size(1), nb = k / kBlock;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   auto columns = [&](int64_t r0, int64_t c0, int64_t c1) {
     with_rows(std::min(kMaxSmallRows, rows - r0), [&](auto r) {
       constexpr int R = decltype(r)::value;
-      igemv_columns<Dot, F, R, kICols<R>>(xq, r0, k, wp, row_bytes, c0, c1, op + r0 * n, n);
+      if (!x16) {
+        igemv_columns<Dot, F, R, kICols<R>>(xq, r0, k, wp, row_bytes, c0, c1, op + r0 * n, n);
+        return;
+      }
+      constexpr int Bytes = Block<F>::kBytes;
+      const XRows x{xq.q.data() + r0 * k, xq.d.data() + r0 * nb, xq.s.data() + r0 * nb,
+                    xq.sum.data() + r0 * nb};
+#if defined(__AVX512F__)
+      if constexpr (std::is_same<Dot, DotAvx512Vnni>::value) {
+        x16_columns_512<Bytes, R, (R <= 2 ? 2 : 1)>(x, k, wp, row_bytes, c0, c1, op + r0 * n, n);
+        return;
+      }
+#endif
+      x16_columns_256<Dot, Bytes, R>(x, k, wp, row_bytes, c0, c1, op + r0 * n, n);
     });
   };
   if (rows <= kMaxSmallRows) {
     over_columns(n, row_bytes, [&](int64_t b, int64_t e) { columns(0, b, e); });
     return;
   }
-  const int64_t group = std::max<int64_t>(8, kGroupBytes / row_bytes / 8 * 8);
+  // A multiple of 16 columns: an interleaved group is never split.
+  const int64_t group = std::max<int64_t>(16, kGroupBytes / row_bytes / 16 * 16);
   over_columns(n, row_bytes, [&](int64_t b, int64_t e) {
     for (int64_t c0 = b; c0 < e; c0 += group)
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxSmallRows) columns(r0, c0, std::min(e, c0 + group));
@@ -482,16 +542,16 @@ void linear_q_int_rows(const QuantizedRows& xq, int64_t rows, int64_t k, const a
 
 template <int F>
 void linear_q_int_impl(const at::Tensor& x32, const at::Tensor& w, int64_t k, int64_t path,
-                       at::Tensor& out) {
+                       bool x16, at::Tensor& out) {
   const int64_t rows = x32.size(0);
   const QuantizedRows xq = quantize_rows(x32.data_ptr<float>(), rows, k);
   float* op = out.data_ptr<float>();
   if (path == kAvx512Vnni)
-    linear_q_int_rows<DotAvx512Vnni, F>(xq, rows, k, w, op);
+    linear_q_int_rows<DotAvx512Vnni, F>(xq, rows, k, w, x16, op);
   else if (path == kAvxVnni)
-    linear_q_int_rows<DotAvxVnni, F>(xq, rows, k, w, op);
+    linear_q_int_rows<DotAvxVnni, F>(xq, rows, k, w, x16, op);
   else
-    linear_q_int_rows<DotMaddubs, F>(xq, rows, k, w, op);
+    linear_q_int_rows<DotMaddubs, F>(xq, rows, k, w, x16, op);
 }
 
 #else  // no AVX2 in this build: only the float path
@@ -518,23 +578,25 @@ at::Tensor linear_q_small_path(const at::Tensor& x, const at::Tensor& w, int64_t
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && k % kBlock == 0,
               "linear_q_small: w must be contiguous uint8 blocks [n, k / 32 * block bytes]");
   TORCH_CHECK(path_runs(path), "linear_q_small: dot path ", path, " does not run here");
-  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1, "linear_q_small: unknown format ", fmt);
-  const int64_t bytes = fmt == kQ8_0 ? 34 : (fmt == kQ4_0 ? 18 : 20);
-  TORCH_CHECK(w.size(1) == k / kBlock * bytes, "linear_q_small: row size");
+  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1x16, "linear_q_small: unknown format ", fmt);
+  TORCH_CHECK(w.size(1) == k / kBlock * block_bytes(fmt), "linear_q_small: row size");
+  TORCH_CHECK(!is_x16(fmt) || w.size(0) % kX16 == 0,
+              "linear_q_small: an interleaved weight has a multiple of 16 rows");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  const bool x16 = is_x16(fmt);
   if (path == kFloatPath) {
-    switch (fmt) {
-      case kQ8_0: linear_q_small_impl<kQ8_0>(x32, w, k, out); break;
-      case kQ4_0: linear_q_small_impl<kQ4_0>(x32, w, k, out); break;
-      default: linear_q_small_impl<kQ4_1>(x32, w, k, out); break;
+    switch (base_fmt(fmt)) {
+      case kQ8_0: linear_q_small_impl<kQ8_0>(x32, w, k, x16, out); break;
+      case kQ4_0: linear_q_small_impl<kQ4_0>(x32, w, k, x16, out); break;
+      default: linear_q_small_impl<kQ4_1>(x32, w, k, x16, out); break;
     }
   } else {
 #if defined(__AVX2__)
-    switch (fmt) {
-      case kQ8_0: linear_q_int_impl<kQ8_0>(x32, w, k, path, out); break;
-      case kQ4_0: linear_q_int_impl<kQ4_0>(x32, w, k, path, out); break;
-      default: linear_q_int_impl<kQ4_1>(x32, w, k, path, out); break;
+    switch (base_fmt(fmt)) {
+      case kQ8_0: linear_q_int_impl<kQ8_0>(x32, w, k, path, x16, out); break;
+      case kQ4_0: linear_q_int_impl<kQ4_0>(x32, w, k, path, x16, out); break;
+      default: linear_q_int_impl<kQ4_1>(x32, w, k, path, x16, out); break;
     }
 #endif
   }
@@ -616,8 +678,9 @@ void dequant_tile(const at::Tensor& w, int64_t fmt, int64_t k, int64_t n0, int64
     return;
   }
   const int64_t rb = w.size(1);
-  const uint8_t* p = w.data_ptr<uint8_t>() + n0 * rb;
-  switch (fmt) {
+  std::vector<uint8_t> buf;
+  const uint8_t* p = standard_rows(w.data_ptr<uint8_t>(), fmt, rb, n0, rows, buf);
+  switch (base_fmt(fmt)) {
     case kQ8_0: dequant_rows<kQ8_0>(p, rb, rows, k, dst); break;
     case kQ4_0: dequant_rows<kQ4_0>(p, rb, rows, k, dst); break;
     default: dequant_rows<kQ4_1>(p, rb, rows, k, dst); break;
@@ -654,10 +717,11 @@ void check_tiled_weight(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
     TORCH_CHECK((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) &&
                     w.size(1) == k, "linear_q_tiled: a dense weight must be fp16/bf16 [n, k]");
   } else {
-    TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1, "linear_q_tiled: unknown format ", fmt);
+    TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ4_1x16, "linear_q_tiled: unknown format ", fmt);
     TORCH_CHECK(w.scalar_type() == at::kByte && k % kBlock == 0, "linear_q_tiled: uint8 blocks");
-    const int64_t bytes = fmt == kQ8_0 ? 34 : (fmt == kQ4_0 ? 18 : 20);
-    TORCH_CHECK(w.size(1) == k / kBlock * bytes, "linear_q_tiled: row size");
+    TORCH_CHECK(w.size(1) == k / kBlock * block_bytes(fmt), "linear_q_tiled: row size");
+    TORCH_CHECK(!is_x16(fmt) || w.size(0) % kX16 == 0,
+                "linear_q_tiled: an interleaved weight has a multiple of 16 rows");
   }
 }
 
@@ -726,6 +790,10 @@ at::Tensor linear_q_tiled_bf16(const at::Tensor& x, const at::Tensor& w, int64_t
 // The whole weight as fp32 [n, k] (tests, and the embedding rows a step looks up).
 at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t k) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "dequantize: contiguous 2-D weight");
+  TORCH_CHECK(fmt >= kDense && fmt <= kQ4_1x16, "dequantize: unknown format ", fmt);
+  TORCH_CHECK(fmt == kDense || w.size(1) == k / kBlock * block_bytes(fmt), "dequantize: row size");
+  TORCH_CHECK(!is_x16(fmt) || w.size(0) % kX16 == 0,
+              "dequantize: an interleaved weight has a multiple of 16 rows");
   at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(at::kFloat));
   at::parallel_for(0, w.size(0), 64, [&](int64_t b, int64_t e) {
     dequant_tile(w, fmt, k, b, e - b, out.data_ptr<float>() + b * k);
