@@ -24,7 +24,7 @@ from everystop.executor.layers.linear import (
 )
 from everystop.executor.layers.quant import FORMATS, quantize
 
-KERNELS = CpuKernels("avx512bf16")  # never called: the probes stand in for the CPU
+KERNELS = CpuKernels(isa="avx512bf16")  # never called: the probes stand in for the CPU
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
 AVX512_NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})
 
@@ -119,3 +119,9 @@ def test_gemv_rows_and_the_lm_head_keep_fp32(kernels: CpuKernels) -> None:
     assert torch.equal(linear(x, q.data, bf16, "q4_1", 320),
                        linear(x, q.data, kernels, "q4_1", 320))
     assert not bf16.fp32_activations.block_gemm_bf16
+
+
+def test_the_kernels_flags_are_given_by_name() -> None:
+    # A flag inserted among the others must not shift a positional call into the wrong flags.
+    with pytest.raises(TypeError):
+        CpuKernels("avx512bf16", True)  # type: ignore[misc]

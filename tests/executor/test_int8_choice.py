@@ -21,7 +21,7 @@ from tests.tiny_llama import llama_config, save_random_llama
 
 from .conftest import greedy_generate
 
-KERNELS = CpuKernels("avx512")  # never called: the probes below stand in for its library
+KERNELS = CpuKernels(isa="avx512")  # never called: the probes below stand in for its library
 
 
 def _choose(blocks: bool, path: str | None = "AVX512-VNNI",
