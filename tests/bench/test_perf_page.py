@@ -91,9 +91,12 @@ def test_a_served_run_without_llamacpp_fills_everystop_only(tmp_path: Path) -> N
 
 def _spec_run(engine: str, method: str, tok_s: float, ttft_p99_ms: float,
               acceptance: float | None) -> dict:
+    """A speculative run: llama.cpp's from a server for single streams and one for many
+    (`commands`), everystop's from one server for all (named once, as `command`)."""
     scenario = {"output_tok_s": tok_s, "ttft_ms": {"p99": ttft_p99_ms}}
-    return {"engine": engine, "method": method, "command": f"{engine} --{method}",
-            "acceptance_rate": acceptance,
+    servers = ({"commands": [f"{engine} --{method}", f"{engine} --{method} -np 32"]}
+               if engine == "llamacpp" else {"command": f"{engine} --{method}"})
+    return {"engine": engine, "method": method, **servers, "acceptance_rate": acceptance,
             "scenarios": {n: scenario for n in ("grounded_single", "chat_single",
                                                 "grounded_concurrent")}}
 
@@ -117,7 +120,8 @@ def test_the_speculative_section_shows_each_method_against_its_server_without(
     assert "| everystop | off | 10.0 tok/s | 10.0 tok/s | 10.0 tok/s | 900 ms | n/a |" in page
     assert "| everystop | ngram | 25.0 tok/s (2.50x) |" in page and "| 800 ms | 60% |" in page
     assert "| llama.cpp | draft | 30.0 tok/s (0.75x) |" in page
-    assert "(everystop): ngram no." in page and "llamacpp --draft" in page
+    assert "(everystop): ngram no." in page and "llamacpp --draft\n" in page
+    assert "llamacpp --draft -np 32\n" in page and "everystop --ngram\n" in page
 def test_the_startup_section_follows_its_result(tmp_path: Path) -> None:
     results = _copy_results(tmp_path)
     assert "## Start-up and memory" not in perf_page.render(results)

@@ -65,11 +65,13 @@ def test_quick_mode_measures_every_method_and_scenario(models: tuple[str, str],
     assert list(r["runs"]) == ["everystop/off", "everystop/ngram", "everystop/draft"]
     for name, run in r["runs"].items():
         method = name.split("/")[1]
+        # everystop serves every scenario from one server
+        assert len(run["commands"]) == 1, run["commands"]
         assert ("--speculative " + (f"draft:{draft}" if method == "draft" else method)
-                in run["command"]), run["command"]
-        assert run["peak_rss_bytes"] > 0
+                in run["commands"][0]), run["commands"]
         for scenario, s in run["scenarios"].items():
             wanted = r["scenarios"][scenario]["requests"]
+            assert s["command"] == run["commands"][0] and s["peak_rss_bytes"] > 0
             assert s["completed"] == wanted and s["failed"] == 0, (name, scenario)
             assert s["output_tok_s"] > 0 and len(s["output_tokens_per_request"]) == wanted
     assert r["runs"]["everystop/off"]["draft_tokens"] == 0
@@ -90,18 +92,31 @@ def test_quick_mode_measures_every_method_and_scenario(models: tuple[str, str],
 def test_llamacpp_flags_use_its_own_speculation_on_the_same_files() -> None:
     args = argparse.Namespace(threads=8, num_speculative_tokens=5, dtype="bfloat16",
                               everystop_flags="--max-num-seqs 32")
-    assert llamacpp_flags("off", "d.gguf", args, longest=600) == [
+    assert llamacpp_flags("off", "d.gguf", args, longest=600, streams=32) == [
         "-np", "32", "-c", "19200", "-t", "8", "-tb", "8", "--metrics"]
-    ngram = llamacpp_flags("ngram", "d.gguf", args, longest=600)
+    # one stream: llama.cpp's own slots and context, as a user running one stream has them
+    assert llamacpp_flags("off", "d.gguf", args, longest=600, streams=1) == [
+        "-t", "8", "-tb", "8", "--metrics"]
+    ngram = llamacpp_flags("ngram", "d.gguf", args, longest=600, streams=1)
     assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple"
     assert ngram[ngram.index("--spec-ngram-simple-size-m") + 1] == "5"
-    draft = llamacpp_flags("draft", "d.gguf", args, longest=600)
+    draft = llamacpp_flags("draft", "d.gguf", args, longest=600, streams=32)
     assert draft[draft.index("-md") + 1] == "d.gguf"
     assert draft[draft.index("--spec-draft-n-max") + 1] == "5"
     assert everystop_flags("draft", "t.gguf", "d.gguf", args) == [
         "--model", "t.gguf", "--dtype", "bfloat16", "--speculative", "draft:d.gguf",
         "--num-speculative-tokens", "5", "--max-num-seqs", "32"]
     assert "--num-speculative-tokens" not in everystop_flags("off", "t.gguf", "d.gguf", args)
+
+
+def test_llamacpp_restarts_only_where_its_configuration_changes() -> None:
+    from everystop.bench.speculative import SCENARIOS, _workloads, server_groups
+
+    workloads = _workloads(False, [s[0] for s in SCENARIOS])
+    assert [list(g) for g in server_groups("everystop", workloads)] == [
+        ["grounded_single", "chat_single", "grounded_concurrent"]]
+    assert [list(g) for g in server_groups("llamacpp", workloads)] == [
+        ["grounded_single", "chat_single"], ["grounded_concurrent"]]
 
 
 def test_the_f16_copy_holds_the_dequantized_blocks_and_every_key(models: tuple[str, str],

@@ -118,3 +118,26 @@ def follow_greedy(ours: list[list[int]], prompts: list[list[int]], hf_greedy: Hf
                 break
         fully_equal += mine == theirs
     return fully_equal, margins
+
+
+def kl_divergence(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
+    """KL(ref || ours) per row of logits."""
+    p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def check_logits_against_q4(name: str, ours: torch.Tensor, q4: torch.Tensor, ref: torch.Tensor,
+                            *, max_logit_diff: float, max_mean_ratio: float,
+                            max_kl_ratio: float) -> float:
+    """A rounding's logits (`ours`) against transformers' (`ref`), held to the yardstick of
+    the same weights rounded to Q4_0 (`q4`): its largest difference under `max_logit_diff`,
+    its mean difference and mean KL under the given shares of the Q4_0 weights'. Returns the
+    largest difference (a test may also need it above 0: the rounding's route was taken)."""
+    d, d4 = (ours - ref).abs(), (q4 - ref).abs()
+    kl, kl4 = kl_divergence(ref, ours).mean().item(), kl_divergence(ref, q4).mean().item()
+    print(f"{name}: max {d.max():.3f} mean {d.mean():.3f} KL {kl:.2e}; "
+          f"q4_0 weights: max {d4.max():.3f} mean {d4.mean():.3f} KL {kl4:.2e}")
+    assert d.max().item() < max_logit_diff
+    assert d.mean().item() < max_mean_ratio * d4.mean().item()
+    assert kl < max_kl_ratio * kl4
+    return d.max().item()

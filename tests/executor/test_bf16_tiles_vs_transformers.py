@@ -24,8 +24,8 @@ from everystop.executor.layers.linear import onednn_bf16_gemm_supported
 from everystop.executor.model_runner import ModelRunner
 
 from . import test_llama_vs_transformers as exact
-from .conftest import follow_greedy, greedy_generate
-from .test_int8_vs_transformers import MAX_FLIP_MARGIN, _kl
+from .conftest import check_logits_against_q4, follow_greedy, greedy_generate
+from .test_int8_vs_transformers import MAX_FLIP_MARGIN
 from .test_llama_vs_transformers import NUM_NEW, PER_SEQ
 
 prompts, tok = exact.prompts, exact.tok  # the exact test's fixtures: the same prompts
@@ -61,14 +61,10 @@ def test_bf16_tiles_move_logits_far_less_than_4bit_weights(bf16_runner, hf_greed
     ours = greedy_generate(bf16_runner, prompts, 1, PER_SEQ)[1]
     q4 = greedy_generate(_runner(quantization="q4_0", cpu_16bit_gemm="fp32"), prompts, 1,
                          PER_SEQ)[1]
-    d16, d4 = (ours - ref).abs(), (q4 - ref).abs()
-    kl16, kl4 = _kl(ref, ours).mean().item(), _kl(ref, q4).mean().item()
-    print(f"bf16 tiles: max {d16.max():.3f} mean {d16.mean():.3f} KL {kl16:.2e}; "
-          f"q4_0 weights: max {d4.max():.3f} mean {d4.mean():.3f} KL {kl4:.2e}")
-    assert d16.max().item() > 0  # the rounding is real: the route was taken
-    assert d16.max().item() < MAX_LOGIT_DIFF
-    assert d16.mean().item() < MAX_MEAN_RATIO * d4.mean().item()
-    assert kl16 < MAX_KL_RATIO * kl4
+    largest = check_logits_against_q4("bf16 tiles", ours, q4, ref,
+                                      max_logit_diff=MAX_LOGIT_DIFF,
+                                      max_mean_ratio=MAX_MEAN_RATIO, max_kl_ratio=MAX_KL_RATIO)
+    assert largest > 0  # the rounding is real: the route was taken
 
 
 def test_bf16_tiles_greedy_tokens_follow_transformers(bf16_runner, hf_greedy, prompts, tok):

@@ -24,7 +24,7 @@ from everystop.executor.layers.linear import (
 )
 from everystop.executor.layers.quant import FORMATS, quantize
 
-KERNELS = CpuKernels("avx512bf16")  # never called: the probes stand in for the CPU
+KERNELS = CpuKernels(isa="avx512bf16")  # never called: the probes stand in for the CPU
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
 AVX512_NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})
 
@@ -32,8 +32,7 @@ AVX512_NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})
 def _choose(flags: frozenset[str] = ZEN4, bf16_gemm: bool = True, blocks: bool = True,
             kernels: CpuKernels | None = KERNELS, **config: object) -> bool:
     return choose_block_gemm_bf16(ModelConfig(**config), kernels,  # type: ignore[arg-type]
-                                  flags=lambda: flags, bf16_gemm=lambda: bf16_gemm,
-                                  blocks=lambda model, quant: blocks)[0]
+                                  blocks, flags=lambda: flags, bf16_gemm=lambda: bf16_gemm)[0]
 
 
 def test_auto_keeps_fp32_tiles_and_native_opts_in() -> None:
@@ -66,7 +65,7 @@ def test_backends_keep_fp32_and_log_where_bf16_would_pay(
     monkeypatch.setattr(model_runner, "choose_block_gemm_bf16", functools.partial(
         choose_block_gemm_bf16, flags=lambda: flags, bf16_gemm=lambda: True))
     with caplog.at_level(logging.INFO, logger="everystop.executor.model_runner"):
-        backends = model_runner.select_backends(ModelConfig(dtype="float32"))
+        backends = model_runner.select_backends(ModelConfig(dtype="float32"), blocks=True)
     assert backends.kernels is not None
     assert not backends.kernels.block_gemm_bf16
     lines = [r.getMessage() for r in caplog.records if "block-weight GEMM auto" in r.getMessage()]
@@ -120,3 +119,9 @@ def test_gemv_rows_and_the_lm_head_keep_fp32(kernels: CpuKernels) -> None:
     assert torch.equal(linear(x, q.data, bf16, "q4_1", 320),
                        linear(x, q.data, kernels, "q4_1", 320))
     assert not bf16.fp32_activations.block_gemm_bf16
+
+
+def test_the_kernels_flags_are_given_by_name() -> None:
+    # A flag inserted among the others must not shift a positional call into the wrong flags.
+    with pytest.raises(TypeError):
+        CpuKernels("avx512bf16", True)  # type: ignore[misc]

@@ -23,8 +23,8 @@ SAPPHIRE = AVX2 | {"avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16"}
 
 
 def _choose(flags: frozenset[str], blocks: bool = False, gemm: bool = True, **config) -> str:
-    return choose_dtype(ModelConfig(**config), flags=lambda: flags, bf16_gemm=lambda: gemm,
-                        blocks=lambda path, quant: blocks)[0]
+    return choose_dtype(ModelConfig(**config), blocks, flags=lambda: flags,
+                        bf16_gemm=lambda: gemm)[0]
 
 
 def test_auto_picks_bf16_exactly_where_the_cpu_has_native_bf16():
@@ -67,7 +67,7 @@ def test_weight_kind_is_read_from_the_file(tiny_dir):  # noqa: F811
 
 def test_outputs_under_auto_equal_the_dtype_it_chose(tiny_dir):  # noqa: F811
     path = tiny_dir[0]
-    chosen, _ = choose_dtype(ModelConfig(model=path))
+    chosen, _ = choose_dtype(ModelConfig(model=path), weights_are_blocks(path, "auto"))
 
     def run(dtype: str) -> tuple[list[list[int]], torch.Tensor]:
         runner = ModelRunner(ModelConfig(model=path, dtype=dtype),
@@ -84,7 +84,8 @@ def test_outputs_under_auto_equal_the_dtype_it_chose(tiny_dir):  # noqa: F811
 @pytest.mark.skipif(not ({"avx512_bf16", "amx_bf16"} & cpu_flags()),
                     reason="this CPU has no native bf16: auto is fp32 here (covered above)")
 def test_auto_runs_bf16_on_this_native_bf16_cpu(tiny_dir):  # noqa: F811
-    dtype, why = choose_dtype(ModelConfig(model=tiny_dir[0]))
+    path = tiny_dir[0]
+    dtype, why = choose_dtype(ModelConfig(model=path), weights_are_blocks(path, "auto"))
     assert dtype == "bfloat16", why
 
 
@@ -101,5 +102,4 @@ def test_an_avx2_cap_in_the_environment_gives_an_avx2_machines_defaults(
     capped = cpu_flags()
     assert capped <= full and not any(f.startswith(("avx512", "amx")) for f in capped)
     assert runnable_isas()[0] in ("avx2", "generic")
-    assert choose_dtype(ModelConfig(), bf16_gemm=lambda: True,
-                        blocks=lambda path, quant: False)[0] == "float32"
+    assert choose_dtype(ModelConfig(), False, bf16_gemm=lambda: True)[0] == "float32"

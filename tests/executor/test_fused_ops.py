@@ -190,19 +190,20 @@ def test_16bit_gemm_route_follows_the_config(monkeypatch, has_16bit_gemm):
     from everystop.executor.model_runner import select_backends
 
     monkeypatch.setattr(model_runner, "onednn_bf16_gemm_supported", lambda: has_16bit_gemm)
-    fp32 = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="fp32"))
+    blocks = True  # the default model's Q4_1 weights
+    fp32 = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="fp32"), blocks)
     assert fp32.kernels is not None and fp32.kernels.fp32_gemm_for_16bit is True
-    auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"))
+    auto = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="auto"), blocks)
     assert auto.kernels is not None and isinstance(auto.kernels.fp32_gemm_for_16bit, bool)
     if has_16bit_gemm:
-        native = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"))
+        native = select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"), blocks)
         assert native.kernels is not None and native.kernels.fp32_gemm_for_16bit is False
     else:
         # An AVX2-only CPU: oneDNN cannot build a bf16 GEMM, so "native" is refused by name
         # and "auto" never picks it (the first block-weight prefill would fail).
         assert auto.kernels.fp32_gemm_for_16bit is True
         with pytest.raises(ConfigError, match=r"cpu_16bit_gemm 'native'.*no bfloat16 GEMM"):
-            select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"))
+            select_backends(ModelConfig(dtype="bfloat16", cpu_16bit_gemm="native"), blocks)
 
 
 def test_the_bf16_gemm_check_matches_what_onednn_builds():

@@ -13,6 +13,7 @@ import torch
 
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.engine.args import add_engine_args, engine_config_from_args
+from everystop.executor.dtype_choice import weights_are_blocks
 from everystop.executor.int8_choice import choose_int8_decode_dot, integer_dot_path
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.model_runner import ModelRunner, select_backends
@@ -20,15 +21,14 @@ from tests.tiny_llama import llama_config, save_random_llama
 
 from .conftest import greedy_generate
 
-KERNELS = CpuKernels("avx512")  # never called: the probes below stand in for its library
+KERNELS = CpuKernels(isa="avx512")  # never called: the probes below stand in for its library
 
 
 def _choose(blocks: bool, path: str | None = "AVX512-VNNI",
             kernels: CpuKernels | None = KERNELS, **config: object) -> bool:
     config.setdefault("int8_decode_dot", "auto")
     return choose_int8_decode_dot(ModelConfig(**config), kernels,  # type: ignore[arg-type]
-                                  blocks=lambda model, quant: blocks,
-                                  dot_path=lambda k: path)[0]
+                                  blocks, dot_path=lambda k: path)[0]
 
 
 def test_auto_takes_int8_exactly_for_block_weights_with_an_integer_dot_path() -> None:
@@ -85,10 +85,11 @@ def test_backends_follow_the_weights_and_log_the_choice(
         caplog: pytest.LogCaptureFixture) -> None:
     """Float safetensors held as they are (or 16-bit): off; quantized at load: on. The choice
     and its reason are logged once, at start-up."""
+    blocks = weights_are_blocks(tiny_llama, quantization)  # as ModelRunner reads it
     with caplog.at_level(logging.INFO, logger="everystop.executor.model_runner"):
         backends = select_backends(ModelConfig(model=tiny_llama, dtype="float32",
                                                quantization=quantization,
-                                               int8_decode_dot="auto"))
+                                               int8_decode_dot="auto"), blocks)
     assert backends.kernels is not None
     assert backends.kernels.int8_decode_dot == expected
     lines = [r.getMessage() for r in caplog.records if "int8 decode dot auto" in r.getMessage()]
@@ -97,7 +98,7 @@ def test_backends_follow_the_weights_and_log_the_choice(
     with caplog.at_level(logging.INFO, logger="everystop.executor.model_runner"):
         caplog.clear()
         select_backends(ModelConfig(model=tiny_llama, dtype="float32",
-                                    quantization=quantization, int8_decode_dot="off"))
+                                    quantization=quantization, int8_decode_dot="off"), blocks)
     assert not [r for r in caplog.records if "int8 decode dot" in r.getMessage()]
 
 

@@ -24,7 +24,7 @@ from everystop.config import CacheConfig, ModelConfig
 from everystop.executor.model_runner import ModelRunner
 
 from . import test_llama_vs_transformers as exact
-from .conftest import follow_greedy, greedy_generate
+from .conftest import check_logits_against_q4, follow_greedy, greedy_generate
 from .test_llama_vs_transformers import NUM_NEW, PER_SEQ
 
 prompts, tok = exact.prompts, exact.tok  # the exact test's fixtures: the same prompts
@@ -53,25 +53,14 @@ def int8_runner() -> ModelRunner:
     return _runner(int8_decode_dot="on")
 
 
-def _kl(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
-    """KL(ref || ours) per row of logits."""
-    p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
-    return (p.exp() * (p - q)).sum(-1)
-
-
 def test_int8_moves_logits_far_less_than_4bit_weights(int8_runner, hf_greedy, prompts):
     # transformers' logits after each prompt: the first step of its greedy continuation
     ref = torch.stack([hf_greedy(p, NUM_NEW)[1][0] for p in prompts])
     int8 = greedy_generate(int8_runner, prompts, 1, PER_SEQ)[1]
     q4 = greedy_generate(_runner(int8_decode_dot="off", quantization="q4_0"), prompts, 1,
                          PER_SEQ)[1]
-    d8, d4 = (int8 - ref).abs(), (q4 - ref).abs()
-    kl8, kl4 = _kl(ref, int8).mean().item(), _kl(ref, q4).mean().item()
-    print(f"int8: max {d8.max():.3f} mean {d8.mean():.3f} KL {kl8:.2e}; "
-          f"q4_0 weights: max {d4.max():.3f} mean {d4.mean():.3f} KL {kl4:.2e}")
-    assert d8.max().item() < MAX_LOGIT_DIFF
-    assert d8.mean().item() < MAX_MEAN_RATIO * d4.mean().item()
-    assert kl8 < MAX_KL_RATIO * kl4
+    check_logits_against_q4("int8", int8, q4, ref, max_logit_diff=MAX_LOGIT_DIFF,
+                            max_mean_ratio=MAX_MEAN_RATIO, max_kl_ratio=MAX_KL_RATIO)
 
 
 def test_int8_greedy_tokens_follow_transformers(int8_runner, hf_greedy, prompts, tok):

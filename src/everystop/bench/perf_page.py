@@ -176,6 +176,12 @@ def _check_dtype(r: dict[str, Any]) -> str:
     return words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else r["dtype"]
 
 
+def _spec_commands(run: dict[str, Any]) -> list[str]:
+    """The commands of the servers one speculative run started (`commands`; a result from one
+    server for every scenario names it once, as `command`)."""
+    return run["commands"] if "commands" in run else [run["command"]]
+
+
 def throughput_line(r: dict[str, Any]) -> str:
     return (f"Offline, {r['num_requests']} requests in one engine ({r['dtype']}): "
             f"**{r['output_tok_s']:,.1f} output tok/s** ({r['total_tok_s']:,.1f} with prompts), "
@@ -221,7 +227,7 @@ def kind_section(kind_dir: Path, page_dir: Path) -> list[str]:
     commands += [" ".join(vs["llamacpp"]["command"])] if vs and vs["llamacpp"].get("command") \
         else []
     # (`bench served` records each server's exact command in its result, not here.)
-    commands += [run["command"] for run in (spec or {}).get("runs", {}).values()]
+    commands += [c for run in (spec or {}).get("runs", {}).values() for c in _spec_commands(run)]
     unique = list(dict.fromkeys(commands))  # a server started twice is listed once
     out += [f"Commands (results in `{rel}/`):", "", "```", *unique, "```", ""]
     return out

@@ -3,8 +3,8 @@
     everystop bench speculative [--llama-server PATH] [--quick] [--scenarios A,B]
                                 [--max-tokens N] [--out FILE]
 
-Each configuration is a server started on loopback, measured through one client
-(`everystop bench serve`'s) in three scenarios, then stopped:
+Each configuration is measured through one client (`everystop bench serve`'s) in three
+scenarios, on servers started on loopback and stopped after:
 
 - `grounded_single`: spec-grounded-32 (fix code, correct text, extract fields, reformat: answers
   copy their input), one request at a time;
@@ -13,9 +13,13 @@ Each configuration is a server started on loopback, measured through one client
 
 everystop runs with `--speculative off`, `ngram` and `draft:DRAFT`; with `--llama-server`,
 llama.cpp's server runs on the same files with no speculation, `--spec-type ngram-simple` and
-the draft model (`-md`), K draft tokens at most throughout. The target is an F16 copy of the
-default model (written once to --work-dir; `--target` to give one) and the draft the default
-model's Q4_1 file: the same model, the draft four times fewer bytes per weight.
+the draft model (`-md`), K draft tokens at most throughout. everystop serves every scenario
+from one server; llama.cpp serves the single streams with its own defaults (but threads, and
+the metrics the acceptance is read from), as a user running one stream would, and the
+concurrent scenario with a slot per stream, each holding the longest request. The target is
+an F16 copy of the default model (written once to --work-dir; `--target` to give one) and
+the draft the default model's Q4_1 file: the same model, the draft four times fewer bytes per
+weight.
 
 The grounded requests stop at the model's end of turn (`ignore_eos` false): past its answer a
 model writes text its input does not contain, which is not what this workload measures. Greedy
@@ -23,11 +27,11 @@ speculation is lossless, so every everystop configuration emits the same tokens;
 emitted token. Whether it did is checked on servers run once more with `--batch-invariant`
 and fp32 activations (bench/spec_tokens.py: 16-bit activations are not batch-invariant, and bf16
 logits tie at their rounding step; `--token-check none` skips it). The chat scenario
-keeps the client's `ignore_eos` (64 tokens each). Recorded: each server's exact command, its
-peak RSS, the draft acceptance (each server's /metrics), the CPU's flags (the result's
-envelope); a PNG of output tok/s per scenario goes next to the JSON. `--quick`: 2-4 requests
-of at most 16 tokens per scenario and the default model as its own target (a smoke test, not a
-result).
+keeps the client's `ignore_eos` (64 tokens each). Recorded: the exact command and peak RSS of
+the server each scenario ran on, the draft acceptance (each server's /metrics), the CPU's
+flags (the result's envelope); a PNG of output tok/s per scenario goes next to the JSON.
+`--quick`: 2-4 requests of at most 16 tokens per scenario and the default model as its own
+target (a smoke test, not a result).
 """
 
 from __future__ import annotations
@@ -131,12 +135,14 @@ def everystop_flags(method: str, target: str, draft: str, args: argparse.Namespa
 
 
 def llamacpp_flags(method: str, draft: str, args: argparse.Namespace,
-                   longest: int, slots: int = 32) -> list[str]:
-    """llama-server flags for one method: 32 slots each holding the longest request; ngram is
-    its prompt lookup (`ngram-simple`, looking up the last 4 tokens as everystop's longest
-    n-gram, K tokens guessed), draft its draft model (`-md`, at most K a step)."""
+                   longest: int, streams: int) -> list[str]:
+    """llama-server flags for one method serving `streams` streams at once: for one, its own
+    defaults; for more, a slot per stream, each holding the longest request. ngram is its
+    prompt lookup (`ngram-simple`, looking up the last 4 tokens as everystop's longest n-gram,
+    K tokens guessed), draft its draft model (`-md`, at most K a step)."""
     t, k = str(args.threads), str(args.num_speculative_tokens)
-    flags = ["-np", str(slots), "-c", str(slots * longest), "-t", t, "-tb", t, "--metrics"]
+    slots = ["-np", str(streams), "-c", str(streams * longest)] if streams > 1 else []
+    flags = [*slots, "-t", t, "-tb", t, "--metrics"]
     if method == "ngram":
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                   "--spec-ngram-simple-size-m", k]
@@ -180,10 +186,21 @@ def measure(url: str, workloads: dict[str, tuple[Workload, int, bool]]) -> dict[
     return out
 
 
+def server_groups(engine: str, workloads: dict[str, tuple[Workload, int, bool]]
+                  ) -> list[dict[str, tuple[Workload, int, bool]]]:
+    """The scenarios each of `engine`'s servers serves, in start order: everystop's one server
+    all of them; llama.cpp one server per number of streams (its defaults for one, slots for
+    more), so a server restarts only where its configuration changes."""
+    groups: dict[int, dict[str, tuple[Workload, int, bool]]] = {}
+    for name, spec in workloads.items():
+        groups.setdefault(spec[1] if engine == "llamacpp" else 0, {})[name] = spec
+    return list(groups.values())
+
+
 @contextmanager
 def _server(engine: str, method: str, target: str, draft: str, args: argparse.Namespace,
-            longest: int) -> Iterator[tuple[str, str, int]]:
-    """(base URL, command line, pid) of one started configuration."""
+            longest: int, streams: int) -> Iterator[tuple[str, str, int]]:
+    """(base URL, command line, pid) of one started configuration serving `streams` at once."""
     from everystop.bench.servers import everystop_server, llama_server
 
     if engine == "everystop":
@@ -193,27 +210,38 @@ def _server(engine: str, method: str, target: str, draft: str, args: argparse.Na
             yield url, shlex.join(["everystop", "serve", *flags]), proc.pid
     else:
         with llama_server(args.llama_server, target,
-                          llamacpp_flags(method, draft, args, longest)) as ls:
+                          llamacpp_flags(method, draft, args, longest, streams)) as ls:
             yield ls.url, shlex.join(ls.command), ls.proc.pid
 
 
 def run_one(engine: str, method: str, target: str, draft: str, args: argparse.Namespace,
             workloads: dict[str, tuple[Workload, int, bool]]) -> dict[str, Any]:
+    """One engine and method in every scenario: each scenario's numbers with its server's
+    command and memory, every command started, the acceptance over all of its servers."""
     from everystop.bench.servers import process_memory
 
     longest = max(r.prompt_len + r.max_tokens for wl, _, _ in workloads.values()
                   for r in wl.requests) + 64
     print(f"+ {engine} {method}", flush=True)
-    with _server(engine, method, target, draft, args, longest) as (url, command, pid):
-        before = spec_counters(url)
-        scenarios = measure(url, workloads)
-        after = spec_counters(url)
-        memory = process_memory(pid)
-    drafted = after["draft"] - before["draft"]
-    return {"engine": engine, "method": method, "command": command, "scenarios": scenarios,
-            **memory, "draft_tokens": drafted,
-            "acceptance_rate": (after["accepted"] - before["accepted"]) / drafted
-            if drafted else None}
+    scenarios: dict[str, Any] = {}
+    commands: list[str] = []
+    drafted = accepted = 0.0
+    for group in server_groups(engine, workloads):
+        streams = max(concurrency for _, concurrency, _ in group.values())
+        with _server(engine, method, target, draft, args, longest, streams) as (url, command,
+                                                                                pid):
+            before = spec_counters(url)
+            measured = measure(url, group)
+            after = spec_counters(url)
+            memory = process_memory(pid)
+        commands.append(command)
+        drafted += after["draft"] - before["draft"]
+        accepted += after["accepted"] - before["accepted"]
+        scenarios.update({name: {**m, "command": command, **memory}
+                          for name, m in measured.items()})
+    return {"engine": engine, "method": method, "commands": commands,
+            "scenarios": {name: scenarios[name] for name in workloads},
+            "draft_tokens": drafted, "acceptance_rate": accepted / drafted if drafted else None}
 
 
 def run(args: argparse.Namespace) -> int:

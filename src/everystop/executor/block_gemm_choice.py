@@ -22,27 +22,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from everystop.config import ConfigError, ModelConfig
-from everystop.executor.dtype_choice import NATIVE_BF16_FLAGS, weights_are_blocks
+from everystop.executor.dtype_choice import NATIVE_BF16_FLAGS
 from everystop.executor.layers.cpu_kernels import CpuKernels, cpu_flags
 from everystop.executor.layers.linear import onednn_bf16_gemm_supported
 
 
-def choose_block_gemm_bf16(config: ModelConfig, kernels: CpuKernels | None,
+def choose_block_gemm_bf16(config: ModelConfig, kernels: CpuKernels | None, blocks: bool,
                            flags: Callable[[], frozenset[str]] = cpu_flags,
                            bf16_gemm: Callable[[], bool] = onednn_bf16_gemm_supported,
-                           blocks: Callable[[str | None, str], bool] = weights_are_blocks,
                            ) -> tuple[bool, str]:
     """Whether block weights take bf16 tiles in compute-bound passes whatever the activation
     dtype, and why: "native" (refused where oneDNN has no bf16 GEMM), never under "fp32" or
-    "auto" (see above; its reason says whether this CPU would gain). The probes are arguments
-    so tests can patch the CPU both ways."""
+    "auto" (see above; its reason says whether this CPU would gain). `blocks`: whether the
+    weights are held as quantized blocks. The probes are arguments so tests can patch the CPU
+    both ways."""
     if kernels is None:
         return False, "the CPU kernels are off"
     if config.batch_invariant:
         return False, "batch-invariant mode multiplies every row count on the GEMV"
     if config.cpu_16bit_gemm == "fp32":
         return False, "as configured"
-    if not blocks(config.model, config.quantization):
+    if not blocks:
         return False, "the weights are not quantized blocks (Q8_0/Q4_0/Q4_1)"
     if not bf16_gemm():
         if config.cpu_16bit_gemm == "native":

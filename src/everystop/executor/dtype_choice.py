@@ -47,13 +47,13 @@ def weights_are_blocks(path: str | None, quantization: str) -> bool:
     return kinds[False] > kinds[True]
 
 
-def choose_dtype(config: ModelConfig,
+def choose_dtype(config: ModelConfig, blocks: bool,
                  flags: Callable[[], frozenset[str]] = cpu_flags,
                  bf16_gemm: Callable[[], bool] = onednn_bf16_gemm_supported,
-                 blocks: Callable[[str | None, str], bool] = weights_are_blocks,
                  ) -> tuple[str, str]:
-    """The dtype `config` runs in and why: its own when given, else what `auto` picks here.
-    The probes are arguments so tests can patch the CPU both ways."""
+    """The dtype `config` runs in and why: its own when given, else what `auto` picks here;
+    `blocks`: whether its weights are held as quantized blocks (`weights_are_blocks`). The
+    probes are arguments so tests can patch the CPU both ways."""
     if config.dtype != "auto":
         return config.dtype, "as configured"
     device = torch.device(config.device)
@@ -70,6 +70,6 @@ def choose_dtype(config: ModelConfig,
         return "float32", "the CPU kernels are off"
     if not bf16_gemm():
         return "float32", "oneDNN builds no bf16 GEMM on this CPU"
-    if blocks(config.model, config.quantization):
+    if blocks:
         return "float32", "the weights are quantized blocks, whose kernels take fp32 activations"
     return "bfloat16", f"this CPU multiplies bf16 natively ({', '.join(native)})"

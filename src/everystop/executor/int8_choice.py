@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from everystop.config import ModelConfig
-from everystop.executor.dtype_choice import weights_are_blocks
 from everystop.executor.layers.cpu_kernels import CpuKernels
 
 # The kernels' dot path codes (csrc/quant_linear.cpp, DotPath) by name; 0 is fp32 widening.
@@ -26,17 +25,17 @@ def integer_dot_path(kernels: CpuKernels) -> str | None:
     return DOT_PATH_NAMES.get(best)
 
 
-def choose_int8_decode_dot(config: ModelConfig, kernels: CpuKernels | None,
-                           blocks: Callable[[str | None, str], bool] = weights_are_blocks,
+def choose_int8_decode_dot(config: ModelConfig, kernels: CpuKernels | None, blocks: bool,
                            dot_path: Callable[[CpuKernels], str | None] = integer_dot_path,
                            ) -> tuple[bool, str]:
     """Whether `config` runs with int8 activations and why: as configured ("on"/"off"), else
-    what `auto` picks here. The probes are arguments so tests can patch them."""
+    what `auto` picks here; `blocks`: whether the weights are held as quantized blocks. The
+    probes are arguments so tests can patch them."""
     if config.int8_decode_dot != "auto":
         return config.int8_decode_dot == "on", "as configured"
     if kernels is None:
         return False, "the CPU kernels are off"
-    if not blocks(config.model, config.quantization):
+    if not blocks:
         return False, "the weights are not quantized blocks (Q8_0/Q4_0/Q4_1)"
     path = dot_path(kernels)
     if path is None:

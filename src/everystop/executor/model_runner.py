@@ -21,7 +21,7 @@ from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.core.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
 from everystop.core.sliding_window import SlidingWindow
 from everystop.executor.block_gemm_choice import choose_block_gemm_bf16
-from everystop.executor.dtype_choice import choose_dtype
+from everystop.executor.dtype_choice import choose_dtype, weights_are_blocks
 from everystop.executor.inputs import ModelInputs, build_inputs
 from everystop.executor.int8_choice import choose_int8_decode_dot
 from everystop.executor.kv_pool import KVPool
@@ -69,10 +69,11 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def select_backends(config: ModelConfig, log: bool = True) -> Backends:
-    """The kernels the layers call, chosen once from the config, the CPU's flags, the weight
-    file (int8 activations and bf16 tiles for block weights) and (for 16-bit weights with
-    cpu_16bit_gemm="auto") a GEMM timed both ways. `log`: log what `auto` chose and why."""
+def select_backends(config: ModelConfig, blocks: bool, log: bool = True) -> Backends:
+    """The kernels the layers call, chosen once from the config, the CPU's flags, whether the
+    weights are held as quantized blocks (`blocks`, `weights_are_blocks`: int8 activations and
+    bf16 tiles for them) and (for 16-bit weights with cpu_16bit_gemm="auto") a GEMM timed both
+    ways. `log`: log what `auto` chose and why."""
     kernels = None
     if torch.device(config.device).type == "cpu":
         fp32_gemm = config.cpu_16bit_gemm == "fp32"
@@ -88,12 +89,12 @@ def select_backends(config: ModelConfig, log: bool = True) -> Backends:
             fp32_gemm = not native_ok or fp32_gemm_is_faster(DTYPES[config.dtype])
         kernels = load_cpu_kernels(config.cpu_kernels, fp32_gemm,
                                    batch_invariant=config.batch_invariant)
-    int8_dot, why = choose_int8_decode_dot(config, kernels)
+    int8_dot, why = choose_int8_decode_dot(config, kernels, blocks)
     if log and config.int8_decode_dot == "auto":
         logger.info("int8 decode dot auto: %s (%s)", "on" if int8_dot else "off", why)
     if kernels is not None and int8_dot:
         kernels = dataclasses.replace(kernels, int8_decode_dot=True)
-    block_bf16, why = choose_block_gemm_bf16(config, kernels)
+    block_bf16, why = choose_block_gemm_bf16(config, kernels, blocks)
     if log and config.cpu_16bit_gemm == "auto" and kernels is not None:
         logger.info("block-weight GEMM auto: %s (%s)", "bf16" if block_bf16 else "fp32", why)
     if kernels is not None and block_bf16:
@@ -141,7 +142,9 @@ class ModelRunner:
                  max_model_len: int | None, max_num_batched_tokens: int = 2048,
                  parallel: ParallelContext = SINGLE) -> None:
         """max_model_len None: the model's context length, capped by the pool's tokens."""
-        dtype, why = choose_dtype(model_config)
+        # One read of the weight file's header serves every choice that depends on it.
+        blocks = weights_are_blocks(model_config.model, model_config.quantization)
+        dtype, why = choose_dtype(model_config, blocks)
         if model_config.dtype == "auto" and parallel.rank == 0:
             logger.info("dtype auto: %s (%s)", dtype, why)
         model_config = dataclasses.replace(model_config, dtype=dtype)
@@ -158,7 +161,7 @@ class ModelRunner:
             threads = model_config.num_threads or usable_cpus()
             torch.set_num_threads(max(1, threads // parallel.world_size))
         self.num_threads = torch.get_num_threads()
-        self.backends = select_backends(model_config, log=parallel.rank == 0)
+        self.backends = select_backends(model_config, blocks, log=parallel.rank == 0)
         if parallel.rank == 0:
             kernels = self.backends.kernels
             gemm = ("" if kernels is None or self.dtype == torch.float32 else

@@ -186,7 +186,9 @@ def _default_build_root() -> str:
     return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
-@dataclass(frozen=True)
+# Keyword-only: a flag inserted among the others can never shift a positional call's
+# arguments into the wrong flags.
+@dataclass(frozen=True, kw_only=True)
 class CpuKernels:
     """One ISA's kernel library, as the layers call it.
 
@@ -441,7 +443,7 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
     if choice == "auto":
         for name in runnable_isas():
             if library_available(name):
-                return CpuKernels(name, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
+                return CpuKernels(isa=name, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
                                   int8_decode_dot=int8_decode_dot,
                                   batch_invariant=batch_invariant)
         return None
@@ -451,5 +453,5 @@ def load_cpu_kernels(choice: str = "auto", fp32_gemm_for_16bit: bool = True,
                          f"(it runs: {', '.join(runnable_isas())})")
     if not library_available(choice):
         raise RuntimeError(f"CPU kernels {choice!r} failed to build (see the warning above)")
-    return CpuKernels(choice, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
+    return CpuKernels(isa=choice, fp32_gemm_for_16bit=fp32_gemm_for_16bit,
                       int8_decode_dot=int8_decode_dot, batch_invariant=batch_invariant)
