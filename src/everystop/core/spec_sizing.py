@@ -101,15 +101,15 @@ def _one_more_query(shape: StepShape) -> StepShape:
                      shape.context_tokens + 1)
 
 
-def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float],
+def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float], empty_s: float,
                 tokens_per_pass: float) -> float:
-    """The draft's prefill of the row's unseen tokens before its last, spread over the passes
-    the row may still run: the tokens it may still emit (at most CATCH_UP_HORIZON), each
-    pass giving it `tokens_per_pass`."""
+    """The draft's prefill of the row's unseen tokens before its last (beyond `empty_s`, an
+    empty pass), spread over the passes the row may still run: the tokens it may still emit
+    (at most CATCH_UP_HORIZON), each pass giving it `tokens_per_pass`."""
     if row.unseen <= 1:
         return 0.0
     horizon = max(1.0, min(row.remaining, CATCH_UP_HORIZON) / max(tokens_per_pass, 1.0))
-    return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
+    return (draft(StepShape(row.unseen - 1, 0, 0)) - empty_s) / horizon
 
 
 def _catch_up_blocks(value: float, time_s: float, tokens: float, added: float,
@@ -125,6 +125,22 @@ def _one_more_row(shape: StepShape, context: int) -> StepShape:
     """A draft pass's `shape` with one more row, reading `context` tokens."""
     return StepShape(shape.num_prefill_tokens, shape.num_decode_rows + 1,
                      shape.context_tokens + context + 1)
+
+
+def _candidates(rows: Sequence[SizingRow], accs: Sequence[float]
+                ) -> list[tuple[float, int, int]]:
+    """Every proposal a row may take, (expected value, row, depth), highest value first (a
+    stable sort: a row's proposals stay in order, and so in any subset of them)."""
+    out = []
+    for i, (row, a) in enumerate(zip(rows, accs)):
+        value = 1.0
+        for j in range(row.cap):
+            value *= a
+            if value <= 0.0:
+                break
+            out.append((value, i, j))
+    out.sort(key=lambda c: -c[0])
+    return out
 
 
 class SpecSizer(AcceptanceEstimates):
@@ -153,14 +169,17 @@ class SpecSizer(AcceptanceEstimates):
         tokens = float(base.num_decode_rows)
         if time_s > 0 and tokens > 0:
             best = _Plan(ks, base, time_s, tokens, [])
+            accs = [self.acceptance(row.request_id) for row in rows]
+            empty_s = draft(StepShape()) if draft is not None else 0.0
+            catch_ups = [_catch_up_s(row, draft, empty_s, expected_tokens(a, row.cap))
+                         if draft is not None else 0.0 for row, a in zip(rows, accs)]
+            candidates = _candidates(rows, accs)
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
-            catch_ups = [_catch_up_s(row, draft, expected_tokens(
-                self.acceptance(row.request_id), row.cap)) if draft is not None else 0.0
-                for row in rows]
-            for depth in ([max((r.cap for r in rows), default=0)] if draft is None
-                          else range(1, max((r.cap for r in rows), default=0) + 1)):
-                plan = self._plan(rows, base, predict, draft, depth, catch_ups)
+            max_cap = max((r.cap for r in rows), default=0)
+            for depth in [max_cap] if draft is None else range(1, max_cap + 1):
+                plan = self._plan(rows, base, predict, draft, depth, catch_ups, empty_s,
+                                  [c for c in candidates if c[2] < depth])
                 if plan.tokens * best.time_s > best.tokens * plan.time_s:
                     best = plan
             ks = best.ks
@@ -177,24 +196,16 @@ class SpecSizer(AcceptanceEstimates):
     def _plan(self, rows: Sequence[SizingRow], base: StepShape,
               predict: Callable[[StepShape], float],
               draft: Callable[[StepShape], float] | None, depth: int,
-              catch_ups: Sequence[float]) -> _Plan:
-        """Proposals up to `depth` per row, taken in order of expected value while each beats
-        the rate so far (a row's first charged its share of the draft's catch-up)."""
+              catch_ups: Sequence[float], empty_s: float,
+              candidates: list[tuple[float, int, int]]) -> _Plan:
+        """Proposals up to `depth` per row (`candidates`, in order of expected value), taken
+        while each beats the rate so far (a row's first charged its share of the draft's
+        catch-up); `empty_s`: an empty draft pass's cost."""
         shape = base
         shape_s = predict(shape)
         passes = [StepShape()] * depth if draft is not None else []
-        time_s = shape_s + (depth * draft(StepShape()) if draft is not None else 0.0)
+        time_s = shape_s + depth * empty_s
         tokens = float(base.num_decode_rows)
-        candidates = []
-        for i, row in enumerate(rows):
-            a = self.acceptance(row.request_id)
-            value = 1.0
-            for j in range(min(row.cap, depth)):
-                value *= a
-                if value <= 0.0:
-                    break
-                candidates.append((value, i, j))
-        candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
         ks = [0] * len(rows)
         for value, i, j in candidates:
             if ks[i] != j:
