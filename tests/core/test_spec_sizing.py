@@ -206,13 +206,42 @@ def test_a_draft_catch_up_is_charged_spread_over_the_passes_the_row_may_still_ru
 
 def test_the_summary_counts_the_draft_catch_ups_it_chose(
         caplog: pytest.LogCaptureFixture) -> None:
+    """A row's first draft pass feeds its whole 200-token context (a prompt catch-up); the
+    passes after, each following a drafted one, feed the target's token and are no catch-up
+    even where all proposals were kept (2 tokens to feed); after a pass sized off, the 3
+    tokens the draft missed make a resumed catch-up."""
     sizer = SpecSizer(initial_acceptance=0.8)
+
     with caplog.at_level(logging.INFO, logger="everystop.core.spec_sizing"):
-        for now, unseen in ((0.0, 200), (30.0, 1), (60.0, 1)):
-            assert sizer.choose([SizingRow("a", 4, 200, unseen, 64)], StepShape(0, 1, 201),
-                                _target, now, draft=_draft)[0] > 0
+        k = sizer.choose([SizingRow("a", 4, 200, sizer.unseen("a", 200), 64)],
+                         StepShape(0, 1, 201), _target, 0.0, draft=_draft)[0]
+        assert k > 0
+        sizer.drafted("a", 199)  # the draft was shown the context before the last token
+        sizer.observe("a", k, k)  # all kept: it holds K/V for all but the last proposal
+        assert sizer.unseen("a", 199 + k + 1) == 2
+        assert sizer.choose([SizingRow("a", 4, 200 + k, 2, 64)], StepShape(0, 1, 201 + k),
+                            _target, 10.0, draft=_draft)[0] > 0
+        assert sizer.choose([SizingRow("a", 4, 300, 1, 64)], StepShape(0, 1, 301),
+                            compute_bound, 20.0, draft=_draft) == [0]
+        assert sizer.choose([SizingRow("a", 4, 303, 4, 64)], StepShape(0, 1, 304),
+                            _target, 60.0, draft=_draft)[0] > 0
     (summary,) = [r.getMessage() for r in caplog.records]
-    assert "3 passes, 3 rows" in summary and "1 draft catch-ups of 199 tokens" in summary
+    assert "4 passes, 4 rows" in summary and "1 sized off" in summary
+    assert "1 of whole prompts (199 tokens), 1 resumed after passes sized off (3 tokens)" in (
+        summary)
+
+
+def test_the_draft_is_counted_as_having_seen_the_proposals_it_fed_back() -> None:
+    """Drafting 4 after 100 tokens feeds d1..d3 back: with 2 kept the verified sequence is 103
+    tokens, of which the draft holds 102 (only the target's token is new); with all 4 kept,
+    105, of which 103 (d4 and the target's token are new); with none kept, 101 of 100."""
+    sizer = SpecSizer()
+    for kept, tokens, unseen in ((2, 103, 1), (4, 105, 2), (0, 101, 1)):
+        sizer.drafted("s", 100)
+        sizer.observe("s", 4, kept)
+        assert sizer.unseen("s", tokens) == unseen
+    sizer.observe("t", 4, 4)  # never shown to a draft (an n-gram proposer's row)
+    assert sizer.unseen("t", 50) == 50
 
 
 def test_a_row_whose_catch_up_does_not_pay_leaves_the_others_their_proposals() -> None:

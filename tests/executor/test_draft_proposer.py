@@ -134,3 +134,20 @@ def test_an_idle_draft_times_one_pass_every_refresh_interval(tiny: str) -> None:
     for _ in range(REFRESH_INTERVAL - 1):
         proposer.idle_pass()
     assert proposer.pass_cost.num_observations == 2
+
+
+def test_the_draft_pool_costs_memory_only_where_written(tiny: str, reference) -> None:
+    """A pool as large as the target's stays out of memory while the draft is sized off: its
+    pages become resident as blocks are first written."""
+    from everystop.executor.residency import resident_bytes
+
+    proposer = _proposer(tiny, num_blocks=4096)
+    pool = proposer._pool.device_pool
+    size = pool.numel() * pool.element_size()
+    before = resident_bytes(pool.data_ptr(), size)
+    if before is None:
+        pytest.skip("mincore cannot tell resident pages here")
+    assert before < size // 100
+    assert proposer.propose(list(range(10, 20)), 3) == reference(list(range(10, 20)), 3)
+    after = resident_bytes(pool.data_ptr(), size)
+    assert after is not None and before < after < size // 10

@@ -2,15 +2,7 @@
 the most expected tokens per predicted second, from measured acceptance and the fitted step
 cost (core/step_cost.py).
 
-Acceptance. Each sequence has a running estimate of its per-position acceptance a (the chance
-a proposal is kept, given the ones before it were): its accepted proposals A over its trials
-A + R (R: the rows where a proposal was rejected), both decaying by SEQ_DECAY per verified row
-so the estimate follows the text, shrunk toward the global rate g with PRIOR_WEIGHT trials:
-
-    a = (A + PRIOR_WEIGHT * g) / (A + R + PRIOR_WEIGHT)
-
-g is kept the same way over all rows (GLOBAL_DECAY), starting from INITIAL_ACCEPTANCE counted
-as GLOBAL_PRIOR_WEIGHT trials.
+Acceptance. Each sequence's per-position acceptance a: core/spec_acceptance.py.
 
 Expected tokens. A row with k proposals gives 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
 tokens: its j-th proposal adds a^j.
@@ -42,7 +34,10 @@ later proposal of the sequence, so it is spread over the passes it serves: the t
 row may still emit, at most CATCH_UP_HORIZON, over the tokens a pass gives it at its
 acceptance and cap (expected_tokens(a, cap): a row that takes 3 tokens a pass runs a third
 as many passes as it has tokens to go). A sequence sized off is not caught up (no
-draft pass runs for it); a long prompt in a large batch stays undrafted.
+draft pass runs for it); a long prompt in a large batch stays undrafted. The info summary
+counts the catch-ups chosen, those of whole prompts (never drafted) apart from those resumed
+after passes sized off; a row drafted the pass before feeds only the target's token (and its
+last proposal, when all were kept): drafting's own step, no catch-up.
 
 Prompts in line. A pass that could prefill a prompt takes no proposal at all
 (core/spec_room.py): the rule sizes the passes whose rows are all decoding.
@@ -58,15 +53,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from everystop.core.spec_acceptance import INITIAL_ACCEPTANCE, AcceptanceEstimates, SeqState
 from everystop.core.step_cost import StepShape
 
 logger = logging.getLogger(__name__)
 
-INITIAL_ACCEPTANCE = 0.6  # the global rate before any proposal was verified
-PRIOR_WEIGHT = 2.0  # trials the global rate counts for in a sequence's estimate
-GLOBAL_PRIOR_WEIGHT = 20.0  # trials INITIAL_ACCEPTANCE counts for in the global rate
-SEQ_DECAY = 0.95  # per verified row: a sequence remembers about its last 20 rows
-GLOBAL_DECAY = 0.999  # per verified row: the global rate, about the last 1,000 rows
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
 CATCH_UP_HORIZON = 64  # the most tokens to come a draft catch-up is spread over
 SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
@@ -77,15 +68,6 @@ def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-@dataclass
-class _SeqState:
-    accepted: float = 0.0
-    trials: float = 0.0
-    k: int = -1  # the last k chosen (-1: none yet)
-    passes_off: int = 0  # consecutive passes sized to 0
-    drafted: int = 0  # tokens of the sequence a draft model was last shown (0: none)
 
 
 @dataclass(frozen=True)
@@ -119,15 +101,15 @@ def _one_more_query(shape: StepShape) -> StepShape:
                      shape.context_tokens + 1)
 
 
-def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float],
+def _catch_up_s(row: SizingRow, draft: Callable[[StepShape], float], empty_s: float,
                 tokens_per_pass: float) -> float:
-    """The draft's prefill of the row's unseen tokens before its last, spread over the passes
-    the row may still run: the tokens it may still emit (at most CATCH_UP_HORIZON), each
-    pass giving it `tokens_per_pass`."""
+    """The draft's prefill of the row's unseen tokens before its last (beyond `empty_s`, an
+    empty pass), spread over the passes the row may still run: the tokens it may still emit
+    (at most CATCH_UP_HORIZON), each pass giving it `tokens_per_pass`."""
     if row.unseen <= 1:
         return 0.0
     horizon = max(1.0, min(row.remaining, CATCH_UP_HORIZON) / max(tokens_per_pass, 1.0))
-    return (draft(StepShape(row.unseen - 1, 0, 0)) - draft(StepShape())) / horizon
+    return (draft(StepShape(row.unseen - 1, 0, 0)) - empty_s) / horizon
 
 
 def _catch_up_blocks(value: float, time_s: float, tokens: float, added: float,
@@ -145,59 +127,36 @@ def _one_more_row(shape: StepShape, context: int) -> StepShape:
                      shape.context_tokens + context + 1)
 
 
-class SpecSizer:
-    """The per-sequence acceptance estimates and the sizing rule; counts what it chose."""
+def _candidates(rows: Sequence[SizingRow], accs: Sequence[float]
+                ) -> list[tuple[float, int, int]]:
+    """Every proposal a row may take, (expected value, row, depth), highest value first (a
+    stable sort: a row's proposals stay in order, and so in any subset of them)."""
+    out = []
+    for i, (row, a) in enumerate(zip(rows, accs)):
+        value = 1.0
+        for j in range(row.cap):
+            value *= a
+            if value <= 0.0:
+                break
+            out.append((value, i, j))
+    out.sort(key=lambda c: -c[0])
+    return out
+
+
+class SpecSizer(AcceptanceEstimates):
+    """The sizing rule over the acceptance estimates; counts what it chose."""
 
     def __init__(self, initial_acceptance: float = INITIAL_ACCEPTANCE) -> None:
-        self._accepted = initial_acceptance * GLOBAL_PRIOR_WEIGHT
-        self._trials = GLOBAL_PRIOR_WEIGHT
-        self._seqs: dict[str, _SeqState] = {}
+        super().__init__(initial_acceptance)
         # What /metrics shows: sequence-passes sized to k = 0, and the latest sizing's rows
         # and proposals chosen (their ratio: the mean k).
         self.num_sized_off = 0
         self.last_num_rows = 0
         self.last_num_proposals = 0
-        # Passes, rows, proposals, sized off, catch-ups (rows drafted with unseen tokens to
-        # feed) and their tokens, since the last log.
-        self._summary = [0, 0, 0, 0, 0, 0]
+        # Since the last log: passes, rows, proposals, sized off, and the draft catch-ups
+        # chosen (module docstring) with their tokens: of whole prompts, and resumed.
+        self._summary = [0] * 8
         self._summary_since: float | None = None
-
-    @property
-    def global_acceptance(self) -> float:
-        return self._accepted / self._trials
-
-    def acceptance(self, request_id: str) -> float:
-        """The sequence's per-position acceptance estimate (the global rate before any
-        evidence of its own)."""
-        g = self.global_acceptance
-        s = self._seqs.get(request_id)
-        if s is None:
-            return g
-        return (s.accepted + PRIOR_WEIGHT * g) / (s.trials + PRIOR_WEIGHT)
-
-    def observe(self, request_id: str, num_proposals: int, num_accepted: int) -> None:
-        """Fold in one verified row: `num_accepted` of its `num_proposals` were kept."""
-        if num_proposals <= 0:
-            return
-        trials = num_accepted + (num_accepted < num_proposals)
-        s = self._seqs.setdefault(request_id, _SeqState())
-        s.accepted = SEQ_DECAY * s.accepted + num_accepted
-        s.trials = SEQ_DECAY * s.trials + trials
-        self._accepted = GLOBAL_DECAY * self._accepted + num_accepted
-        self._trials = GLOBAL_DECAY * self._trials + trials
-
-    def forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
-
-    def drafted(self, request_id: str, num_tokens: int) -> None:
-        """A draft model was shown the sequence's first `num_tokens` tokens."""
-        self._seqs.setdefault(request_id, _SeqState()).drafted = num_tokens
-
-    def unseen(self, request_id: str, num_tokens: int) -> int:
-        """Of the sequence's `num_tokens` tokens, those a draft pass would feed: the ones
-        since the draft was last shown it (all, if never), at least the last."""
-        s = self._seqs.get(request_id)
-        return max(num_tokens - (s.drafted if s is not None else 0), 1)
 
     def choose(self, rows: Sequence[SizingRow], base: StepShape,
                predict: Callable[[StepShape], float], now: float = 0.0, *,
@@ -210,14 +169,17 @@ class SpecSizer:
         tokens = float(base.num_decode_rows)
         if time_s > 0 and tokens > 0:
             best = _Plan(ks, base, time_s, tokens, [])
+            accs = [self.acceptance(row.request_id) for row in rows]
+            empty_s = draft(StepShape()) if draft is not None else 0.0
+            catch_ups = [_catch_up_s(row, draft, empty_s, expected_tokens(a, row.cap))
+                         if draft is not None else 0.0 for row, a in zip(rows, accs)]
+            candidates = _candidates(rows, accs)
             # A draft model runs one pass per proposal depth: each number of passes is a plan
             # of its own, its passes' fixed cost paid up front.
-            catch_ups = [_catch_up_s(row, draft, expected_tokens(
-                self.acceptance(row.request_id), row.cap)) if draft is not None else 0.0
-                for row in rows]
-            for depth in ([max((r.cap for r in rows), default=0)] if draft is None
-                          else range(1, max((r.cap for r in rows), default=0) + 1)):
-                plan = self._plan(rows, base, predict, draft, depth, catch_ups)
+            max_cap = max((r.cap for r in rows), default=0)
+            for depth in [max_cap] if draft is None else range(1, max_cap + 1):
+                plan = self._plan(rows, base, predict, draft, depth, catch_ups, empty_s,
+                                  [c for c in candidates if c[2] < depth])
                 if plan.tokens * best.time_s > best.tokens * plan.time_s:
                     best = plan
             ks = best.ks
@@ -234,24 +196,16 @@ class SpecSizer:
     def _plan(self, rows: Sequence[SizingRow], base: StepShape,
               predict: Callable[[StepShape], float],
               draft: Callable[[StepShape], float] | None, depth: int,
-              catch_ups: Sequence[float]) -> _Plan:
-        """Proposals up to `depth` per row, taken in order of expected value while each beats
-        the rate so far (a row's first charged its share of the draft's catch-up)."""
+              catch_ups: Sequence[float], empty_s: float,
+              candidates: list[tuple[float, int, int]]) -> _Plan:
+        """Proposals up to `depth` per row (`candidates`, in order of expected value), taken
+        while each beats the rate so far (a row's first charged its share of the draft's
+        catch-up); `empty_s`: an empty draft pass's cost."""
         shape = base
         shape_s = predict(shape)
         passes = [StepShape()] * depth if draft is not None else []
-        time_s = shape_s + (depth * draft(StepShape()) if draft is not None else 0.0)
+        time_s = shape_s + depth * empty_s
         tokens = float(base.num_decode_rows)
-        candidates = []
-        for i, row in enumerate(rows):
-            a = self.acceptance(row.request_id)
-            value = 1.0
-            for j in range(min(row.cap, depth)):
-                value *= a
-                if value <= 0.0:
-                    break
-                candidates.append((value, i, j))
-        candidates.sort(key=lambda c: -c[0])  # stable: a row's proposals stay in order
         ks = [0] * len(rows)
         for value, i, j in candidates:
             if ks[i] != j:
@@ -303,13 +257,18 @@ class SpecSizer:
                 tokens: float, now: float) -> None:
         """Counters for /metrics, a debug line per changed decision, an info summary."""
         off = 0
+        summary = self._summary
         for row, k in zip(rows, ks):
-            s = self._seqs.setdefault(row.request_id, _SeqState())
+            s = self._seqs.setdefault(row.request_id, SeqState())
             if k == 0:
                 off += 1
                 s.passes_off += 1
             else:
                 s.passes_off = 0
+                if s.k <= 0 and row.unseen > 1:  # a catch-up: not drafted the pass before
+                    at = 4 if s.seen == 0 else 6
+                    summary[at] += 1
+                    summary[at + 1] += row.unseen - 1
             if k != s.k:
                 logger.debug("speculation sizing: %s k %d -> %d (acceptance %.2f, pass %.2f "
                              "tokens in %.4f s)", row.request_id, max(s.k, 0), k,
@@ -318,20 +277,16 @@ class SpecSizer:
         proposals = sum(ks)
         self.num_sized_off += off
         self.last_num_rows, self.last_num_proposals = len(rows), proposals
-        summary = self._summary
         summary[0] += 1
         summary[1] += len(rows)
         summary[2] += proposals
         summary[3] += off
-        for row, k in zip(rows, ks):
-            if k and row.unseen > 1:
-                summary[4] += 1
-                summary[5] += row.unseen - 1
         if self._summary_since is None:
             self._summary_since = now
         elif now - self._summary_since >= SUMMARY_INTERVAL_S:
-            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off, "
-                        "%d draft catch-ups of %d tokens; global acceptance %.2f", summary[0],
-                        summary[1], summary[2] / max(summary[1], 1), summary[3], summary[4],
-                        summary[5], self.global_acceptance)
-            self._summary, self._summary_since = [0] * 6, now
+            logger.info("speculation sizing: %d passes, %d rows, mean k %.2f, %d sized off; "
+                        "draft catch-ups: %d of whole prompts (%d tokens), %d resumed after "
+                        "passes sized off (%d tokens); global acceptance %.2f", summary[0],
+                        summary[1], summary[2] / max(summary[1], 1), *summary[3:],
+                        self.global_acceptance)
+            self._summary, self._summary_since = [0] * 8, now

@@ -5,7 +5,8 @@ Greedy drafting makes each proposal a point mass (q(d) = 1), so the scheduler's 
 (core/verification.py) is the exact rejection rule and sampled output keeps the target's
 distribution.
 
-The draft keeps K/V of its own, in a small paged pool, per context it has seen::
+The draft keeps K/V of its own per context it has seen, in a paged pool as large as the
+target's that takes memory only where written::
 
     entry:   c1 .. cn   d1 .. d(k-1)        (K/V of the context it was asked about, then of
              num_context                     the drafts it fed back; dk is never fed)
@@ -43,6 +44,7 @@ from everystop.core.step_cost import (
     StepShape,
 )
 from everystop.executor.inputs import build_inputs
+from everystop.executor.kv_pool import KVPool
 from everystop.executor.model_runner import ModelRunner, shared_model
 from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
 from everystop.executor.models.errors import ModelLoadError
@@ -86,11 +88,11 @@ class DraftModelProposer:
         # sizing rule prices a proposal plan's draft passes with it (core/spec_sizing.py).
         self.pass_cost = pass_cost or StepCostModel.from_prefill_rate(1e4)
         args = model.args
-        shape = (num_blocks, block_size, model.num_local_kv_heads, args.head_dim)
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device),
-             torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(args.num_layers)]
+        # The target's pool layout, untouched until written (KVPool): a pool as large as the
+        # target's costs no memory while the sizing rule keeps the draft off (a busy batch).
+        self._pool = KVPool(args.num_layers, model.num_local_kv_heads, args.head_dim,
+                            block_size, num_blocks, 0, kv_dtype, device)
+        self.kv_caches: list[KVCache] = self._pool.kv_caches
         self.max_len = min(args.max_position_embeddings, num_blocks * block_size)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
