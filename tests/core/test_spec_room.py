@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from everystop.core.spec_room import ARRIVAL_LIKELY, ARRIVAL_MEMORY_S, ArrivalRate
+from everystop.core.arrival_rate import ARRIVAL_MEMORY_S, ArrivalRate
+from everystop.core.spec_room import ARRIVAL_LIKELY
 from everystop.core.step_cost import StepShape
 
 from .helpers import make_harness

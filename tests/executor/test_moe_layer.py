@@ -12,7 +12,7 @@ import torch
 
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 from everystop.executor.layers.moe import SparseMoeBlock, route
-from everystop.executor.layers.quant import FORMATS, quantize
+from everystop.executor.layers.quant import FORMATS, format_code, quantize
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
@@ -226,8 +226,11 @@ def test_prefill_pass_kernel_honours_gemv_rows(kernels):
     ours = _ours(hf, "mixtral", 2, True, kernels, fmt)
     experts = ours.experts
     x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(9))
-    args = (x, ours.gate.weight, experts.gate_up_proj.weight, FORMATS[fmt][0],
-            experts.down_proj.weight, FORMATS[fmt][0], 2, True)
+    # The held format (interleaved where the rows are whole groups), as the kernels read it.
+    gu_code = format_code(experts.gate_up_proj.weight_format)
+    dn_code = format_code(experts.down_proj.weight_format)
+    args = (x, ours.gate.weight, experts.gate_up_proj.weight, gu_code,
+            experts.down_proj.weight, dn_code, 2, True)
     gemv, _ = kernels.moe_block(*args)
     tiles, _ = kernels.moe_block(*args, gemv_rows=1)
     weights, ids = route(ours.gate(x), 2, True)
@@ -236,9 +239,9 @@ def test_prefill_pass_kernel_honours_gemv_rows(kernels):
         rows = (ids == e).any(-1).nonzero()[:, 0]
         span = experts.local_gate_up
         gu = experts.gate_up_proj.weight[e * span:(e + 1) * span]
-        h = kernels.ops.linear_q_tiled(x[rows], gu, FORMATS[fmt][0], HIDDEN)
+        h = kernels.ops.linear_q_tiled(x[rows], gu, gu_code, HIDDEN)
         dn = experts.down_proj.weight[e * HIDDEN:(e + 1) * HIDDEN]
-        y = kernels.ops.linear_q_tiled(kernels.silu_mul(h), dn, FORMATS[fmt][0], EXPERT_FFN)
+        y = kernels.ops.linear_q_tiled(kernels.silu_mul(h), dn, dn_code, EXPERT_FFN)
         w = (weights * (ids == e)).sum(-1)[rows].unsqueeze(1)
         expected.index_add_(0, rows, y * w)
     assert torch.equal(tiles, expected)

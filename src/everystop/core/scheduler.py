@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from everystop.config import SchedulerConfig
+from everystop.core.arrival_rate import ArrivalRate
 from everystop.core.decode_batch import EAGER_DECODES, DecodeBatch
 from everystop.core.failed_pass import recompute_swapped
 from everystop.core.inspection import check_scheduler_integrity, scheduler_stats
@@ -55,7 +56,6 @@ from everystop.core.preemption import (
 )
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
-from everystop.core.spec_room import ArrivalRate
 from everystop.core.spec_sizing import SpecSizer
 from everystop.core.speculation import DraftCheck, Proposer, make_proposer
 from everystop.core.static_batch import schedule_static
@@ -110,7 +110,7 @@ class Scheduler:
         self.draft_check: DraftCheck | None = None
         self.spec_sizer = SpecSizer()
         # The recent arrival rate: speculation yields passes that arrivals would wait behind
-        # (core/spec_room.py).
+        # (core/arrival_rate.py).
         self.arrivals = ArrivalRate()
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -216,7 +216,7 @@ class Scheduler:
 
     def _speculate(self, step: PassBuilder, prefilling: list[Request]) -> None:
         """1b. Proposals on the decode rows, after all of them and before any prefill, when no
-        prompt is in line or likely to arrive (core/spec_room.py). Not in the static
+        prompt is in line or likely to arrive (core/arrival_rate.py). Not in the static
         baseline, nor while a caller holds decode rows in bulk (the simulator)."""
         if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):

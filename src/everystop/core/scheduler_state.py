@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from everystop.config import SchedulerConfig
+from everystop.core.arrival_rate import ArrivalRate
 from everystop.core.intake import QueuedCounts
 from everystop.core.kv_cache_manager import KVCacheManager
 from everystop.core.pass_builder import PassBuilder
 from everystop.core.request import Request, RequestStatus
 from everystop.core.request_queue import RequestQueue
-from everystop.core.spec_room import ArrivalRate
 from everystop.core.spec_sizing import SpecSizer
 from everystop.core.speculation import DraftCheck, Proposer
 from everystop.core.step_cost import StepCostModel
@@ -40,7 +40,7 @@ class SchedulerState(Protocol):
     proposer: Proposer | None
     draft_check: DraftCheck | None  # cuts structured-output proposals at their grammar
     spec_sizer: SpecSizer
-    arrivals: ArrivalRate  # the recent arrival rate (core/spec_room.py)
+    arrivals: ArrivalRate  # the recent arrival rate (core/arrival_rate.py)
     last_prefill_budget_tokens: int
     step_cost: StepCostModel
     auto_tpot_target_s: float

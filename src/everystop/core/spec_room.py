@@ -14,7 +14,7 @@ A prompt that arrives while a pass runs waits for that pass to end before its ow
 starts, so a pass's length matters while prompts are on their way too, not only once they are
 queued: a burst of requests (32 clients starting at once) reaches the scheduler over tens of
 milliseconds, and a long speculative pass started between two of its arrivals delays every
-later one. The scheduler keeps the recent arrival rate (ArrivalRate: each arrival counts
+later one. The scheduler keeps the recent arrival rate (core/arrival_rate.py: each arrival counts
 1 / ARRIVAL_MEMORY_S per second, decaying by e every ARRIVAL_MEMORY_S), and speculation also
 yields a pass, while a seat is free, in which an arrival is more likely than not: rate times
 the pass's predicted time (its decodes alone) of at least ln 2 expected arrivals. A lone
@@ -36,39 +36,7 @@ from everystop.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from everystop.core.scheduler_state import SchedulerState as Scheduler
 
-ARRIVAL_MEMORY_S = 0.25  # how long an arrival counts in the rate (its e-folding time)
 ARRIVAL_LIKELY = math.log(2)  # expected arrivals in a pass at which one is more likely than not
-
-
-class ArrivalRate:
-    """Requests arriving per second lately: an exponentially decaying count of arrivals over
-    its memory (`memory_s`), so a burst reads as a high rate that fades once it stops."""
-
-    def __init__(self, memory_s: float = ARRIVAL_MEMORY_S) -> None:
-        if not memory_s > 0:
-            raise ValueError(f"memory_s must be > 0, got {memory_s!r}")
-        self.memory_s = memory_s
-        self._rate = 0.0  # at time self._at
-        self._at = -math.inf
-
-    def note(self, at: float) -> None:
-        """One arrival at time `at` (an arrival dated before the latest still counts, decayed
-        by its age)."""
-        if at >= self._at:
-            self._rate = self.rate(at) + 1.0 / self.memory_s
-            self._at = at
-        else:
-            self._rate += math.exp((at - self._at) / self.memory_s) / self.memory_s
-
-    def rate(self, now: float) -> float:
-        """Arrivals per second at `now`."""
-        if self._rate == 0.0:
-            return 0.0
-        return self._rate * math.exp(-max(now - self._at, 0.0) / self.memory_s)
-
-    def expected(self, now: float, span_s: float) -> float:
-        """Arrivals expected in the `span_s` seconds from `now`, at the rate now."""
-        return self.rate(now) * max(span_s, 0.0)
 
 
 def prompt_in_line(sched: Scheduler, prefilling: Iterable[Request]) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from everystop.executor.layers.cpu_kernels import CpuKernels
 from everystop.executor.layers.linear import (
+    DENSE,
     ColumnParallelLinear,
     HeldWeight,
     RowParallelLinear,
