@@ -165,15 +165,28 @@ def test_gguf_blocks_are_held_as_the_file_stores_them(default_runner):
     reader = GGUFReader(default_model_path())
     file = {t.name: t for t in reader.tensors}
     down = model.model.layers[3].mlp.down_proj
-    # The file's blocks, interleaved 16 rows at a time for the kernels (a permutation of bytes).
-    assert down.weight_format == "q4_1_x16"
-    held = deinterleave(down.weight, down.weight_format, down.weight_cols)
-    assert torch.equal(held, torch.from_numpy(np.array(file["blk.3.ffn_down.weight"].data)))
+    # The file's blocks, byte for byte (fp32 activations by default: no interleaving).
+    assert down.weight_format == "q4_1"
+    assert torch.equal(down.weight, torch.from_numpy(np.array(file["blk.3.ffn_down.weight"].data)))
     embed = model.model.embed_tokens
-    assert embed.weight_format == "q8_0_x16"  # the file's embedding (tied head) type
+    assert embed.weight_format == "q8_0"  # the file's embedding (tied head) type
     nbytes, params = weight_memory(model)
     assert 0.6 < nbytes / params < 0.8, nbytes / params  # Q4_1 (5 bits) + a Q8_0 embedding
     print(f"\ndefault GGUF held as-is: {nbytes / params:.3f} bytes/param")
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_block_weights_are_interleaved_only_for_the_integer_dots(kernels, int8):
+    """Held for the kernels, block weights are interleaved 16 rows at a time (a permutation of
+    the file's bytes) where the kernels take int8 activations, whose GEMV reads that layout;
+    with fp32 activations they stay as the file stores them."""
+    w = quantize(torch.randn(48, 64, generator=torch.Generator().manual_seed(3)), "q4_1")
+    held = HeldWeight()
+    held.kernels = dataclasses.replace(kernels, int8_decode_dot=int8)
+    held.hold(w)
+    assert held.weight_format == ("q4_1_x16" if int8 else "q4_1")
+    assert torch.equal(deinterleave(held.weight, held.weight_format, held.weight_cols)
+                       if int8 else held.weight, w.data)
 
 
 def test_quantized_model_follows_fp32():

@@ -109,14 +109,17 @@ class HeldWeight(nn.Module):
     # Set on the projections LoRA adapters target, once adapters are loaded (layers/lora.py).
     lora: LoraHook | None = None
     # Whether block weights read by the CPU kernels are held interleaved 16 rows at a time
-    # (layers/quant.py), for the GEMV's 16-column integer dots; off where row slices of the
+    # (layers/quant.py), for the GEMV's 16-column integer dots: only where the kernels take
+    # int8 activations (the fp32 GEMV reads a group by unpacking it to the file's layout
+    # first, which made a default single stream 1.5x slower); off where row slices of the
     # weight must stay whole groups and do not.
     interleave_blocks: bool = True
 
     def hold(self, weight: torch.Tensor | QuantizedTensor) -> None:
         """Install the loaded weight in place of the (meta) placeholder."""
         if isinstance(weight, QuantizedTensor):
-            if (self.interleave_blocks and getattr(self, "kernels", None) is not None
+            kernels = getattr(self, "kernels", None)
+            if (self.interleave_blocks and kernels is not None and kernels.int8_decode_dot
                     and weight.data.device.type == "cpu"
                     and weight.data.shape[0] % INTERLEAVE_ROWS == 0):
                 weight = interleave(weight)
