@@ -11,10 +11,10 @@ read from a file is used as it is (no repacking, no second copy)::
     q4_1  [fp16 d][fp16 m][u8 qs x16]           20 B   w = d * q + m
           (qs[j]: value j in the low nibble, value j + 16 in the high nibble)
 
-For the CPU kernels a weight with a multiple of 16 rows is held interleaved (`interleave`,
-formats ``*_x16``): each group of 16 rows block by block, the 16 rows' scales side by side and
-then their quants a dword at a time (csrc/block_x16.h), the same bytes in the same total size,
-so that one 512-bit integer dot serves 16 output columns.
+Where the CPU kernels take int8 activations, a weight with a multiple of 16 rows is held
+interleaved (`interleave`, formats ``*_x16``): each group of 16 rows block by block, the 16
+rows' scales side by side and then their quants a dword at a time (csrc/block_x16.h), the same
+bytes in the same total size, so that one 512-bit integer dot serves 16 output columns.
 
 Quantizing follows ggml's reference rounding, so a weight quantized here equals the one
 llama-quantize writes for the same values (up to ties).
