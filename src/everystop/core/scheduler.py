@@ -216,7 +216,7 @@ class Scheduler:
 
     def _speculate(self, step: PassBuilder, prefilling: list[Request]) -> None:
         """1b. Proposals on the decode rows, after all of them and before any prefill, when no
-        prompt is in line or likely to arrive (core/arrival_rate.py). Not in the static
+        prompt is in line or likely to arrive (core/spec_room.py). Not in the static
         baseline, nor while a caller holds decode rows in bulk (the simulator)."""
         if (self.proposer is not None and not self.decode_batch.holds_rows and step.decodes
                 and self.config.scheduling == "continuous"):
