@@ -14,7 +14,7 @@ from everystop.core.spec_room import ARRIVAL_LIKELY
 from everystop.core.step_cost import StepShape
 
 from .helpers import make_harness
-from .test_spec_sizing import FakeStepCost, memory_bound
+from .test_spec_sizing import FakeStepCost, ngram_harness
 from .test_speculation import OracleProposer
 
 
@@ -55,12 +55,7 @@ def test_the_rate_is_each_arrivals_decayed_share_in_any_order(times, later, memo
 def _decoding(num_seats: int = 64):
     """One sequence decoding alone, long after it arrived, with an oracle that proposes 4
     tokens always (a memory-bound pass: 30 ms)."""
-    h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
-                     max_num_seqs=num_seats, max_num_batched_tokens=8192, chunk_size=512,
-                     step_cost=FakeStepCost(memory_bound, per_token=1e-6))
-    h.scheduler.proposer = OracleProposer(0.0, seed=1, always_k=True)
-    h.add("r0", [3, 4, 5, 6], max_tokens=400)
-    h.step()
+    h = ngram_harness(max_num_seqs=num_seats)
     h.clock.now += 10 * ARRIVAL_MEMORY_S
     assert h.step()[0].num_draft_tokens == 4
     return h

@@ -319,7 +319,7 @@ def test_a_prompt_in_line_gets_the_pass_before_any_proposal() -> None:
     assert [row.num_draft_tokens for row in sched.scheduled] == [4, 4]
 
 
-def _ngram_harness(max_num_seqs: int = 4):
+def ngram_harness(max_num_seqs: int = 4):
     """A harness with one sequence decoding and an oracle that proposes 4 tokens always."""
     h = make_harness(speculative="ngram", num_speculative_tokens=4, num_blocks=4096,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, chunk_size=512,
@@ -333,7 +333,7 @@ def _ngram_harness(max_num_seqs: int = 4):
 def test_no_proposal_rides_beside_even_a_short_prompt() -> None:
     """Prefill is nearly free and the target leaves room for every proposal, but any proposal
     would lengthen the pass that gives the new prompt its first token: none is made."""
-    h = _ngram_harness()
+    h = ngram_harness()
     assert h.step()[0].num_draft_tokens == 4
     h.add("short", [7, 8, 9], max_tokens=400)
     sched, _ = h.step()
@@ -345,7 +345,7 @@ def test_no_proposal_rides_beside_even_a_short_prompt() -> None:
 def test_a_queued_prompt_with_no_seat_free_leaves_speculation_on() -> None:
     """With every seat taken the queued prompt cannot move this pass: the running sequence
     keeps speculating (finishing sooner is what frees the seat)."""
-    h = _ngram_harness(max_num_seqs=1)
+    h = ngram_harness(max_num_seqs=1)
     h.add("queued", [7, 8, 9], max_tokens=400)
     sched, _ = h.step()
     assert sched.num_draft_tokens == 4 and sched.num_prefill_tokens == 0
