@@ -42,6 +42,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=3.0,
                     help="KV pool size: the whole 128-request workload (~47k tokens) fits in "
                     "3 GiB at fp32")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="a row computes the same whatever shares its pass (see serve --help)")
 
 
 def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -52,6 +54,7 @@ def engine_options(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
                                "quantization": args.quantization,
                                "int8_decode_dot": args.int8_decode_dot,
                                "cpu_16bit_gemm": args.cpu_16bit_gemm,
+                               "batch_invariant": args.batch_invariant,
                                "kv_cache_memory": int(args.kv_cache_gib * (1 << 30)), **more}
     if args.threads is not None:
         options["num_threads"] = args.threads
