@@ -262,15 +262,17 @@ class ModelConfig:
     # the CPU kernels run on block weights with an integer dot path, off for float/16-bit
     # weights (executor/int8_choice.py). The rounding moves the default model's logits ~8x less
     # than rounding its weights again to Q4_0 does (tests/executor/test_int8_vs_transformers.py)
-    # but is not continuous: a ~1e-6 difference upstream (a prompt split at another chunk
-    # boundary, a prefix-cache hit) flips roundings and moves logprobs by up to ~0.04, so a
-    # repeated greedy request can answer differently. Hence "off" (fp32 activations, the exact
-    # reference tests/executor/test_llama_vs_transformers.py holds within 1e-3) is the default.
-    int8_decode_dot: Literal["auto", "on", "off"] = "off"
+    # but is not continuous: a ~1e-6 difference upstream flips roundings and moves a logprob by
+    # up to ~0.1. So wherever int8 activations are on, the kernels also run batch-invariant (see
+    # batch_invariant): a prompt split at other chunk boundaries, a prefix-cache hit or a busier
+    # pass computes the same bits (the 128-request workload lost ~3% to it). "off": fp32
+    # activations, the reference tests/executor/test_llama_vs_transformers.py holds within 1e-3.
+    int8_decode_dot: Literal["auto", "on", "off"] = "auto"
     # A sequence's tokens do not depend on what else is in the pass (batch size, prompt chunks
     # beside it, preemption and recompute): every linear on the CPU GEMV kernels at any row
-    # count, attention with one query token per work item. Needs the CPU kernels; off by
-    # default, as prefill passes take longer.
+    # count, attention with one query token per work item. Needs the CPU kernels. Off by
+    # default for float weights, whose prefill passes would take longer; int8 activations turn
+    # it on for block weights (int8_decode_dot).
     batch_invariant: bool = False
     # Entries in each of oneDNN's two caches of compiled GEMMs (one per batch shape, ~0.4 MiB
     # each; executor/onednn_caches.py). None: 64, or what ONEDNN_PRIMITIVE_CACHE_CAPACITY /

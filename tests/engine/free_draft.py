@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from everystop import LLM
+from everystop.core.arrival_rate import ArrivalRate
 from everystop.core.spec_sizing import SizingRow, SpecSizer
 from everystop.core.step_cost import StepCoefficients, StepCostModel, StepShape
 
@@ -37,12 +38,23 @@ class EveryProposal(SpecSizer):
         return ks
 
 
+class NoArrivalsExpected(ArrivalRate):
+    """Expects no arrival in any pass: a burst of test prompts, at a pass time that follows the
+    host's load, would otherwise yield a timing-dependent share of passes (core/spec_room.py,
+    tested in tests/core/test_spec_room.py)."""
+
+    def expected(self, now: float, span_s: float) -> float:
+        return 0.0
+
+
 def free_draft(llm: LLM) -> LLM:
-    """`llm` with its draft proposer's passes priced at nothing and every row sized to as
-    many proposals as it may take: what the drafts emit does not hang on timings."""
+    """`llm` with its draft proposer's passes priced at nothing, every row sized to as many
+    proposals as it may take and no pass yielded to expected arrivals: what the drafts emit
+    does not hang on timings."""
     sched = llm.engine.scheduler
     proposer = sched.proposer
     assert proposer is not None and hasattr(proposer, "pass_cost")
     proposer.pass_cost = FreeDraftCost()
     sched.spec_sizer = EveryProposal()
+    sched.arrivals = NoArrivalsExpected()
     return llm

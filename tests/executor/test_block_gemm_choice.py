@@ -60,12 +60,14 @@ def test_explicit_settings_override_auto() -> None:
 def test_backends_keep_fp32_and_log_where_bf16_would_pay(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         flags: frozenset[str], gains: bool) -> None:
-    """The default (bundled Q4_1) model: fp32 tiles on either CPU (patched both ways), the
-    choice logged once at start-up with a reason that says whether native would pay."""
+    """The default (bundled Q4_1) model with fp32 activations: fp32 tiles on either CPU
+    (patched both ways), the choice logged once at start-up with a reason that says whether
+    native would pay."""
     monkeypatch.setattr(model_runner, "choose_block_gemm_bf16", functools.partial(
         choose_block_gemm_bf16, flags=lambda: flags, bf16_gemm=lambda: True))
     with caplog.at_level(logging.INFO, logger="everystop.executor.model_runner"):
-        backends = model_runner.select_backends(ModelConfig(dtype="float32"), blocks=True)
+        backends = model_runner.select_backends(
+            ModelConfig(dtype="float32", int8_decode_dot="off"), blocks=True)
     assert backends.kernels is not None
     assert not backends.kernels.block_gemm_bf16
     lines = [r.getMessage() for r in caplog.records if "block-weight GEMM auto" in r.getMessage()]

@@ -1,6 +1,7 @@
 """`--int8-decode-dot auto`: int8 activations exactly where block weights meet CPU kernels with
 an integer dot path, off for float weights; explicit on/off win; a model under auto computes
-what the setting it chose computes when named."""
+what the setting it chose computes when named, and what it computes for a prompt does not
+depend on its chunking or a prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -46,13 +47,13 @@ def test_explicit_settings_override_auto() -> None:
             assert not _choose(blocks, path, int8_decode_dot="off")
 
 
-def test_cli_and_config_default_to_off_and_take_explicit_settings() -> None:
+def test_cli_and_config_default_to_auto_and_take_explicit_settings() -> None:
     parser = add_engine_args(argparse.ArgumentParser())
 
     def parsed(*argv: str) -> str:
         return engine_config_from_args(parser.parse_args(list(argv))).model.int8_decode_dot
 
-    assert parsed() == "off" and ModelConfig().int8_decode_dot == "off"
+    assert parsed() == "auto" and ModelConfig().int8_decode_dot == "auto"
     assert parsed("--int8-decode-dot") == "on"  # the bare flag
     for value in ("auto", "on", "off"):
         assert parsed("--int8-decode-dot", value) == value
@@ -92,6 +93,8 @@ def test_backends_follow_the_weights_and_log_the_choice(
                                                int8_decode_dot="auto"), blocks)
     assert backends.kernels is not None
     assert backends.kernels.int8_decode_dot == expected
+    # int8 rounding would magnify a row count's last-bit differences: on brings invariance.
+    assert backends.kernels.batch_invariant == expected
     lines = [r.getMessage() for r in caplog.records if "int8 decode dot auto" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(
         f"int8 decode dot auto: {'on' if expected else 'off'} ("), lines
@@ -117,3 +120,36 @@ def test_outputs_under_auto_equal_the_setting_it_chose(tiny_llama: str, tmp_path
     assert logits["auto"][0] == logits["on"][0]
     assert torch.equal(logits["auto"][1], logits["on"][1])
     assert not torch.equal(logits["on"][1], logits["off"][1])
+
+
+def _first_logprobs(llm: object, prompts: list[list[int]]) -> list[float]:
+    from everystop.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)  # type: ignore[attr-defined]
+    return [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outs]
+
+
+@pytest.mark.parametrize("int8", ["auto", "off"])
+def test_a_prompts_logprobs_do_not_depend_on_its_chunks_or_a_cache_hit(tiny_llama: str,
+                                                                        int8: str) -> None:
+    """Q4_0 weights, defaults otherwise: the first token's logprob is the same to the bit
+    whether the prompt ran in one pass, in 24-token chunks beside others, or after a
+    prefix-cache hit. With fp32 activations ("off", not batch-invariant) the same runs differ
+    in the last bits, which shows the chunkings really differ."""
+    from everystop import LLM
+    from everystop.executor.models.loader import default_model_path
+
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(2, 500) for _ in range(gen.randrange(40, 200))] for _ in range(6)]
+    common = dict(tokenizer=default_model_path(), quantization="q4_0", int8_decode_dot=int8,
+                  enable_prefix_caching=True, block_size=16, max_num_seqs=4)
+    whole = LLM(tiny_llama, max_num_batched_tokens=512, **common)
+    cold = _first_logprobs(whole, prompts)
+    hit = _first_logprobs(whole, prompts)  # every full block of each prompt is cached now
+    chunked = _first_logprobs(LLM(tiny_llama, max_num_batched_tokens=24, **common), prompts)
+    if int8 == "auto":
+        assert cold == hit == chunked
+    else:
+        assert cold != chunked or cold != hit
+        assert max(abs(a - b) for a, b in zip(cold * 2, chunked + hit)) < 1e-3

@@ -25,8 +25,10 @@ TOPICS = ["the ocean", "volcanoes", "a chess opening", "bread baking", "the moon
 
 
 def _runner(kv_dtype: str, blocks: int = NUM_PROMPTS * PER_SEQ) -> ModelRunner:
-    return ModelRunner(ModelConfig(), CacheConfig(num_gpu_blocks_override=blocks,
-                                                  kv_cache_dtype=kv_dtype), max_model_len=2048)
+    # fp32 activations, as the reference runner's: only the cache dtype differs.
+    return ModelRunner(ModelConfig(int8_decode_dot="off"),
+                       CacheConfig(num_gpu_blocks_override=blocks, kv_cache_dtype=kv_dtype),
+                       max_model_len=2048)
 
 
 def _teacher_forced_top1(runner: ModelRunner, prompts: list[list[int]],

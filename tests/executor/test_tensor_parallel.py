@@ -87,13 +87,14 @@ def _first_step(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return executor.runner.forward_logits(seqs)[1]
 
 
-def _compare(model: str | None, tokenizer: str | None, vocab: int | None) -> None:
+def _compare(model: str | None, tokenizer: str | None, vocab: int | None,
+             **options: object) -> None:
     prompts = _prompts(8, vocab)
     params = [SamplingParams(max_tokens=NEW_TOKENS - i % 3 * 4, temperature=0.0,
                              ignore_eos=True) for i in range(len(prompts))]
     results, logits = [], []
     for tp in (1, 2):
-        llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tp, **SMALL)
+        llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tp, **SMALL, **options)
         try:
             results.append([o.token_ids for o in llm.generate(prompts, params,
                                                                 use_tqdm=False)])
@@ -112,7 +113,9 @@ def _compare(model: str | None, tokenizer: str | None, vocab: int | None) -> Non
 
 @pytest.mark.model
 def test_default_model_tp2_matches_tp1():
-    _compare(None, None, None)
+    # fp32 activations: the all-reduce sums a row-parallel output in another order, and int8
+    # rounding of the next layer's input would turn those last bits into ~0.1 in a logit.
+    _compare(None, None, None, int8_decode_dot="off")
 
 
 @pytest.fixture(scope="module")

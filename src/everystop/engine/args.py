@@ -113,10 +113,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--int8-decode-dot", choices=["auto", "on", "off"], nargs="?", const="on",
                    default=None, help="block weights (Q8_0/Q4_0/Q4_1) meet activations rounded "
                    "to int8 per 32 values, as llama.cpp: integer dot products (~1.4x faster "
-                   "decode GEMV; logits move ~10x less than from the weights' own quantization). "
-                   "auto: on for block weights on the CPU kernels, off for float weights. "
-                   "Default off (fp32 activations): int8 rounding makes outputs depend on chunk "
-                   "boundaries and prefix-cache hits")
+                   "decode GEMV; logits move ~10x less than from the weights' own quantization), "
+                   "with the kernels batch-invariant so that chunk boundaries and prefix-cache "
+                   "hits cannot change an output. Default auto: on for block weights on the CPU "
+                   "kernels with an integer dot, off for float weights; off: fp32 activations")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="a request's tokens do not depend on what else is in the pass (batch "
                    "size, prompt chunks, preemption): every linear on the GEMV kernels, "

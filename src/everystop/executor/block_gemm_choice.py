@@ -13,8 +13,9 @@ half the fp32 rate, and an AVX2-only oneDNN builds none.
 "auto" keeps the fp32 tiles all the same: the decode GEMV multiplies in fp32, so with bf16
 tiles a row's result would depend on how many rows share its pass (a sequence decoded beside
 others, or recomputed after preemption, would part from itself alone:
-tests/engine/test_engine_model.py), the objection that keeps int8 activations off by default.
-"native" opts in; the start-up log says where it would pay.
+tests/engine/test_engine_model.py). Where int8 activations are on, the kernels run
+batch-invariant and the integer-dot GEMV takes every row count instead (faster than either
+tile). "native" opts in; the start-up log says where it would pay.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def choose_block_gemm_bf16(config: ModelConfig, kernels: CpuKernels | None, bloc
     both ways."""
     if kernels is None:
         return False, "the CPU kernels are off"
-    if config.batch_invariant:
+    if config.batch_invariant or kernels.batch_invariant:
         return False, "batch-invariant mode multiplies every row count on the GEMV"
     if config.cpu_16bit_gemm == "fp32":
         return False, "as configured"

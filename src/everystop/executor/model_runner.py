@@ -93,7 +93,9 @@ def select_backends(config: ModelConfig, blocks: bool, log: bool = True) -> Back
     if log and config.int8_decode_dot == "auto":
         logger.info("int8 decode dot auto: %s (%s)", "on" if int8_dot else "off", why)
     if kernels is not None and int8_dot:
-        kernels = dataclasses.replace(kernels, int8_decode_dot=True)
+        # int8 rounding turns a last-bit difference from another row count into a visible one
+        # (ModelConfig.int8_decode_dot), so every row computes as it would alone.
+        kernels = dataclasses.replace(kernels, int8_decode_dot=True, batch_invariant=True)
     block_bf16, why = choose_block_gemm_bf16(config, kernels, blocks)
     if log and config.cpu_16bit_gemm == "auto" and kernels is not None:
         logger.info("block-weight GEMM auto: %s (%s)", "bf16" if block_bf16 else "fp32", why)
@@ -169,7 +171,7 @@ class ModelRunner:
                     f"{'fp32' if kernels.fp32_gemm_for_16bit else model_config.dtype}")
             logger.info("CPU kernels: %s; attention: %s%s%s",
                         kernels.isa if kernels else "off (plain torch)", self.backends.attention,
-                        gemm, "; batch-invariant" if model_config.batch_invariant else "")
+                        gemm, "; batch-invariant" if kernels and kernels.batch_invariant else "")
         # NOTE: a tensor-parallel shard is never shared: it is bound to its process group.
         # NOTE: a model serving LoRA adapters is never shared either: its bank is its own.
         serves_lora = bool(model_config.lora_modules) or model_config.enable_lora
