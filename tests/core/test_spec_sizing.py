@@ -300,15 +300,15 @@ def _draft_8ms(shape: StepShape) -> float:
 
 
 def test_a_draft_costing_most_of_a_step_is_probed_when_its_full_depth_would_pay() -> None:
-    """One row, 13 ms a step. At the prior 0.6 drafting does not pay; all kept it does (5
-    tokens in 51 ms beat 65), though one kept proposal alone does not with the row's share of
-    its 200-token catch-up (2 tokens in 22.5 ms plus 7.8 ms). So the row is probed after
-    PROBE_INTERVAL passes sized off, and with its proposals kept it drafts its cap within a
-    dozen passes more."""
+    """One row, 13 ms a step, 64 tokens to go. At the prior 0.6 drafting does not pay; all
+    kept it does (5 tokens in 51 ms plus 11.7 ms of its 300-token catch-up, 149.5 ms over
+    12.8 passes, beat 65), though one kept proposal alone does not (2 tokens in 22.5 ms plus
+    a catch-up share against 26). So the row is probed after PROBE_INTERVAL passes sized off,
+    and with its proposals kept it drafts its cap within a dozen passes more."""
     sizer = SpecSizer()
-    context, ks = 200, []
+    context, ks = 300, []
     for _ in range(PROBE_INTERVAL + 12):
-        row = SizingRow("a", 4, context, sizer.unseen("a", context), 1000)
+        row = SizingRow("a", 4, context, sizer.unseen("a", context), 64)
         [k] = sizer.choose([row], StepShape(0, 1, context + 1), _step_12ms, draft=_draft_8ms)
         if k:
             sizer.drafted("a", context)

@@ -47,8 +47,8 @@ verifies one proposal, if its proposals at acceptance 1 would pay at the pass's 
 depth up to its cap (never in a compute-bound pass): an estimate that was low recovers when the
 text turns copyable. The depth matters for a draft model whose pass costs most of a target
 step: its catch-up is spread over a pass's proposals, so one kept proposal may not pay where a
-cap of them does (a 13 ms step, 1 ms a query, 8.5 ms draft passes, 7.8 ms of catch-up a pass:
-one gives 2 tokens in 30.3 ms against 26 plain, four give 5 in 58.8 against 65). The probe
+cap of them does (a 13 ms step, 1 ms a query, 8.5 ms draft passes, 11.7 ms of catch-up a
+pass: one gives 2 tokens in 34.2 ms against 26 plain, four give 5 in 62.7 against 65). The probe
 itself verifies one proposal, the cheapest evidence.
 """
 
@@ -64,7 +64,8 @@ from everystop.core.step_cost import StepShape
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL = 16  # passes a sized-off sequence waits before verifying one proposal
-CATCH_UP_HORIZON = 64  # the most tokens to come a draft catch-up is spread over
+CATCH_UP_HORIZON = 128  # the most tokens to come a draft catch-up is spread over (an answer
+# often runs 100-250 tokens)
 SUMMARY_INTERVAL_S = 60.0  # how often the info summary is logged (scheduler clock)
 
 
