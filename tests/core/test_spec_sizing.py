@@ -289,6 +289,46 @@ def test_a_draft_models_passes_are_priced_so_a_large_batch_does_not_speculate() 
     assert all(k > 0 for k in sizer.choose(rows, base, target))
 
 
+def _step_12ms(shape: StepShape) -> float:
+    """12 ms a pass, 1 ms a row or query token."""
+    return 0.012 + 0.001 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+
+def _draft_8ms(shape: StepShape) -> float:
+    """8 ms a pass, 0.5 ms a row or fed token: most of a target step."""
+    return 0.008 + 0.0005 * (shape.num_decode_rows + shape.num_prefill_tokens)
+
+
+def test_a_draft_costing_most_of_a_step_is_probed_when_its_full_depth_would_pay() -> None:
+    """One row, 13 ms a step, 64 tokens to go. At the prior 0.6 drafting does not pay; all
+    kept it does (5 tokens in 51 ms plus 11.7 ms of its 300-token catch-up, 149.5 ms over
+    12.8 passes, beat 65), though one kept proposal alone does not (2 tokens in 22.5 ms plus
+    a catch-up share against 26). So the row is probed after PROBE_INTERVAL passes sized off,
+    and with its proposals kept it drafts its cap within a dozen passes more."""
+    sizer = SpecSizer()
+    context, ks = 300, []
+    for _ in range(PROBE_INTERVAL + 12):
+        row = SizingRow("a", 4, context, sizer.unseen("a", context), 64)
+        [k] = sizer.choose([row], StepShape(0, 1, context + 1), _step_12ms, draft=_draft_8ms)
+        if k:
+            sizer.drafted("a", context)
+            sizer.observe("a", k, k)
+        ks.append(k)
+        context += k + 1
+    assert ks[:PROBE_INTERVAL] == [0] * (PROBE_INTERVAL - 1) + [1]
+    assert ks[-1] == 4
+
+
+def test_no_probe_where_even_a_kept_draft_does_not_pay() -> None:
+    """32 rows at 44 ms a pass: four kept proposals of a row would add 38 ms for 4 tokens,
+    against 32 tokens in 44 ms: no row is probed, however long sized off."""
+    sizer = SpecSizer()
+    rows = [SizingRow(f"s{i}", 4, 200, 200, 1000) for i in range(32)]
+    for _ in range(3 * PROBE_INTERVAL):
+        assert sizer.choose(rows, StepShape(0, 32, 32 * 201), _step_12ms,
+                            draft=_draft_8ms) == [0] * 32
+
+
 def test_a_prompt_in_line_gets_the_pass_before_any_proposal() -> None:
     """1 ms a prefill token against the 100 ms auto target: a 200-token prompt in line needs
     more than the pass has left, so the decoding row gets k = 0 and the prompt the prefill it
