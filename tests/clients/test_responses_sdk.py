@@ -19,10 +19,10 @@ def _client(base_url: str) -> openai.OpenAI:
 
 def test_text_and_stream(base_url: str, model_name: str) -> None:
     client = _client(base_url)
-    out = client.responses.create(model=model_name, input="What is the capital of France?",
+    out = client.responses.create(model=model_name, input="Tell me the capital of France.",
                                   max_output_tokens=24, temperature=0, store=False)
     assert "Paris" in out.output_text
-    with client.responses.stream(model=model_name, input="What is the capital of France?",
+    with client.responses.stream(model=model_name, input="Tell me the capital of France.",
                                  max_output_tokens=24, temperature=0, store=False) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()

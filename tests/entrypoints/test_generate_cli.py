@@ -18,7 +18,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_answers_capital_of_france() -> None:
-    res = _run("What is the capital of France?", "--max-tokens", "24")
+    res = _run("Tell me the capital of France.", "--max-tokens", "24")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
 

@@ -615,7 +615,7 @@ def _allowed_token_ids(s: ServerProcess, ep: str, v: Any) -> None:
 
 
 def _bad_words(s: ServerProcess, ep: str, v: Any) -> None:
-    prompt = "The capital of France is" if ep == "C" else "What is the capital of France?"
+    prompt = "The capital of France is" if ep == "C" else "Tell me the capital of France."
     assert v[0] in text_of(_greedy(s, ep, prompt), ep)
     assert v[0] not in text_of(_gen(s, ep, prompt, bad_words=v), ep)
 
