@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from everystop import LLM, SamplingParams
 from everystop.config import CacheConfig, ConfigError, ModelConfig
 from everystop.engine.args import add_engine_args, engine_config_from_args
 from everystop.executor.dtype_choice import weights_are_blocks
 from everystop.executor.int8_choice import choose_int8_decode_dot, integer_dot_path
 from everystop.executor.layers.cpu_kernels import CpuKernels, load_cpu_kernels, runnable_isas
 from everystop.executor.model_runner import ModelRunner, select_backends
+from everystop.executor.models.loader import default_model_path
 from tests.tiny_llama import llama_config, save_random_llama
 
 from .conftest import greedy_generate
@@ -122,11 +125,9 @@ def test_outputs_under_auto_equal_the_setting_it_chose(tiny_llama: str, tmp_path
     assert not torch.equal(logits["on"][1], logits["off"][1])
 
 
-def _first_logprobs(llm: object, prompts: list[list[int]]) -> list[float]:
-    from everystop.sampling_params import SamplingParams
-
+def _first_logprobs(llm: LLM, prompts: list[list[int]]) -> list[float]:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)  # type: ignore[attr-defined]
+    outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     return [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outs]
 
 
@@ -137,10 +138,7 @@ def test_a_prompts_logprobs_do_not_depend_on_its_chunks_or_a_cache_hit(tiny_llam
     whether the prompt ran in one pass, in 24-token chunks beside others, or after a
     prefix-cache hit. With fp32 activations ("off", not batch-invariant) the same runs differ
     in the last bits, which shows the chunkings really differ."""
-    from everystop import LLM
-    from everystop.executor.models.loader import default_model_path
-
-    gen = __import__("random").Random(0)
+    gen = random.Random(0)
     prompts = [[gen.randrange(2, 500) for _ in range(gen.randrange(40, 200))] for _ in range(6)]
     common = dict(tokenizer=default_model_path(), quantization="q4_0", int8_decode_dot=int8,
                   enable_prefix_caching=True, block_size=16, max_num_seqs=4)
