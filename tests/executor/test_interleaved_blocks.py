@@ -15,6 +15,7 @@ from everystop.executor.layers.quant import (
     format_code,
     interleave,
     quantize,
+    rows_of,
 )
 
 N, K = 96, 320
@@ -57,6 +58,16 @@ def test_interleaving_keeps_the_blocks(kernels, fmt):
     rows = kernels.dequantize(x16.view(-1, 16 * x16.shape[1])[2:4].reshape(32, -1),
                               format_code(fmt + "_x16"), K)
     assert torch.equal(rows, want[32:64])  # groups looked up alone, as an embedding does
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rows_looked_up_in_an_interleaved_weight_are_the_files_rows(fmt):
+    """An embedding held interleaved (its tied LM head takes the integer dots) looks its rows
+    up byte-exact: any rows, repeated, across groups and within one."""
+    std, x16 = _weights(fmt)
+    ids = torch.tensor([0, 95, 17, 16, 15, 17, 40, 41, 3])
+    assert torch.equal(rows_of(x16, fmt + "_x16", K, ids), std[ids])
+    assert torch.equal(rows_of(std, fmt, K, ids), std[ids])
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

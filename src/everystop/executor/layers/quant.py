@@ -22,6 +22,7 @@ llama-quantize writes for the same values (up to ties).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,28 @@ def interleave(w: QuantizedTensor) -> QuantizedTensor:
 def deinterleave(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
     """The standard-layout blocks of an interleaved weight `data` of format `fmt` (``*_x16``)."""
     base = fmt.removesuffix(X16)
+    rows = _standard_order(data, base, cols)
+    if base == "q8_0":
+        rows[..., _q8_quants(rows.shape[-1])] ^= 0x80
+    return rows
+
+
+def rows_of(data: torch.Tensor, fmt: str, cols: int, ids: torch.Tensor) -> torch.Tensor:
+    """The standard-layout blocks of rows `ids` (1-D) of the blocks `data` of format `fmt`: an
+    interleaved weight's rows gathered byte by byte from their groups of 16 (an embedding
+    lookup: four tensor ops whatever the count)."""
+    if not fmt.endswith(X16):
+        return data[ids]
+    groups = data.view(-1, INTERLEAVE_ROWS * data.shape[1])[ids // INTERLEAVE_ROWS]
+    rows = torch.gather(groups, 1, _group_index(fmt, cols)[ids % INTERLEAVE_ROWS])
+    if fmt == "q8_0" + X16:
+        rows[:, _q8_quants(rows.shape[1])] ^= 0x80
+    return rows
+
+
+def _standard_order(data: torch.Tensor, base: str, cols: int) -> torch.Tensor:
+    """An interleaved weight's elements (bytes, or any labels of them) put back in the
+    standard layout's order: the permutation half of deinterleave."""
     n, nbytes, nb = data.shape[0], FORMATS[base][1], cols // BLOCK
     g = data.reshape(n // INTERLEAVE_ROWS, nb, INTERLEAVE_ROWS * nbytes)
     scales = 4 if base == "q4_1" else 2
@@ -129,10 +152,24 @@ def deinterleave(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
              for i in range(0, scales, 2)]
     qs = g[..., head:].reshape(*g.shape[:2], -1, INTERLEAVE_ROWS, 4).transpose(2, 3)
     qs = qs.reshape(*g.shape[:2], INTERLEAVE_ROWS, -1)
-    if base == "q8_0":
-        qs = qs ^ 0x80
     rows = torch.cat([*parts, qs], -1)  # [group, block, row in group, bytes]
     return rows.transpose(1, 2).reshape(n, -1).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _group_index(fmt: str, cols: int) -> torch.Tensor:
+    """[16, row bytes]: where each byte of a group's row r sits in the group's bytes."""
+    base = fmt.removesuffix(X16)
+    nbytes = row_bytes(base, cols)
+    labels = torch.arange(INTERLEAVE_ROWS * nbytes).view(INTERLEAVE_ROWS, nbytes)
+    return _standard_order(labels, base, cols)
+
+
+@functools.lru_cache(maxsize=16)
+def _q8_quants(nbytes: int) -> torch.Tensor:
+    """A Q8_0 row's quant bytes (every block's bytes after its fp16 scale): the interleaved
+    layout holds them offset by 128 (csrc/block_x16.h)."""
+    return (torch.arange(nbytes) % FORMATS["q8_0"][1]) >= 2
 
 
 def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
