@@ -12,6 +12,7 @@ import pytest
 
 from everystop import LLM, SamplingParams
 from everystop.config import ConfigError
+from everystop.executor.draft_proposer import DraftModelProposer
 from everystop.executor.models.loader import default_model_path
 
 from ..models.family_builders import SPECS, Spec, hf_model, save_gguf, save_hf
@@ -105,6 +106,15 @@ def test_a_q8_0_copy_drafting_for_its_f16_file_gives_the_plain_greedy_tokens(
     assert [o.token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)] == expected
     # The same weights to 8 bits: the draft mostly guesses what the target decodes.
     assert spec_llm.engine.stats().spec_decode_acceptance_rate > 0.5
+    # Each model runs the kernels its own weights take: the draft's blocks the integer dots
+    # (on by default for them), the target's F16 weights fp32 activations.
+    proposer = spec_llm.engine.scheduler.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    draft_kernels = proposer.model.model.embed_tokens.kernels
+    target_runner = spec_llm.engine.executor.runner
+    assert draft_kernels is not None and draft_kernels.int8_decode_dot
+    assert target_runner is not None and target_runner.backends.kernels is not None
+    assert not target_runner.backends.kernels.int8_decode_dot
 
 
 def test_a_draft_with_another_tokenizer_is_refused_by_name(tiny_dir: Path) -> None:

@@ -27,6 +27,7 @@ timed into the fit, and a price taken on a busier host does not keep speculation
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -43,9 +44,10 @@ from everystop.core.step_cost import (
     StepCostModel,
     StepShape,
 )
+from everystop.executor.dtype_choice import weights_are_blocks
 from everystop.executor.inputs import build_inputs
 from everystop.executor.kv_pool import KVPool
-from everystop.executor.model_runner import ModelRunner, shared_model
+from everystop.executor.model_runner import ModelRunner, select_backends, shared_model
 from everystop.executor.models.decoder import DecoderForCausalLM, KVCache
 from everystop.executor.models.errors import ModelLoadError
 from everystop.executor.models.loader import resolve_model_path, weight_memory
@@ -289,15 +291,22 @@ def draft_proposer_for(runner: ModelRunner, path: str) -> DraftModelProposer:
     device = torch.device(cfg.device)
     try:
         path = resolve_model_path(path)
-        model = shared_model(path, cfg.dtype, cfg.device, runner.backends)  # one copy for itself
+        # Kernels chosen for the draft's own weights: a block-weight draft of a 16-bit target
+        # takes the integer-dot GEMV its format runs fastest on (ModelConfig.int8_decode_dot).
+        draft_cfg = dataclasses.replace(cfg, model=path)
+        backends = select_backends(draft_cfg, weights_are_blocks(path, "auto"),
+                                   log=False)
+        model = shared_model(path, cfg.dtype, cfg.device, backends)  # one copy for itself
     except ModelLoadError as exc:
         raise ConfigError(f"speculative: the draft model: {exc}") from None
     _, params = weight_memory(model)
     if params > runner.num_params:
         raise ConfigError(f"speculative: the draft model has more parameters than the target "
                           f"({params:,} > {runner.num_params:,}): {path}")
-    logger.info("draft model %s: %.1fM parameters, KV pool of %d blocks", path, params / 1e6,
-                runner.num_gpu_blocks)
+    kernels = backends.kernels
+    logger.info("draft model %s: %.1fM parameters, KV pool of %d blocks, int8 activations %s",
+                path, params / 1e6, runner.num_gpu_blocks,
+                "on" if kernels is not None and kernels.int8_decode_dot else "off")
     proposer = DraftModelProposer(model, runner.num_gpu_blocks, runner.block_size,
                                   runner.kv_dtype, device)
     proposer.pass_cost = proposer.measure_pass_cost()
