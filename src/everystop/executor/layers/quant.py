@@ -124,7 +124,7 @@ def deinterleave(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
     base = fmt.removesuffix(X16)
     rows = _standard_order(data, base, cols)
     if base == "q8_0":
-        rows[..., _q8_quants(rows.shape[-1])] ^= 0x80
+        rows ^= _q8_offsets(rows.shape[-1])
     return rows
 
 
@@ -137,7 +137,7 @@ def rows_of(data: torch.Tensor, fmt: str, cols: int, ids: torch.Tensor) -> torch
     groups = data.view(-1, INTERLEAVE_ROWS * data.shape[1])[ids // INTERLEAVE_ROWS]
     rows = torch.gather(groups, 1, _group_index(fmt, cols)[ids % INTERLEAVE_ROWS])
     if fmt == "q8_0" + X16:
-        rows[:, _q8_quants(rows.shape[1])] ^= 0x80
+        rows ^= _q8_offsets(rows.shape[1])
     return rows
 
 
@@ -166,10 +166,12 @@ def _group_index(fmt: str, cols: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _q8_quants(nbytes: int) -> torch.Tensor:
-    """A Q8_0 row's quant bytes (every block's bytes after its fp16 scale): the interleaved
-    layout holds them offset by 128 (csrc/block_x16.h)."""
-    return (torch.arange(nbytes) % FORMATS["q8_0"][1]) >= 2
+def _q8_offsets(nbytes: int) -> torch.Tensor:
+    """What to XOR a Q8_0 row's bytes with to move between the layouts: 128 on its quant
+    bytes (every block's bytes after its fp16 scale), which the interleaved layout holds
+    offset by 128 (csrc/block_x16.h), 0 on the scales."""
+    quants = (torch.arange(nbytes) % FORMATS["q8_0"][1]) >= 2
+    return quants.to(torch.uint8) * 0x80
 
 
 def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
