@@ -221,8 +221,8 @@ class CpuKernels:
     def fp32_activations(self) -> CpuKernels:
         """These kernels with int8_decode_dot and block_gemm_bf16 off, for a vocabulary
         projection held in the file's block layout (its rows not a multiple of 16): there its
-        Q8_0 GEMV (49152 x 576 on the default model) ran 1.5x slower on integer dots than
-        widened to fp32 (AVX512-VNNI, Zen 4); only the interleaved layout pays for them."""
+        Q8_0 GEMV (49152 x 576 on the default model) ran slower on integer dots than widened
+        to fp32 (1.04-1.5x, AVX512-VNNI, Zen 4); only the interleaved layout pays for them."""
         if self.int8_decode_dot or self.block_gemm_bf16:
             return dataclasses.replace(self, int8_decode_dot=False, block_gemm_bf16=False)
         return self
