@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,21 @@ def test_every_x86_build_but_generic_names_an_integer_dot_path(isa: str) -> None
     assert kernels is not None
     path = integer_dot_path(kernels)
     assert (path is None) == (isa == "generic"), path
+
+
+@pytest.mark.parametrize("cap", ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"])
+def test_an_avx2_cap_keeps_the_dots_off_avx512(cap: str) -> None:
+    """An AVX2 machine reproduced on a wider one (the environment capping the ISA, as
+    cpu_kernels.cpu_flags reads it) takes the dot path an AVX2 machine has: the kernels never
+    reach for AVX512-VNNI, which this CPU may have."""
+    name, value = cap.split("=")
+    code = ("from everystop.executor.int8_choice import integer_dot_path\n"
+            "from everystop.executor.layers.cpu_kernels import load_cpu_kernels\n"
+            "print(integer_dot_path(load_cpu_kernels('auto')))")
+    env = {**os.environ, name: value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip().splitlines()
+    assert out and out[-1] in ("AVX2 maddubs", "AVX-VNNI", "None"), out
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,10 @@
 // end in the same 8-lane sum as a projection's.
 #pragma once
 
+#include <strings.h>
+
 #include <cstdint>
+#include <cstdlib>
 
 #include "simd.h"
 
@@ -13,6 +16,21 @@
 // Internal linkage: each ISA's library is loaded into the same process, and these names are the
 // same in every build.
 namespace {
+
+// Whether the dots may take AVX512-VNNI: the CPU has it and the environment does not cap the
+// ISA at AVX2 (ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2: an AVX2 machine reproduced
+// on a wider one, as cpu_kernels.cpu_flags reads it), so the reproduction takes the dot path an
+// AVX2 machine has.
+inline bool avx512_vnni_allowed() {
+  static const bool allowed = [] {
+    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return false;
+    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+    const char* onednn = std::getenv("ONEDNN_MAX_CPU_ISA");
+    return !(aten != nullptr && strcasecmp(aten, "avx2") == 0) &&
+           !(onednn != nullptr && strcasecmp(onednn, "avx2") == 0);
+  }();
+  return allowed;
+}
 
 // The 8 lanes of v summed as ((0+4) + (2+6)) + ((1+5) + (3+7)): every integer-dot output ends
 // in this order.

@@ -224,10 +224,7 @@ void expert_gemv(const Int8Rows& xq, const int64_t* rows, int64_t count, const a
   }
 }
 
-bool has_vnni() {
-  static const bool vnni = __builtin_cpu_supports("avx512vnni") != 0;
-  return vnni;
-}
+bool has_vnni() { return avx512_vnni_allowed(); }
 
 // y [count, hidden] = silu_mul(x[rows] @ gate_up.T) @ down.T, x given rounded (xq).
 at::Tensor expert_int8(const Int8Rows& xq, const std::vector<int64_t>& rows,

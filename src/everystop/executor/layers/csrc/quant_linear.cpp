@@ -493,8 +493,7 @@ bool path_runs(int64_t path) {
     case kFloatPath:
     case kMaddubs: return true;
     case kAvxVnni: return __builtin_cpu_supports("avxvnni") != 0;
-    case kAvx512Vnni:
-      return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512vl") != 0;
+    case kAvx512Vnni: return avx512_vnni_allowed();
     default: return false;
   }
 }
