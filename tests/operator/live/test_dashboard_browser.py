@@ -41,6 +41,18 @@ def browser() -> Iterator[webdriver.Chrome]:
     driver.quit()
 
 
+# The table's rows read in one script call: the page rebuilds the table on every poll, so
+# elements found in one call may be gone by the next (a stale element reference).
+_ROWS = ("return Array.from(document.querySelectorAll('#rows tbody tr')).map(r => ["
+         "r.getAttribute('data-tenant'), r.getAttribute('data-tier'), "
+         "r.getAttribute('data-requests'), r.getAttribute('data-ttft-p99'), r.className]);")
+
+
+def _rows(driver: webdriver.Chrome) -> list[list[str | None]]:
+    """Each table row's tenant, tier, request count, TTFT p99 and class."""
+    return list(driver.execute_script(_ROWS))
+
+
 def _latest(chart: dict[str, Any], name: str) -> float:
     values = [v for v in chart["values"].get(name, []) if v is not None]
     return values[-1] if values else 0.0
@@ -60,10 +72,8 @@ def test_live_page_shows_tenants_and_tiers_under_load(live_server: LiveServer,
     assert len(browser.execute_script(state + ".times")) >= first_points + 4
 
     def every_group_shown(d: webdriver.Chrome) -> bool:
-        rows = d.find_elements(By.CSS_SELECTOR, "#rows tbody tr")
-        seen = {(r.get_attribute("data-tenant"), r.get_attribute("data-tier")) for r in rows
-                if int(r.get_attribute("data-requests") or 0) > 0
-                and float(r.get_attribute("data-ttft-p99") or 0) > 0}
+        seen = {(tenant, tier) for tenant, tier, requests, ttft_p99, _ in _rows(d)
+                if int(requests or 0) > 0 and float(ttft_p99 or 0) > 0}
         return {(t, str(p)) for t in TENANTS for p in TIERS} <= seen
 
     wait.until(every_group_shown)
@@ -76,8 +86,7 @@ def test_live_page_shows_tenants_and_tiers_under_load(live_server: LiveServer,
         assert _latest(charts["ttft_tenant"], f"{tenant} p99") > 0, tenant
     assert _latest(charts["throughput"], "generated") > 0
     # SLA colouring, the scheduler config and its history are on the page.
-    classes = {r.get_attribute("class") for r in
-               browser.find_elements(By.CSS_SELECTOR, "#rows tbody tr")}
+    classes = {row[4] for row in _rows(browser)}
     assert classes <= {"ok", "warn", "breach"} and classes
     assert browser.find_element(By.ID, "config-version").text.startswith("version ")
     assert browser.find_elements(By.CSS_SELECTOR, "#history tbody tr")
