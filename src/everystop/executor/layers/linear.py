@@ -14,6 +14,7 @@ pair. With world_size 1 every slice is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -144,12 +145,14 @@ def onednn_bf16_gemm_supported() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=8)
 def fp32_gemm_is_faster(dtype: torch.dtype, rows: int = 256, size: int = 1024,
                         repeats: int = 3) -> bool:
     """Whether a compute-bound GEMM on `dtype` weights runs faster widened to fp32 than in the
     library's own `dtype` GEMM, timed here (best of `repeats`, a few ms in all). Which wins
     depends on the CPU: bf16 is ~4x fp32 where AVX512-BF16 runs full width (Zen 5), ~0.5x where
-    oneDNN emulates it."""
+    oneDNN emulates it. Timed once a process: a draft model, or a second engine, takes the
+    answer its target got rather than a second, noisy timing that could choose otherwise."""
     g = torch.Generator().manual_seed(0)
     w16 = torch.randn(size, size, generator=g).to(dtype)
     x16 = torch.randn(rows, size, generator=g).to(dtype)
