@@ -224,8 +224,6 @@ void expert_gemv(const Int8Rows& xq, const int64_t* rows, int64_t count, const a
   }
 }
 
-bool has_vnni() { return avx512_vnni_allowed(); }
-
 // y [count, hidden] = silu_mul(x[rows] @ gate_up.T) @ down.T, x given rounded (xq).
 at::Tensor expert_int8(const Int8Rows& xq, const std::vector<int64_t>& rows,
                        const at::Tensor& gate_up, int64_t gate_up_fmt, const at::Tensor& down,
@@ -233,7 +231,7 @@ at::Tensor expert_int8(const Int8Rows& xq, const std::vector<int64_t>& rows,
   const int64_t count = static_cast<int64_t>(rows.size());
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor g = at::empty({count, gate_up.size(0)}, f32);
-  const bool vnni = has_vnni();
+  const bool vnni = avx512_vnni_allowed();
   if (vnni) expert_gemv<true>(xq, rows.data(), count, gate_up, gate_up_fmt, g.data_ptr<float>());
   else expert_gemv<false>(xq, rows.data(), count, gate_up, gate_up_fmt, g.data_ptr<float>());
   const at::Tensor a = ES_NS::direct_silu_mul(g);
